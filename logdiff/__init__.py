@@ -1,0 +1,33 @@
+"""logdiff: find where and why training and inference logprobs differ.
+
+The Python API mirrors ``logdiff scan``::
+
+    import logdiff
+    result = logdiff.scan("path/to/model", infer=["vllm"], num_sequences=8)
+    result["logprobs"]["abs_diff_max"], result["verdict"]
+
+Heavy dependencies (torch, transformers, vLLM) load on first use, not on import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__version__ = "0.1.0"
+
+
+def scan(model: str | Path, ckpt: str | Path | None = None, **options: Any) -> dict[str, Any]:
+    """Run a scan and return the result dict (docs/result-schema.md).
+
+    ``options`` are ``ScanConfig`` fields: ``train``, ``infer`` (list), ``dtype``,
+    ``sequences`` (a JSONL path), ``num_sequences``, ``prompt_len``, ``response_len``,
+    ``seed``, ``infer_ckpt``, ``train_set``/``infer_set`` (dicts), ``depth``, ``consistent``.
+    """
+    from logdiff.config import ScanConfig
+    from logdiff.pipeline import scan as run
+
+    for key in ("sequences", "prompts", "infer_ckpt"):
+        if options.get(key) is not None:
+            options[key] = Path(options[key])
+    return run(ScanConfig(model=Path(model), ckpt=Path(ckpt) if ckpt else None, **options))

@@ -1,0 +1,66 @@
+"""The scan's settings as one dataclass, shared by the CLI and the Python API."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from logdiff.errors import InputError
+
+DEPTHS = ("logprobs", "modules", "ops")
+
+
+@dataclass
+class ScanConfig:
+    """What to compare and how; mirrors ``logdiff scan``'s options."""
+
+    model: Path
+    ckpt: Path | None = None
+    train: str = "hf"
+    infer: list[str] = field(default_factory=lambda: ["vllm"])
+    dtype: str = "bfloat16"
+    sequences: Path | None = None
+    prompts: Path | None = None
+    num_sequences: int = 8
+    prompt_len: int = 16
+    response_len: int = 32
+    seed: int = 0
+    infer_ckpt: Path | None = None
+    train_set: dict[str, Any] = field(default_factory=dict)
+    infer_set: dict[str, Any] = field(default_factory=dict)
+    depth: str = "logprobs"
+    consistent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise InputError(f"--dtype must be bfloat16, float16 or float32, not {self.dtype!r}")
+        if self.depth not in DEPTHS:
+            raise InputError(f"--depth must be one of {', '.join(DEPTHS)}, not {self.depth!r}")
+        if self.sequences is not None and self.prompts is not None:
+            raise InputError("give either --sequences or --prompts, not both")
+        if not self.infer:
+            raise InputError("give at least one --infer engine")
+        if self.response_len < 1:
+            raise InputError("--response-len must be at least 1")
+
+
+def parse_value(text: str) -> Any:
+    """``1e-2`` -> 0.01, ``true`` -> True, ``[1,2]`` -> list; anything else stays a string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_sets(items: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``--set train.KEY=VALUE`` / ``--set infer.KEY=VALUE`` into two dicts."""
+    sides: dict[str, dict[str, Any]] = {"train": {}, "infer": {}}
+    for item in items:
+        side, dot, rest = item.partition(".")
+        key, eq, value = rest.partition("=")
+        if side not in sides or not dot or not eq or not key:
+            raise InputError(f"--set expects train.KEY=VALUE or infer.KEY=VALUE, got {item!r}")
+        sides[side][key] = parse_value(value)
+    return sides["train"], sides["infer"]

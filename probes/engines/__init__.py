@@ -1,0 +1,1 @@
+"""Engine adapters: one module per path, registered by name."""

