@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -43,7 +45,10 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args, **kwargs)
+            with warnings.catch_warnings():
+                if not os.environ.get("LOGDIFF_DEBUG"):
+                    warnings.simplefilter("ignore")  # engines' deprecation chatter is not ours to show
+                return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except LogdiffError as e:
@@ -90,16 +95,30 @@ def _run_scan(cfg: Any, quiet: bool) -> dict[str, Any]:
         return run(cfg, progress=lambda msg: status.update(msg))
 
 
+def dump_json(result: dict[str, Any], path: Path) -> None:
+    """Strict JSON: non-finite floats (an infinite ratio, say) become null."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean(result), indent=2, allow_nan=False))
+
+
 def _write_outputs(result: dict[str, Any], out: Optional[Path], json_path: Optional[Path]) -> None:
     from logdiff.reports import write_html
 
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "result.json").write_text(json.dumps(result, indent=2))
+        dump_json(result, out / "result.json")
         write_html(result, out / "report.html")
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=2))
+        dump_json(result, json_path)
 
 
 @app.command()
@@ -137,27 +156,200 @@ def scan(
     print_summary(result, Console(), quiet=quiet)
 
 
+def _with_scan_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command all of ``scan``'s arguments and options, followed by its own.
+
+    typer reads a command's parameters from ``inspect.signature``, so the command
+    declares only its own options plus ``**scan_options``, and this sets a
+    ``__signature__`` (and the matching annotations) with scan's parameters in
+    front. The command receives scan's values in ``scan_options``.
+    """
+    import inspect
+
+    base = inspect.unwrap(scan)
+    own = inspect.signature(fn)
+    params = [*inspect.signature(base).parameters.values()]
+    params += [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    fn.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+    fn.__annotations__ = {**base.__annotations__, **fn.__annotations__}
+    return fn
+
+
+@app.command()
+@handle_errors
+@_with_scan_options
+def check(
+    max_abs_diff: Optional[float] = typer.Option(None, min=0.0, help="Fail above this max |Δ logprob| (any pair)."),
+    max_mean_diff: Optional[float] = typer.Option(None, min=0.0, help="Fail above this mean |Δ logprob| (any pair)."),
+    max_kl: Optional[float] = typer.Option(None, min=0.0, help="Fail above this k3 KL estimate (any pair)."),
+    max_clip_fraction: Optional[float] = typer.Option(
+        None, min=0.0, max=1.0, help="Fail above this fraction of tokens with |ratio - 1| > 0.2 (any pair)."
+    ),
+    fail_on: Optional[list[str]] = typer.Option(
+        None, "--fail-on", metavar="CLASS",
+        help="Fail when the verdict or a cause is this class: framework_difference, operator_path, divergent. "
+        "Repeatable or comma-separated.",
+    ),  # fmt: skip
+    baseline: Optional[Path] = typer.Option(
+        None, metavar="FILE", help="Compare with this baseline JSON; '{hw}' in the path becomes the hardware key."
+    ),
+    tolerance: Optional[str] = typer.Option(
+        None, metavar="REL[,ABS]",
+        help="Baseline tolerance: |value - baseline| <= REL*|baseline| + ABS; a baseline of exactly 0 allows "
+        "only 0. Default: the baseline's own, else 0.1,1e-6.",
+    ),  # fmt: skip
+    update_baseline: bool = typer.Option(False, help="Write (or refresh) --baseline from this run."),
+    junit: Optional[Path] = typer.Option(None, metavar="PATH", help="Write JUnit XML: one test case per gate."),
+    **scan_options: Any,
+) -> None:
+    """Run a scan and fail (exit 1) when a gate fails: thresholds, --fail-on classes, a baseline.
+
+    Takes every option of `scan`. Under GitHub Actions (GITHUB_ACTIONS=true) it also
+    prints ::error annotations and appends a table to $GITHUB_STEP_SUMMARY.
+    """
+    import dataclasses
+
+    from logdiff import check as gating
+    from logdiff.config import ScanConfig
+    from logdiff.errors import EXIT_GATE_FAILED, InputError
+    from logdiff.reports import print_summary
+
+    config_keys = {f.name for f in dataclasses.fields(ScanConfig)} | {"set_"}
+    cfg = _build_config(**{k: v for k, v in scan_options.items() if k in config_keys})
+    quiet = bool(scan_options.get("quiet"))
+    thresholds = {"max_abs_diff": max_abs_diff, "max_mean_diff": max_mean_diff, "max_kl": max_kl,
+                  "max_clip_fraction": max_clip_fraction}  # fmt: skip
+    classes = gating.parse_fail_on(fail_on or [])
+    tol = gating.Tolerance.parse(tolerance) if tolerance is not None else None
+    if update_baseline and baseline is None:
+        raise InputError("--update-baseline needs --baseline FILE")
+    if baseline is None and not classes and all(v is None for v in thresholds.values()):
+        raise InputError(
+            "check needs a gate: --max-abs-diff, --max-mean-diff, --max-kl, --max-clip-fraction, --fail-on "
+            "or --baseline"
+        )
+    base_path = gating.resolve_baseline_path(baseline) if baseline is not None else None
+    old = None
+    if base_path is not None:
+        old = gating.load_baseline(base_path) if not update_baseline else gating.try_load_baseline(base_path)
+
+    result = _run_scan(cfg, quiet)
+    _write_outputs(result, scan_options.get("out"), scan_options.get("json_path"))
+    console = Console()
+    print_summary(result, console, quiet=quiet)
+
+    notes: list[str] = []  # shown, never failing: model renamed, overrides, versions changed
+    gates = [gating.completeness_gate(result), *gating.threshold_gates(result, thresholds)]
+    gates += gating.fail_on_gates(result, classes)
+    if base_path is not None and not update_baseline:
+        notes += gating.check_applicable(result, old, base_path)
+        gates += gating.baseline_gates(result, old, tol or gating.baseline_tolerance(old))
+        notes += [f"changed since the baseline: {c}" for c in gating.environment_changes(result, old)]
+    if update_baseline:
+        keep = tol or (gating.baseline_tolerance(old) if old else gating.Tolerance())
+        for line in gating.refresh_changes(result, old):
+            console.print(f"baseline change: {line}", markup=False, highlight=False, soft_wrap=True)
+        gating.write_baseline(base_path, gating.make_baseline(result, keep))
+        verb = "refreshed" if old else "wrote"
+        console.print(f"{verb} baseline {base_path} ({keep.describe()})", markup=False, highlight=False, soft_wrap=True)
+    _report_gates(result, gates, notes, console, quiet=quiet, junit=junit, baseline=base_path)
+    if any(not g.passed for g in gates):
+        raise typer.Exit(EXIT_GATE_FAILED)
+
+
+def _report_gates(
+    result: dict[str, Any], gates: list[Any], notes: list[str], console: Console, *,
+    quiet: bool, junit: Optional[Path], baseline: Optional[Path],
+) -> None:  # fmt: skip
+    """The CI log lines, JUnit XML and GitHub Actions output for ``check``'s gates."""
+    from logdiff import check as gating
+    from logdiff.reports import github
+    from logdiff.reports.junit import write_junit
+
+    failed = [g for g in gates if not g.passed]
+    for g in gates:
+        if g.passed and quiet:
+            continue
+        console.print(f"{'PASS' if g.passed else 'FAIL'} {g.message}", markup=False, highlight=False, soft_wrap=True)
+    for note in notes:
+        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    explanation = gating.explain(result)
+    if failed:
+        head = f"logdiff check: {len(failed)} of {len(gates)} gates failed"
+        console.print(head, style="bold red", markup=False, highlight=False, soft_wrap=True)
+        for line in explanation:
+            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+    else:
+        console.print(f"logdiff check: all {len(gates)} gates passed", style="bold green", markup=False, soft_wrap=True)
+    dicts = [g.as_dict() for g in gates]
+    if junit is not None:
+        props = {"verdict": result.get("verdict"), "model": result.get("model"), "dtype": result.get("dtype"),
+                 "hardware": gating.hardware_key(result.get("environment") or {}),
+                 "baseline": baseline or "", "logdiff": (result.get("tool") or {}).get("version")}  # fmt: skip
+        write_junit(junit, dicts, properties=props)
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        for line in github.annotations(dicts, explanation) + github.warnings(notes):
+            typer.echo(line)
+        github.append_step_summary(github.step_summary(dicts, explanation + notes))
+
+
 @app.command()
 @handle_errors
 def report(
     result_json: Path = typer.Argument(..., help="A result.json written by scan or check."),
-    out: Path = typer.Option(Path("report.html"), help="Where to write the HTML report."),
+    out: Optional[Path] = typer.Option(None, help="Where to write the HTML (default: report.html beside RESULT)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
 ) -> None:
-    """Render report.html from a saved result.json."""
+    """Render report.html (and the terminal summary) from a saved result.json."""
     from logdiff.errors import InputError
-    from logdiff.reports import validate_result, write_html
+    from logdiff.reports import load_result, print_summary, validate_result, write_html
 
     if not result_json.is_file():
         raise InputError(f"result file not found: {result_json}")
     try:
-        result = json.loads(result_json.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"{result_json}: not valid JSON ({e.msg})") from None
+        result = load_result(result_json)
+    except ValueError as e:
+        raise InputError(str(e)) from None
     problems = validate_result(result)
     if problems:
-        raise InputError(f"{result_json} is not a logdiff result: {problems[0]}")
-    write_html(result, out)
-    Console().print(f"wrote {out}")
+        raise InputError(f"{result_json} is not a valid logdiff result: {problems[0]}")
+    path = write_html(result, out or result_json.parent / "report.html")
+    print_summary(result, Console(), quiet=quiet)
+    _stderr().print(f"wrote {path}", highlight=False)
+
+
+@app.command()
+@handle_errors
+def kernels(
+    self_test: bool = typer.Option(False, "--self-test", help="Check each kernel's invariance and fp64 agreement."),
+) -> None:
+    """List the reference consistent kernels, or self-test them (exit 1 if one fails)."""
+    from rich.table import Table
+
+    from logdiff.kernels import KERNELS
+    from logdiff.kernels import self_test as run_self_test
+
+    console = Console()
+    if not self_test:
+        table = Table(title="logdiff consistent kernels")
+        for col in ("kernel", "what it computes", "precision policy"):
+            table.add_column(col)
+        for k in KERNELS:
+            table.add_row(k.name, k.description, k.precision)
+        console.print(table)
+        return
+    table = Table(title="consistent kernel self-test")
+    for col in ("kernel", "batch-invariant", "max rel. error vs fp64", "bound", "detail"):
+        table.add_column(col)
+    results = run_self_test()
+    for r in results:
+        table.add_row(
+            r.name, "yes" if r.invariant else "NO", f"{r.max_error:.2e}", f"{r.bound:.0e}", r.detail,
+            style=None if r.ok else "bold red",
+        )  # fmt: skip
+    console.print(table)
+    if not all(r.ok for r in results):
+        raise typer.Exit(1)
 
 
 @app.command("demo-model")

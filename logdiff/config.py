@@ -32,6 +32,8 @@ class ScanConfig:
     infer_set: dict[str, Any] = field(default_factory=dict)
     depth: str = "logprobs"
     consistent: bool = False
+    #: with ``consistent``, install only these op families (None: all of them)
+    consistent_kernels: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):

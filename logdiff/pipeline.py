@@ -21,7 +21,6 @@ import numpy as np
 
 from logdiff import compare, sequences
 from logdiff.config import ScanConfig
-from logdiff.errors import InputError
 from logdiff.probes import checkpoint
 from logdiff.probes.engines.base import Engine, EngineSpec, PathScores, acquire, get_engine
 
@@ -62,11 +61,50 @@ def _sampler(engines: list[Engine]) -> Engine:
 def run_paths(
     cfg: ScanConfig, progress: Progress = lambda _msg: None
 ) -> tuple[list[sequences.Sequence], str, PathScores, list[PathScores], dict[str, Any]]:
-    """Run the training path and every inference path over the same ids."""
+    """Run the training path and every inference path over the same ids.
+
+    At ``--depth modules|ops`` the inference paths are recorded while they run
+    (to disk) and the training path is compared against them as it runs;
+    ``meta["probes"]`` is then the ``ProbeSession`` (the caller closes it).
+    """
     staged = checkpoint.stage(cfg.model, cfg.ckpt)
     staged_infer = checkpoint.stage(cfg.model, cfg.infer_ckpt) if cfg.infer_ckpt else staged
     seqs, source = _load_sequences(cfg, staged)
+    probes = None
+    if cfg.depth != "logprobs":
+        from logdiff.probes.record import ProbeSession
 
+        probes = ProbeSession(
+            seqs,
+            cfg.response_len,
+            staged.architecture,
+            staged.config,
+            ops=cfg.depth == "ops",
+            drill=getattr(cfg, "drill", None),
+        )
+
+    def recording(engine: Engine, role: str) -> Any:
+        return probes.record(engine, role) if probes is not None else contextlib.nullcontext()
+
+    try:
+        return _run(cfg, progress, staged, staged_infer, seqs, source, recording, probes)
+    except BaseException:
+        if probes is not None:
+            probes.close()
+        raise
+
+
+def _run(
+    cfg: ScanConfig,
+    progress: Progress,
+    staged: checkpoint.StagedModel,
+    staged_infer: checkpoint.StagedModel,
+    seqs: list[sequences.Sequence],
+    source: str,
+    recording: Callable[[Engine, str], Any],
+    probes: Any,
+) -> tuple[list[sequences.Sequence], str, PathScores, list[PathScores], dict[str, Any]]:
+    """Load the engines and run every path (recording where ``recording`` says)."""
     progress(f"loading {cfg.train} (training path)")
     train = acquire(cfg.train, _spec(cfg.train, staged, cfg, cfg.train_set))
     infers = []
@@ -85,28 +123,32 @@ def run_paths(
     with contextlib.ExitStack() as stack:
         if cfg.consistent:
             for engine in dict.fromkeys([train, *infers]):
-                stack.enter_context(engine.consistent())
+                stack.enter_context(engine.consistent(cfg.consistent_kernels))
         if not all(s.response_ids for s in seqs):
             sampler = _sampler(infers)
             progress(f"sampling {cfg.response_len} response tokens per sequence with {sampler.name}")
-            sampled = sampler.sample([s.prompt_ids for s in seqs], cfg.response_len, cfg.seed)
-            for s, r in zip(seqs, sampled.response_ids):
-                s.response_ids = r
-            add(sampler, sampled.scores)
-            if sampled.scores and hasattr(sampler, "prefill_scores"):
-                add(sampler, [sampler.prefill_scores(seqs)])
+            with recording(sampler, "infer"):
+                sampled = sampler.sample([s.prompt_ids for s in seqs], cfg.response_len, cfg.seed)
+                for s, r in zip(seqs, sampled.response_ids):
+                    s.response_ids = r
+                add(sampler, sampled.scores)
+                if sampled.scores and hasattr(sampler, "prefill_scores"):
+                    add(sampler, [sampler.prefill_scores(seqs)])
         for engine in infers:
             if engine in owners.values():
                 continue
             progress(f"scoring with {engine.name}")
-            add(engine, engine.score(seqs))
+            with recording(engine, "infer"):
+                add(engine, engine.score(seqs))
         progress(f"scoring with {train.name} (training path)")
-        train_scores = train.score(seqs)[0]
+        with recording(train, "train"):
+            train_scores = train.score(seqs)[0]
     if all(s.rollout_logprobs is not None for s in seqs):
         add(None, [PathScores("rollout", "recorded", [np.asarray(s.rollout_logprobs, np.float32) for s in seqs])])
     paths = [_path_info(train, train_scores, "train")]
     paths += [_path_info(owners[p.path], p, "infer") for p in infer_scores]
-    return seqs, source, train_scores, infer_scores, {"paths": paths, "architecture": staged.architecture}
+    meta = {"paths": paths, "architecture": staged.architecture, "probes": probes, "engines": (train, infers)}
+    return seqs, source, train_scores, infer_scores, meta
 
 
 def _path_info(engine: Engine | None, scores: PathScores, role: str) -> dict[str, Any]:
@@ -164,20 +206,70 @@ def environment() -> dict[str, Any]:
     }
 
 
-def scan(cfg: ScanConfig, progress: Progress = lambda _msg: None) -> dict[str, Any]:
-    """Run one scan and return the result dict (docs/result-schema.md)."""
-    if cfg.depth != "logprobs":
-        raise InputError(f"--depth {cfg.depth} is not available yet; use --depth logprobs")
+def _localize(pairs: list[dict[str, Any]], probes: Any, progress: Progress) -> dict[str, Any]:
+    """Run ``locate`` on every probed pair; the primary pair's findings go to the top level."""
+    from logdiff import locate
+
+    found = {(p.train, p.infer): p for p in probes.pairs()}
+    out: dict[str, Any] = {"warnings": [], "tables": {}, "first_divergence": None, "introducing_ops": [],
+                           "divergence_table": None, "op_trace": None}
+    for i, pair in enumerate(pairs):
+        record = found.get((pair["train"], pair["infer"]))
+        if record is None:
+            if i == 0:
+                out["warnings"].append(f"no operator probes for path {pair['infer']}; nothing to localize")
+            continue
+        progress(f"locating the divergence between {pair['train']} and {pair['infer']}")
+        loc = locate.locate(record)
+        pair["first_divergence"] = loc.first_divergence
+        pair["introducing_ops"] = loc.introducing_ops
+        pair["boundaries"] = loc.boundaries
+        out["warnings"] += [w for w in loc.warnings if w not in out["warnings"]]
+        stem = "divergence_table" if i == 0 else f"divergence_table_{pair['infer']}"
+        out["tables"][stem] = loc.table
+        if i == 0:
+            out["first_divergence"] = loc.first_divergence
+            out["introducing_ops"] = loc.introducing_ops
+            out["divergence_table"] = loc.table_json()
+            out["op_trace"] = loc.op_trace
+    for w in probes.warnings:
+        if w not in out["warnings"]:
+            out["warnings"].append(w)
+    return out
+
+
+def scan(
+    cfg: ScanConfig,
+    progress: Progress = lambda _msg: None,
+    tables: dict[str, Any] | None = None,
+    classify: bool = True,
+) -> dict[str, Any]:
+    """Run one scan and return the result dict (docs/result-schema.md).
+
+    At ``--depth modules|ops``, pass a dict as ``tables`` to receive the
+    boundary x position DataFrames (``"divergence_table"`` for the primary
+    pair, ``"divergence_table_<infer path>"`` for the others); write them with
+    ``logdiff.locate.write_tables(tables, out_dir)``.
+    """
     seqs, source, train, infers, meta = run_paths(cfg, progress)
     tok = _tokenizer(cfg)
     pairs = [_pair(train, p, seqs, tok) for p in infers]
     consistent = all(p["metrics"]["bitwise_equal_fraction"] == 1.0 for p in pairs)
-    return {
+    located: dict[str, Any] = {"warnings": [], "first_divergence": None, "introducing_ops": [],
+                               "divergence_table": None, "op_trace": None, "tables": {}}
+    if meta.get("probes") is not None:
+        try:
+            located = _localize(pairs, meta["probes"], progress)
+        finally:
+            meta["probes"].close()
+    if tables is not None:
+        tables.update(located["tables"])
+    result = {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "logdiff", "version": metadata.version("logdiff")},
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "complete": True,
-        "warnings": [],
+        "warnings": located["warnings"],
         "model": str(cfg.model),
         "checkpoint": str(cfg.ckpt) if cfg.ckpt else None,
         "infer_checkpoint": str(cfg.infer_ckpt) if cfg.infer_ckpt else None,
@@ -200,12 +292,22 @@ def scan(cfg: ScanConfig, progress: Progress = lambda _msg: None) -> dict[str, A
         },
         "pairs": pairs,
         "logprobs": pairs[0]["metrics"],
-        "first_divergence": None,
-        "introducing_ops": [],
+        "first_divergence": located["first_divergence"],
+        "introducing_ops": located["introducing_ops"],
         "causes": [],
         "verdict": "consistent" if consistent else "divergent",
-        "divergence_table": None,
+        "divergence_table": located["divergence_table"],
         "contracts": None,
         "moe": None,
         "batch_invariance": None,
     }
+    if located["op_trace"] is not None:
+        result["op_trace"] = located["op_trace"]
+    if classify and cfg.depth != "logprobs":
+        from logdiff.diagnose import diagnose
+
+        train_engine, infer_engines = meta["engines"]
+        engine_name = next(p["engine"] for p in result["paths"][1:] if p["name"] == pairs[0]["infer"])
+        owner = next((e for e in infer_engines if e.name == engine_name), infer_engines[0])
+        diagnose(result, cfg, train_engine, owner, lambda c: scan(c, classify=False), progress)
+    return result

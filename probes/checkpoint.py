@@ -203,18 +203,29 @@ def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights(staged: StagedModel) -> None:
-    """Refuse weights whose names or shapes do not fit the config."""
+    """Refuse weights whose names or shapes do not fit the config.
+
+    transformers 5 fuses MoE experts in memory (``experts.gate_up_proj``) but
+    saves and loads per-expert tensors (``experts.0.gate_proj.weight``); its
+    loader converts, so a fused expert tensor counts as present when its
+    per-expert tensors are.
+    """
     expected = _expected_shapes(staged.path)
     stored = stored_shapes(staged.path)
-    missing = sorted(set(expected) - set(stored))
+    missing = sorted(n for n in set(expected) - set(stored) if not _stored_per_expert(n, stored))
     if missing:
         raise InputError(
             f"config/weights mismatch: {len(missing)} tensors the config needs are missing "
             f"from the checkpoint, e.g. {missing[0]}"
         )
     for name, shape in expected.items():
-        if stored[name] != shape:
+        if name in stored and stored[name] != shape:
             raise InputError(
                 f"config/weights mismatch: {name} has shape {list(stored[name])} in the "
                 f"checkpoint but the config implies {list(shape)}"
             )
+
+
+def _stored_per_expert(fused: str, stored: dict[str, tuple[int, ...]]) -> bool:
+    prefix, sep, _ = fused.rpartition(".experts.")
+    return bool(sep) and any(k.startswith(f"{prefix}.experts.0.") for k in stored)

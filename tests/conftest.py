@@ -9,8 +9,11 @@ with the reason, when vLLM is not installed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +21,7 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # Steps of demo training for test models: enough for peaked distributions, seconds per model.
@@ -34,18 +37,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def _cache_key(arch: str) -> str:
+    """Changes whenever the demo builder's code or the numeric stack changes."""
+    import torch
+    import transformers
+
+    h = hashlib.sha256(f"{arch}|{TEST_TRAIN_STEPS}|{torch.__version__}|{transformers.__version__}".encode())
+    for f in sorted((Path(__file__).parents[1] / "logdiff" / "demo").glob("*.py")):
+        h.update(f.read_bytes())
+    return f"{arch}-{h.hexdigest()[:12]}"
+
+
 @pytest.fixture(scope="session")
-def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``demo_model("qwen3")`` -> a trained bf16 demo model directory, built once per arch."""
+def demo_model() -> Callable[[str], Path]:
+    """``demo_model("qwen3")`` -> a trained bf16 demo model directory.
+
+    Building trains for ``TEST_TRAIN_STEPS`` seeded steps (deterministic), so the
+    result is cached on disk under a key of the builder's source and the torch and
+    transformers versions (``LOGDIFF_TEST_MODELS``, default ~/.cache/logdiff/test-models):
+    a fresh machine builds each model once, later sessions reuse it.
+    """
     from logdiff.demo import build_demo_model
 
-    built: dict[str, Path] = {}
+    root = Path(os.environ.get("LOGDIFF_TEST_MODELS", Path.home() / ".cache" / "logdiff" / "test-models"))
 
     def get(arch: str = "qwen3") -> Path:
-        if arch not in built:
-            path = tmp_path_factory.mktemp(f"demo-{arch}")
-            built[arch] = build_demo_model(path, arch, seed=0, max_steps=TEST_TRAIN_STEPS)
-        return built[arch]
+        path = root / _cache_key(arch)
+        if not (path / "config.json").is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=root))
+            build_demo_model(tmp, arch, seed=0, max_steps=TEST_TRAIN_STEPS)
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        return path
 
     return get
 

@@ -90,8 +90,8 @@ class Engine(ABC):
         """Version and effective settings, for the report."""
 
     @contextlib.contextmanager
-    def consistent(self) -> Iterator[None]:
-        """Install the reference consistent kernels for the duration of the block."""
+    def consistent(self, only: tuple[str, ...] | None = None) -> Iterator[None]:
+        """Install the reference consistent kernels (``only`` these op families) inside the block."""
         raise InputError(f"engine {self.name!r} has no consistent mode")
         yield  # pragma: no cover
 
@@ -99,8 +99,38 @@ class Engine(ABC):
         """The engine's ``nn.Module`` (for probes)."""
         raise NotImplementedError
 
+    #: set by probes (``logdiff.probes.record.Recorder``) while they are attached; None otherwise.
+    listener: Any = None
+
+    def _begin_pass(self, path: str, sequences: list[int], request_base: int | None = None) -> None:
+        """Tell an attached probe which path and sequences the next forward passes run.
+
+        ``sequences[i]`` is the index (in the list given to ``score``/``sample``)
+        of the i-th row (HF) or the i-th request (vLLM, whose request ids start
+        at ``request_base``). A no-op without a probe.
+        """
+        if self.listener is not None:
+            self.listener.begin_pass(path, sequences, request_base)
+
+    def contract(self) -> dict[str, Any]:
+        """Effective settings the engine computes with (eps, RoPE, scale, sampling mode)."""
+        raise NotImplementedError
+
+    def fingerprints(self) -> dict[str, str]:
+        """Hashes of the loaded weights under HF tensor names."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release the engine's resources."""
+
+
+@contextlib.contextmanager
+def unsupported_as_input_error() -> Iterator[None]:
+    """A model part consistent mode cannot cover is the user's to know, not a crash."""
+    try:
+        yield
+    except NotImplementedError as e:
+        raise InputError(f"--consistent: {e}") from None
 
 
 ENGINES: dict[str, type[Engine]] = {}

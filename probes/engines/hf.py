@@ -20,7 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.probes.engines.base import Engine, EngineSpec, PathScores, Sampled, TokenSequence, register
+from logdiff.probes.engines.base import (
+    Engine,
+    EngineSpec,
+    PathScores,
+    Sampled,
+    TokenSequence,
+    register,
+    unsupported_as_input_error,
+)
 from logdiff.probes.errors import InputError
 
 
@@ -28,7 +36,9 @@ def load_model(spec: EngineSpec) -> Any:
     """``from_pretrained`` with this side's config overrides and attention implementation."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(spec.model_dir)
     for key, value in spec.overrides:
         apply_override(config, key, value)
@@ -86,11 +96,11 @@ class _HFEngine(Engine):
             yield range(start, min(n, start + size))
 
     @contextlib.contextmanager
-    def consistent(self) -> Iterator[None]:
+    def consistent(self, only: tuple[str, ...] | None = None) -> Iterator[None]:
         from logdiff.probes.consistent_hf import consistent_hf
 
-        with consistent_hf(self.model):
-            self._consistent = True
+        with unsupported_as_input_error(), consistent_hf(self.model, only):
+            self._consistent = only is None or "log_softmax" in only
             try:
                 yield
             finally:
@@ -98,6 +108,16 @@ class _HFEngine(Engine):
 
     def module(self) -> Any:
         return self.model
+
+    def contract(self) -> dict[str, Any]:
+        from logdiff.probes.contracts import hf_contract
+
+        return hf_contract(self.model, dict(self.spec.options))
+
+    def fingerprints(self) -> dict[str, str]:
+        from logdiff.probes.contracts import hf_fingerprints
+
+        return hf_fingerprints(self.model)
 
     def info(self) -> dict[str, Any]:
         import transformers
@@ -119,6 +139,7 @@ class _HFEngine(Engine):
         gen = torch.Generator().manual_seed(seed)
         responses: list[list[int]] = []
         for batch in self._batches(len(prompts)):
+            self._begin_pass(self.name, list(batch))
             chosen: list[list[int]] = [[] for _ in batch]
 
             def pick(step_logprobs: Any, t: int) -> Any:
@@ -177,6 +198,7 @@ class HFForward(_HFEngine):
         logprobs: list[np.ndarray] = []
         top1: list[np.ndarray] = []
         for batch in self._batches(len(seqs)):
+            self._begin_pass(self.name, list(batch))
             rows = [seqs[i] for i in batch]
             width = max(len(s.prompt_ids) + len(s.response_ids) for s in rows)
             ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -213,6 +235,7 @@ class HFDecode(_HFEngine):
         logprobs: list[np.ndarray] = []
         top1: list[np.ndarray] = []
         for batch in self._batches(len(seqs)):
+            self._begin_pass(self.name, list(batch))
             rows = [seqs[i] for i in batch]
             steps = max(len(s.response_ids) for s in rows)
             # Finished rows keep decoding a pad token; their extra steps are discarded.

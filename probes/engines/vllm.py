@@ -26,7 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.probes.engines.base import Engine, EngineSpec, PathScores, Sampled, TokenSequence, register
+from logdiff.probes.engines.base import (
+    Engine,
+    EngineSpec,
+    PathScores,
+    Sampled,
+    TokenSequence,
+    register,
+    unsupported_as_input_error,
+)
 from logdiff.probes.errors import EngineUnavailable
 
 INSTALL_HINT = "install it with: pip install 'logdiff[cpu]' (CPU) or pip install 'logdiff[vllm]' (CUDA)"
@@ -35,7 +43,7 @@ INSTALL_HINT = "install it with: pip install 'logdiff[cpu]' (CPU) or pip install
 def _import_vllm() -> Any:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         import vllm
     except ImportError:
@@ -79,6 +87,7 @@ class VLLMEngine(Engine):
                 dtype=spec.dtype,
                 seed=spec.seed,
                 logits_processors=[ForcedTokens],
+                use_tqdm_on_load=False,
                 **kwargs,
             )
         except Exception as e:  # noqa: BLE001 - vLLM reports config problems as many types
@@ -92,8 +101,10 @@ class VLLMEngine(Engine):
 
         return SamplingParams(temperature=float(self.spec.option("temperature", 1.0)), **kw)
 
-    def _generate(self, prompts: list[list[int]], params: list[Any]) -> list[Any]:
+    def _generate(self, prompts: list[list[int]], params: list[Any], path: str = "vllm") -> list[Any]:
         inputs = [{"prompt_token_ids": p} for p in prompts]
+        # LLM.generate names the i-th request str(counter + i): probes map requests back by it.
+        self._begin_pass(path, list(range(len(prompts))), self.llm.request_counter.counter)
         return self.llm.generate(inputs, params, use_tqdm=False)
 
     def sample(self, prompts: list[list[int]], response_len: int, seed: int) -> Sampled:
@@ -121,7 +132,7 @@ class VLLMEngine(Engine):
     def prefill_scores(self, seqs: list[TokenSequence]) -> PathScores:
         """``prompt_logprobs`` of the response tokens, with prompt + response as one prompt."""
         full = [list(s.prompt_ids) + list(s.response_ids) for s in seqs]
-        outs = self._generate(full, [self._params(max_tokens=1, prompt_logprobs=1)] * len(full))
+        outs = self._generate(full, [self._params(max_tokens=1, prompt_logprobs=1)] * len(full), "vllm-prefill")
         logprobs, top1 = [], []
         for o, s in zip(outs, seqs):
             p = len(s.prompt_ids)
@@ -139,10 +150,10 @@ class VLLMEngine(Engine):
         return PathScores(self.name, self.mode, logprobs, top1)
 
     @contextlib.contextmanager
-    def consistent(self) -> Iterator[None]:
+    def consistent(self, only: tuple[str, ...] | None = None) -> Iterator[None]:
         from logdiff.probes.consistent_vllm import consistent_vllm
 
-        with consistent_vllm(self.llm):
+        with unsupported_as_input_error(), consistent_vllm(self.llm, only):
             self._consistent = True
             try:
                 yield
@@ -153,6 +164,22 @@ class VLLMEngine(Engine):
         holder: list[Any] = []
         self.llm.apply_model(holder.append)
         return holder[0]
+
+    def runner(self) -> Any:
+        """vLLM's model runner (in-process engine only): probes read the batch's request order
+        (``input_batch.req_ids``) and wrap its sampler's log_softmax."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def contract(self) -> dict[str, Any]:
+        from logdiff.probes.contracts import vllm_contract
+
+        return vllm_contract(self.module(), dict(self.spec.options))
+
+    def fingerprints(self) -> dict[str, str]:
+        from logdiff.probes.contracts import vllm_fingerprints
+
+        model = self.module()
+        return vllm_fingerprints(model, int(model.config.vocab_size))
 
     def info(self) -> dict[str, Any]:
         from vllm.platforms import current_platform

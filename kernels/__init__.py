@@ -1,0 +1,65 @@
+"""Reference consistent (batch-invariant) kernels.
+
+Every kernel gives a row (token, query) bits that do not depend on how many
+other rows share the call, on prefill vs decode vs chunked prefill, or on
+padding, and sits beside a plain-torch ``<name>_reference`` written for
+obviousness. Installing the same kernels into two engines (``consistent_hf``,
+``consistent_vllm``) makes them compute bitwise-equal logprobs.
+See ``docs/kernels.md`` for the design of each one.
+
+This package imports nothing else of logdiff; it needs torch (import it lazily
+from a CLI command). The names are imported eagerly on purpose: ``attention``
+and ``rope`` are both a function and a submodule, and only an eager
+``from .x import x`` keeps the function bound on the package.
+"""
+
+from .activation import silu_and_mul, silu_and_mul_reference
+from .attention import KV_BLOCK, Q_TILE, attention, attention_batched, attention_heads_first, attention_reference
+from .fixed_order import exp, halving_sum, log, pairwise_sum
+from .logsoftmax import log_softmax, log_softmax_reference, token_log_probs
+from .matmul import M_TILE, N_TILE, N_TILED_MAX, fp32_weight_cache, linear, linear_reference, weight_cache
+from .moe import moe_combine, moe_combine_reference, moe_experts, moe_route, moe_route_reference
+from .registry import KERNELS, KernelInfo, SelfTestResult, consistent_kernels, self_test
+from .rmsnorm import rms_norm, rms_norm_reference
+from .rope import rope, rope_apply, rope_cos_sin, rope_reference
+
+__all__ = [
+    "KERNELS",
+    "KV_BLOCK",
+    "M_TILE",
+    "N_TILE",
+    "N_TILED_MAX",
+    "Q_TILE",
+    "KernelInfo",
+    "SelfTestResult",
+    "attention",
+    "attention_batched",
+    "attention_heads_first",
+    "attention_reference",
+    "consistent_kernels",
+    "exp",
+    "fp32_weight_cache",
+    "halving_sum",
+    "linear",
+    "linear_reference",
+    "log",
+    "log_softmax",
+    "log_softmax_reference",
+    "moe_combine",
+    "moe_combine_reference",
+    "moe_experts",
+    "moe_route",
+    "moe_route_reference",
+    "pairwise_sum",
+    "rms_norm",
+    "rms_norm_reference",
+    "rope",
+    "rope_apply",
+    "rope_cos_sin",
+    "rope_reference",
+    "self_test",
+    "silu_and_mul",
+    "silu_and_mul_reference",
+    "token_log_probs",
+    "weight_cache",
+]

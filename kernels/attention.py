@@ -1,0 +1,250 @@
+"""Causal attention whose output for a query does not depend on how it is computed.
+
+Contract: for a query at absolute position ``p`` the output is the softmax over
+keys ``0..p`` of the scaled dot products, applied to the values, with bits that
+are the same in a full prefill, a chunked prefill, a single decode step against
+the KV cache, any batch composition and any amount of padding.
+
+Design (all fp32 after an exact widening of q, k, v):
+
+* **Tiles with one shape.** For every (sequence, kv head), the query rows
+  ``(t, g)`` of the GQA group (``Hq = Hkv * G``; query head ``h`` reads kv
+  head ``h // G``) are cut into tiles of :data:`Q_TILE` rows, the keys into
+  blocks of :data:`KV_BLOCK` keys, both zero-padded. Every score tile is one
+  ``[Q_TILE, D] @ [D, KV_BLOCK]`` GEMM and every value tile one
+  ``[Q_TILE, KV_BLOCK] @ [KV_BLOCK, D]`` GEMM, all in one ``bmm`` each; so a
+  (row, block) result never depends on the other rows, on T or on S.
+  Block ``j`` always holds keys ``j*KV_BLOCK ...``: the partition is by absolute
+  key index, identical in prefill and decode.
+* **Query tiles go in groups, each up to its last visible key block.** A group
+  computes every (tile, block) pair up to the last block any of its rows can
+  see (a causal prefill skips the blocks above the group's diagonal). A block
+  past a row's position, computed and fully masked or not computed at all,
+  contributes the same exact zeros below.
+* **Softmax in two exact passes.** Masked scores become ``-1e30`` (finite:
+  ``-inf`` could turn a fully masked block into NaN). The row max ``M`` over
+  all visible keys is exact (max is order-free). ``p = exp(s - M)`` uses the
+  position-independent :func:`fixed_order.exp`, which gives exact zeros for
+  masked keys. Each block's ``p @ [v | 1]`` is one tile GEMM, giving the
+  block's weighted values and its ``sum(p)`` in one fixed order. The blocks are then added with
+  :func:`pairwise_sum` over the block index: blocks past a query's position
+  hold exact zeros and appending zeros never changes a pairwise sum, so a
+  decode step (fewer blocks) and a prefill (more blocks) add a query's blocks
+  in the same order. ``out = sum(p v) / sum(p)``, rounded once to ``q.dtype``.
+
+Queries with no visible key (padding rows, position ``-1``) give zeros.
+
+Groups hold at most :data:`MAX_TILE_ELEMENTS` accumulator elements; rows are
+independent, so the grouping never changes a bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fixed_order import exp, pairwise_sum
+
+Q_TILE = 16
+"""Query rows per score/value GEMM."""
+KV_BLOCK = 16
+"""Keys per block (the online-softmax block size)."""
+MAX_TILE_ELEMENTS = 1 << 24
+"""Upper bound on the fp32 elements of one group's per-block accumulators."""
+GROUPS = 8
+"""Query-tile groups per call for long prefills (more groups skip more of the causal upper triangle)."""
+
+_MASKED = -1.0e30
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    kv_len: int | None = None,
+) -> torch.Tensor:
+    """One sequence: q ``[T, Hq, D]``, k/v ``[S, Hkv, D]`` (keys at positions 0..S-1) -> ``[T, Hq, D]``.
+
+    Query ``i`` sees key ``j`` iff ``j <= q_positions[i]`` (and ``j < kv_len``).
+    """
+    s = k.shape[0] if kv_len is None else int(kv_len)
+    kv_lens = torch.tensor([s], dtype=torch.int64, device=q.device)
+    out = attention_heads_first(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        q_positions.reshape(1, -1),
+        scale,
+        kv_lens,
+    )
+    return out[0].transpose(0, 1)
+
+
+def attention_batched(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    kv_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Padded batch: q ``[B, T, Hq, D]``, k/v ``[B, S, Hkv, D]``, q_positions ``[B, T]`` (-1: no query),
+    kv_lens ``[B]`` -> ``[B, T, Hq, D]``. Sequence ``b``'s keys are ``k[b, :kv_lens[b]]``."""
+    out = attention_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_positions, scale, kv_lens)
+    return out.transpose(1, 2)
+
+
+def attention_heads_first(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    kv_lens: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`attention_batched` in the heads-first layout of HF: q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]``
+    -> ``[B, Hq, T, D]``."""
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"attention: {hq} query heads are not a multiple of {hkv} kv heads")
+    g = hq // hkv
+    layout = _layout(q_positions, kv_lens, g, hkv, d, q.device)
+    rows, n_qt, n_kb = t * g, layout.n_qt, layout.n_kb
+
+    # Query rows r = t * G + g of each (sequence, kv head), in tiles: [B, Hkv, nQ, Q_TILE, D].
+    q_rows = torch.zeros(b, hkv, n_qt * Q_TILE, d, dtype=torch.float32, device=q.device)
+    q_rows[:, :, :rows].view(b, hkv, t, g, d).copy_(q.reshape(b, hkv, g, t, d).transpose(2, 3))
+    q_tiles = q_rows.view(b, hkv, n_qt, Q_TILE, d)
+
+    # Keys in absolute blocks [B, Hkv, nK, KV_BLOCK, D]; values with a ones column, so that the value
+    # GEMM also yields each block's sum of p, in the same fixed order.
+    s_used = min(k.shape[2], n_kb * KV_BLOCK)
+    k_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, d, dtype=torch.float32, device=q.device)
+    k_pad[:, :, :s_used] = k[:, :, :s_used]
+    v_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, d + 1, dtype=torch.float32, device=q.device)
+    v_pad[:, :, :s_used, :d] = v[:, :, :s_used]
+    v_pad[..., d] = 1.0
+    k_blocks = k_pad.view(b, hkv, n_kb, KV_BLOCK, d)
+    v_blocks = v_pad.view(b, hkv, n_kb, KV_BLOCK, d + 1)
+
+    acc = torch.empty(b, hkv, n_qt, Q_TILE, d + 1, dtype=torch.float32, device=q.device)
+    for q0, q1, n_blocks, hidden in layout.groups:
+        acc[:, :, q0:q1] = _tile_group(
+            q_tiles[:, :, q0:q1], k_blocks[:, :, :n_blocks], v_blocks[:, :, :n_blocks], hidden, scale
+        )
+
+    out = acc[..., :d] / acc[..., d:]
+    out = out.view(b, hkv, n_qt * Q_TILE, d)[:, :, :rows].reshape(b, hkv, t, g, d).transpose(2, 3)
+    out = torch.where(layout.has_query, out, 0.0)
+    return out.reshape(b, hq, t, d).to(q.dtype)
+
+
+class _Layout:
+    """What depends only on positions and lengths: tiles, key blocks, groups and their masks.
+
+    Every layer of a forward pass sees the same positions, so the last layout is reused when the
+    same ``q_positions`` and ``kv_lens`` tensors (unchanged) come back.
+    """
+
+    def __init__(self, q_positions: torch.Tensor, kv_lens: torch.Tensor, g: int, hkv: int, d: int) -> None:
+        b, t = q_positions.shape
+        rows = t * g
+        self.n_qt = max(1, -(-rows // Q_TILE))
+        self.n_kb = max(1, -(-int(kv_lens.max()) // KV_BLOCK))
+        device = q_positions.device
+        row_pos = torch.full((b, self.n_qt * Q_TILE), -1, dtype=torch.int64, device=device)
+        row_pos[:, :rows] = q_positions.repeat_interleave(g, dim=1)
+        row_pos = row_pos.view(b, self.n_qt, Q_TILE)
+        key_pos = torch.arange(self.n_kb * KV_BLOCK, device=device).view(self.n_kb, KV_BLOCK)
+        key_ok = key_pos[None] < kv_lens[:, None, None]  # [B, nK, KV_BLOCK]
+        self.has_query = (q_positions >= 0)[:, None, None, :, None]
+        # About GROUPS groups of query tiles, each computing the key blocks up to the last key any of
+        # its rows sees (skipping the causal upper triangle); at least 8 tiles per group (fewer, larger
+        # calls) and at most MAX_TILE_ELEMENTS accumulator elements.
+        per_group = min(
+            max(8, -(-self.n_qt // GROUPS)), max(1, MAX_TILE_ELEMENTS // (b * hkv * self.n_kb * Q_TILE * (d + 1)))
+        )
+        tile_last = row_pos.amax(-1).amax(0).tolist()  # [nQ]: the last key any row of the tile sees
+        self.groups = []
+        for q0 in range(0, self.n_qt, per_group):
+            q1 = min(self.n_qt, q0 + per_group)
+            n_blocks = min(self.n_kb, max(0, max(tile_last[q0:q1])) // KV_BLOCK + 1)
+            visible = key_pos[None, None, :n_blocks, None, :] <= row_pos[:, q0:q1, None, :, None]
+            visible &= key_ok[:, None, :n_blocks, None, :]  # [B, nq, nk, Q_TILE, KV_BLOCK]
+            self.groups.append((q0, q1, n_blocks, ~visible.unsqueeze(1)))
+
+
+_last_layout: tuple[tuple, _Layout] | None = None
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter (and cannot change in place)
+        return -1
+
+
+def _layout(
+    q_positions: torch.Tensor, kv_lens: torch.Tensor, g: int, hkv: int, d: int, device: torch.device
+) -> _Layout:
+    global _last_layout
+    key = (q_positions, _version(q_positions), kv_lens, _version(kv_lens), g, hkv, d, device)
+    if _last_layout is not None and len(key) == len(_last_layout[0]):
+        old = _last_layout[0]
+        if all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, old, strict=True)):
+            return _last_layout[1]
+    layout = _Layout(
+        q_positions.to(device=device, dtype=torch.int64), kv_lens.to(device=device, dtype=torch.int64), g, hkv, d
+    )
+    _last_layout = (key, layout)
+    return layout
+
+
+def _tile_group(
+    q_tiles: torch.Tensor,  # [B, Hkv, nq, Q_TILE, D]
+    k_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, D]
+    v_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, D+1]
+    hidden: torch.Tensor,  # [B, 1, nq, nk, Q_TILE, KV_BLOCK]: masked (row, key) pairs
+    scale: float,
+) -> torch.Tensor:
+    """``[sum(p v) | sum(p)]`` of shape ``[B, Hkv, nq, Q_TILE, D+1]`` over every (tile, block) pair."""
+    b, hkv, nq, _, d = q_tiles.shape
+    nk, d1 = k_blocks.shape[2], v_blocks.shape[-1]
+    pairs = (b, hkv, nq, nk)
+    # One [Q_TILE, D] @ [D, KV_BLOCK] GEMM per (sequence, head, tile, block): explicit bmm, never
+    # torch.matmul, whose broadcasting may fold batches into a GEMM of another shape.
+    a = q_tiles.unsqueeze(3).expand(*pairs, Q_TILE, d).reshape(-1, Q_TILE, d)
+    kb = k_blocks.unsqueeze(2).expand(*pairs, KV_BLOCK, d).reshape(-1, KV_BLOCK, d)
+    scores = torch.bmm(a, kb.transpose(1, 2)).view(*pairs, Q_TILE, KV_BLOCK).mul_(scale)
+    scores.masked_fill_(hidden, _MASKED)
+    # Exact row max over all blocks, then p = exp(s - max) with exact zeros where masked.
+    row_max = scores.amax(-1).amax(3)  # [B, Hkv, nq, Q_TILE]
+    p = exp(scores.sub_(row_max[:, :, :, None, :, None]))
+    # One [Q_TILE, KV_BLOCK] @ [KV_BLOCK, D+1] GEMM per pair: the block's [p v | sum p].
+    vb = v_blocks.unsqueeze(2).expand(*pairs, KV_BLOCK, d1).reshape(-1, KV_BLOCK, d1)
+    pv = torch.bmm(p.view(-1, Q_TILE, KV_BLOCK), vb).view(*pairs, Q_TILE, d1)
+    return pairwise_sum(pv, 3)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    kv_len: int | None = None,
+) -> torch.Tensor:
+    """Plain masked softmax attention for one sequence, fp32 (fp64 for fp64 input)."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = k.shape[0] if kv_len is None else int(kv_len)
+    g = q.shape[1] // k.shape[1]
+    kk = k[:s].to(dtype).repeat_interleave(g, dim=1)  # [S, Hq, D]
+    vv = v[:s].to(dtype).repeat_interleave(g, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.to(dtype), kk) * scale
+    visible = torch.arange(s)[None, :] <= q_positions.long()[:, None]  # [T, S]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hts,shd->thd", probs, vv)
+    return out.to(q.dtype)

@@ -1,0 +1,65 @@
+"""Batch-invariant log_softmax over the vocabulary, in fp32.
+
+``log_softmax(x) = (x - m) - log(sum(exp(x - m)))`` with ``m`` the row max.
+
+Why it is invariant: the max is exact whatever its order; ``exp`` and ``log``
+are the position-independent :mod:`fixed_order` functions; the row sum is a
+:func:`halving_sum` whose order depends only on the vocabulary size. A stock
+``torch.logsumexp``/``sum`` may split one long row across threads when few
+rows share the call (decode) and not when many do (prefill).
+
+Rows are processed in chunks of at most :data:`CHUNK_ELEMENTS` elements to
+bound memory; rows are independent, so chunking never changes a bit.
+:func:`token_log_probs` returns only the chosen tokens' values, bitwise equal
+to ``log_softmax(logits).gather(-1, tokens)``.
+
+Precision policy: logits widened to fp32 (exact), all arithmetic in fp32,
+fp32 output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fixed_order import exp, halving_sum, log
+
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _rows(logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    v = logits.shape[-1]
+    return logits.reshape(-1, v), max(1, CHUNK_ELEMENTS // max(1, v))
+
+
+def _shifted_and_log_norm(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = rows.float()
+    shifted = x - x.amax(-1, keepdim=True)
+    return shifted, log(halving_sum(exp(shifted), -1))
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probabilities over the last dim of ``logits``."""
+    rows, per_chunk = _rows(logits)
+    out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
+    for start in range(0, rows.shape[0], per_chunk):
+        shifted, log_norm = _shifted_and_log_norm(rows[start : start + per_chunk])
+        out[start : start + per_chunk] = shifted - log_norm.unsqueeze(-1)
+    return out.view(logits.shape)
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probability of ``tokens`` (shape ``logits.shape[:-1]``) under ``logits``."""
+    rows, per_chunk = _rows(logits)
+    flat_tokens = tokens.reshape(-1, 1).long()
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, rows.shape[0], per_chunk):
+        shifted, log_norm = _shifted_and_log_norm(rows[start : start + per_chunk])
+        picked = shifted.gather(-1, flat_tokens[start : start + per_chunk]).squeeze(-1)
+        out[start : start + per_chunk] = picked - log_norm
+    return out.view(tokens.shape)
+
+
+def log_softmax_reference(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.log_softmax`` in fp32 (fp64 for fp64 input)."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return torch.log_softmax(logits.to(dtype), dim=-1)

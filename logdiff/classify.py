@@ -1,0 +1,222 @@
+"""Classify every op that introduces error: operator path or framework difference.
+
+Three kinds of evidence per introducing op (docs/causes.md):
+
+1. **Contract.** The semantic preflight (``preflight.py``) compares what each
+   engine actually runs with. A differing value *that this op reads* (its
+   weight, its eps, the RoPE theta, the attention scale, the temperature) is
+   a ``framework_difference`` on its own.
+2. **Noise floor.** The op's local error (both sides fed the same inputs, by
+   teacher-forced replay where possible) in units of the output dtype's
+   spacing at the output's magnitude. Reordered arithmetic stays within a few
+   units; a different function does not.
+3. **Reference kernel.** Both engines rerun with the consistent kernels: an
+   op whose divergence vanishes there differed only in how it computed.
+
+A fused operator (vLLM's residual add + RMSNorm in one kernel) is one
+operator: its residual-add boundary and its norm boundary form one cause,
+named after the norm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Ops whose arithmetic the consistent kernels replace, by correspondence kind.
+FAMILY = {
+    "linear": "linear",
+    "logits": "linear",
+    "norm": "rms_norm",
+    "add": "rms_norm",  # the residual add is fused into vLLM's add+norm kernel
+    "rope": "rope",
+    "attn": "attention",
+    "act": "silu_and_mul",
+    "router": "moe",
+    "moe": "moe",
+    "log_softmax": "log_softmax",
+}
+
+# Beyond this many units of the output dtype's spacing, a local error is not reordering noise.
+NOISE_ULPS = 64.0
+
+FIX = {
+    "reduction_order": "use one batch-invariant GEMM/reduction on both sides (logdiff.kernels.linear) "
+    "or pin the same kernel library and tiling in trainer and engine",
+    "online_softmax_block_size": "use one attention kernel with a fixed KV block size and fp32 online softmax "
+    "for prefill and decode on both sides (logdiff.kernels.attention; vLLM/SGLang batch-invariant attention "
+    "backends)",
+    "fused_vs_unfused": "compute the residual add and the norm the same way on both sides: fuse both or "
+    "neither, rounding the residual at the same point (logdiff.kernels.rms_norm with residual)",
+    "intermediate_precision": "align the precision of the op's internal steps on both sides (e.g. fp32 "
+    "cos/sin and rotation, fp32 silu*up rounded once: logdiff.kernels.rope / silu_and_mul)",
+    "batch_dependent_tiling": "use batch-invariant kernels so a row's result does not depend on batch shape",
+}
+
+
+@dataclass
+class OpEvidence:
+    """What is known about one introducing op."""
+
+    boundary: str
+    kind: str
+    layer: int | None
+    local_max_abs_diff: float
+    ulps: float | None
+    vanished_under_reference: bool | None
+
+
+def contract_keys(boundary: str, kind: str) -> tuple[list[str], list[str]]:
+    """(contract keys, weight names) that the op at ``boundary`` reads."""
+    keys: list[str] = []
+    weights: list[str] = []
+    if kind == "norm":
+        if boundary.endswith(("q_norm", "k_norm")):
+            keys.append("qk_norm_eps")
+        elif boundary == "model.norm":
+            keys.append("final_norm_eps")
+        else:
+            keys.append("rms_norm_eps")
+        weights.append(f"{boundary}.weight")
+    elif kind == "add":
+        layer_prefix = boundary.rsplit(".", 1)[0]
+        norm = "post_attention_layernorm" if boundary.endswith("residual_attn") else "input_layernorm"
+        keys.append("rms_norm_eps")
+        weights.append(f"{layer_prefix}.{norm}.weight")
+    elif kind == "linear":
+        weights.append(f"{boundary}.weight")
+    elif kind == "logits":
+        keys.append("tie_word_embeddings")
+        weights.append("lm_head.weight")
+    elif kind == "embed":
+        weights.append("model.embed_tokens.weight")
+    elif kind == "rope":
+        keys += ["rope_theta", "rope_type", "rope_style"]
+    elif kind == "attn":
+        keys += ["attention_scale", "sliding_window"]
+    elif kind == "log_softmax":
+        keys += ["temperature", "logprobs_mode", "vocab_size"]
+    elif kind in ("router", "moe"):
+        keys += ["num_experts_per_tok", "norm_topk_prob"]
+        prefix = boundary if kind == "moe" else boundary.rsplit(".", 1)[0]
+        weights += [f"{prefix}.gate.weight", f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"]
+    return keys, weights
+
+
+def _framework_kind(keys: list[str], weights: list[str]) -> str:
+    if weights:
+        return "weights"
+    if any(k in ("temperature", "logprobs_mode") for k in keys):
+        return "sampling_semantics"
+    if any(k in ("num_experts_per_tok", "norm_topk_prob") for k in keys):
+        return "moe_routing"
+    if "sliding_window" in keys:
+        return "mask"
+    return "config_contract"
+
+
+def _operator_kind(kind: str, infer_mode: str) -> str:
+    if kind == "attn":
+        return "online_softmax_block_size"
+    if kind in ("norm", "add") and infer_mode in ("decode", "prefill"):
+        return "fused_vs_unfused"
+    if kind in ("rope", "act"):
+        return "intermediate_precision"
+    if kind in ("linear", "logits") and infer_mode == "decode":
+        return "batch_dependent_tiling"
+    return "reduction_order"
+
+
+def classify_op(ev: OpEvidence, contracts: dict[str, Any] | None, infer_mode: str) -> dict[str, Any]:
+    """One cause: class, kind, evidence lines and a fix."""
+    keys, weights = contract_keys(ev.boundary, ev.kind)
+    evidence: list[str] = []
+    c_diff = [k for k in keys if contracts and k in contracts.get("differs", [])]
+    w_block = (contracts or {}).get("weights") or {}
+    w_diff = [w for w in weights if w in w_block.get("differs", [])]
+    local = f"local error {ev.local_max_abs_diff:.3g} with both sides fed the same inputs"
+    if ev.ulps is not None:
+        local += f" ({ev.ulps:.3g} units of the output dtype's spacing)"
+    if c_diff or w_diff:
+        for k in c_diff:
+            evidence.append(f"contract differs: {k} = {contracts['train'][k]!r} (train) vs {contracts['infer'][k]!r} (infer)")
+        for w in w_diff:
+            evidence.append(f"weight differs: {w} has a different fingerprint on the inference side")
+        evidence.append(local)
+        if ev.vanished_under_reference is False:
+            evidence.append("the divergence persists with the reference kernel on both sides")
+        kind = _framework_kind(c_diff, w_diff)
+        fix = {
+            "weights": f"reload or resync {', '.join(w_diff)} on the inference engine (stale or mis-loaded weights)",
+            "sampling_semantics": "compute both sides' logprobs with the same temperature and logprobs mode "
+            "(vLLM: logprobs_mode; trainer: divide logits by the rollout temperature only if the engine did)",
+            "moe_routing": "align the router settings (top-k, renormalisation) and compute router logits in fp32 on both sides",
+            "mask": "align the attention mask / sliding window between the engines",
+            "config_contract": f"set {', '.join(c_diff)} to the same value in both engines' configs",
+        }[kind]
+        return _cause(ev, "framework_difference", kind, evidence, fix, c_diff + w_diff)
+    evidence.append(local)
+    evidence.append(f"no contract or weight this op reads differs ({', '.join(keys + weights) or 'none'})")
+    above_noise = ev.ulps is not None and ev.ulps > NOISE_ULPS
+    if ev.vanished_under_reference is None:
+        evidence.append("the reference-kernel rerun was not available; judged by the noise floor alone")
+    elif ev.vanished_under_reference:
+        evidence.append("the divergence vanishes with the reference kernel on both sides")
+    if ev.vanished_under_reference is False or (ev.vanished_under_reference is None and above_noise):
+        # Same visible contract, yet immune to the reference kernel (or far above reordering noise):
+        # the op computes a different function in a way the contract does not show.
+        evidence.append(
+            "the divergence persists with the reference kernel on both sides"
+            if ev.vanished_under_reference is False
+            else f"more than {NOISE_ULPS:g} units of the output dtype's spacing: not reordering noise"
+        )
+        fix = "compare this op's implementation on both sides: it computes a different function although its visible contract matches"
+        return _cause(ev, "framework_difference", "config_contract", evidence, fix)
+    kind = _operator_kind(ev.kind, infer_mode)
+    return _cause(ev, "operator_path", kind, evidence, FIX[kind])
+
+
+def _cause(
+    ev: OpEvidence, cls: str, kind: str, evidence: list[str], fix: str, differs: list[str] | None = None
+) -> dict[str, Any]:
+    return {
+        "boundary": ev.boundary,
+        "layer": ev.layer,
+        "op_kind": ev.kind,
+        "family": FAMILY.get(ev.kind),
+        "class": cls,
+        "kind": kind,
+        "evidence": evidence,
+        "fix": fix,
+        "share": None,
+        "necessity": None,
+        "differs": differs or [],  # the contract keys / weight names behind a framework difference
+    }
+
+
+def verdict(causes: list[dict[str, Any]], consistent: bool) -> str:
+    """The overall verdict from the classified causes."""
+    if consistent:
+        return "consistent"
+    classes = {c["class"] for c in causes}
+    if not classes:
+        return "divergent"
+    if len(classes) == 2:
+        return "mixed"
+    return classes.pop()
+
+
+def merge_fused(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cause per fused add+norm: a residual add folds into the norm that consumes it."""
+    by_boundary = {c["boundary"]: c for c in causes}
+    out = []
+    for c in causes:
+        if c["op_kind"] == "add":
+            layer_prefix = c["boundary"].rsplit(".", 1)[0]
+            norm = f"{layer_prefix}.post_attention_layernorm" if c["boundary"].endswith("residual_attn") else None
+            target = by_boundary.get(norm) if norm else None
+            if target is not None and target["class"] == c["class"]:
+                target["evidence"].append(f"fused with {c['boundary']} (one add+norm kernel in vLLM)")
+                continue
+        out.append(c)
+    return out

@@ -1,0 +1,114 @@
+"""Turn a localized scan into causes: preflight, classification, attribution.
+
+Runs after ``locate`` at ``--depth modules|ops``, on the primary pair (the
+training path against the first inference path):
+
+1. the semantic preflight of the two engines (``contracts`` in result.json);
+2. one rescan at module depth with the reference kernels on both sides: an
+   introducing op whose boundary becomes bitwise equal there differed only in
+   how it computed;
+3. ``classify.classify_op`` per introducing op, fused add+norm merged;
+4. ``attribute.attribute``: share and necessity from rescans at logprobs depth.
+
+Rescans reuse the pooled engines, so they cost one forward pass each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from logdiff import attribute, classify
+from logdiff.config import ScanConfig
+from logdiff.preflight import preflight
+from logdiff.probes.engines.base import Engine
+
+# Relative spacing of each dtype (its machine epsilon): local_rel / EPS = ulps at the output's magnitude.
+EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
+
+Scan = Callable[[ScanConfig], dict[str, Any]]
+
+
+def _reference_rerun(cfg: ScanConfig, scan: Scan, warnings: list[str]) -> Callable[[str], bool | None] | None:
+    """Whether each op still introduces error with the reference kernels on both sides.
+
+    The rerun keeps every framework difference (overrides, weights), so ops
+    downstream of one see different inputs; what counts is whether the op
+    itself still *introduces* error (replay, or equal inputs), not whether
+    its output is equal.
+    """
+    try:
+        ref = scan(replace(cfg, depth="modules", consistent=True, consistent_kernels=None))
+    except Exception as e:  # noqa: BLE001 - a path without consistent mode still gets classified
+        warnings.append(f"reference-kernel rerun unavailable ({type(e).__name__}: {e}); classified by contract and noise floor")
+        return None
+    still = {op["boundary"] for op in ref.get("introducing_ops") or []}
+    rows = {r["boundary"]: r for r in ref["pairs"][0].get("boundaries") or []}
+
+    def vanished(boundary: str) -> bool | None:
+        if boundary in still:
+            return False
+        row = rows.get(boundary)
+        if row is None:
+            return None
+        # Judged only where the rerun could judge: equal output, or a replay that found no local error.
+        return True if row.get("max_abs_diff") == 0.0 or row.get("local") is not None else None
+
+    return vanished
+
+
+def diagnose(
+    result: dict[str, Any],
+    cfg: ScanConfig,
+    train: Engine,
+    infer: Engine,
+    scan: Scan,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> None:
+    """Fill ``contracts``, ``causes``, ``attribution`` and ``verdict`` of ``result`` in place."""
+    progress("semantic preflight: contracts and weight fingerprints")
+    contracts = preflight(train, infer)
+    result["contracts"] = contracts
+    pair = result["pairs"][0]
+    consistent = pair["metrics"]["bitwise_equal_fraction"] == 1.0
+    ops = result.get("introducing_ops") or []
+    if consistent or not ops:
+        result["verdict"] = "consistent" if consistent else "divergent"
+        if not consistent:
+            result["warnings"].append("the logprobs differ but no introducing op was found; cause unclassified")
+        return
+    progress("rerunning both paths with the reference kernels")
+    reference = _reference_rerun(cfg, scan, result["warnings"])
+    infer_mode = next((p["mode"] for p in result["paths"] if p["name"] == pair["infer"]), "decode")
+    causes = []
+    for op in ops:
+        rel = op.get("local_rel")
+        vanished = reference(op["boundary"]) if reference is not None else None
+        ev = classify.OpEvidence(
+            boundary=op["boundary"],
+            kind=op.get("kind") or "module",
+            layer=op.get("layer"),
+            local_max_abs_diff=float(op["local_max_abs_diff"]),
+            ulps=rel / EPS[cfg.dtype] if rel is not None else None,
+            vanished_under_reference=vanished,
+        )
+        causes.append(classify.classify_op(ev, contracts, infer_mode))
+    causes = classify.merge_fused(causes)
+    progress("attributing the logdiff to its causes")
+    baseline = float(pair["metrics"]["abs_diff_max"])
+    measure_cache: dict[Any, float] = {}
+
+    def measure(c: ScanConfig) -> float:
+        key = (c.consistent_kernels, c.consistent, c.infer_ckpt, tuple(sorted(c.train_set.items())), tuple(sorted(c.infer_set.items())))
+        if key not in measure_cache:
+            measure_cache[key] = float(scan(c)["pairs"][0]["metrics"]["abs_diff_max"])
+        return measure_cache[key]
+
+    try:
+        result["attribution"] = attribute.attribute(causes, cfg, baseline, measure)
+    except Exception as e:  # noqa: BLE001 - classification stands without attribution
+        result["warnings"].append(f"attribution skipped ({type(e).__name__}: {e})")
+    causes.sort(key=lambda c: (-(c["share"] if c["share"] is not None else -1.0), c["boundary"]))
+    result["causes"] = causes
+    result["verdict"] = classify.verdict(causes, consistent)

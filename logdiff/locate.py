@@ -1,0 +1,282 @@
+"""Locate: where two paths' values first part, and which ops introduce error.
+
+Input is one ``PairRecord`` from ``logdiff.probes.record.ProbeSession``: per
+boundary, the streaming comparison of the training path against a stored
+inference path (``summaries``) and, where the op could be replayed, the error
+the training path's op makes on the inference path's own inputs (``local``).
+
+* **First divergence**: the first boundary in *semantic execution order*
+  (the architecture's correspondence map; the observed order for architectures
+  without one) whose outputs are not bitwise equal (or differ by more than
+  ``tolerance`` when one is given). Its input boundaries come with their own
+  differences as evidence: ``inputs_equal`` is true when every input was
+  bitwise equal (within the tolerance).
+* **Introducing ops**: every boundary whose op computes differently from the
+  other path's op on the same inputs. Where teacher-forced replay ran, that is
+  a nonzero local error (``method: replay``); where it could not (vLLM's side
+  of attention, token embeddings), a boundary whose inputs were bitwise equal
+  but whose output differs (``method: equal_inputs``). A boundary with unequal
+  inputs and no replay cannot be judged and is named in a warning.
+* **Divergence table**: boundary x absolute position, the largest difference
+  over sequences and hidden units, as a pandas DataFrame (rows in semantic
+  order) and in the result's JSON form.
+* **Op drill-down** (``--depth ops``): both paths' op traces of the module that
+  produced the first divergence and the first op where they part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from logdiff.probes.correspondence import layer_of
+from logdiff.probes.ops import compare_traces, summarize
+
+
+@dataclass
+class Localization:
+    """Everything locate found for one pair."""
+
+    train: str
+    infer: str
+    first_divergence: dict[str, Any] | None
+    introducing_ops: list[dict[str, Any]]
+    boundaries: list[dict[str, Any]]
+    table: Any  # pandas.DataFrame
+    warnings: list[str] = field(default_factory=list)
+    op_trace: dict[str, Any] | None = None
+
+    def table_json(self) -> dict[str, Any] | None:
+        """The ``divergence_table`` field of result.json."""
+        return table_json(self.table)
+
+
+def _order(pair: Any) -> list[str]:
+    compared = pair.comparer.summaries
+    if pair.cmap.mapped:
+        return [n for n in pair.cmap.order if n in compared]
+    return [n for n in pair.comparer.order if n in compared]
+
+
+def _inputs(pair: Any, name: str, order: list[str]) -> list[str]:
+    b = pair.cmap.get(name)
+    if b is not None:
+        return list(b.inputs)
+    i = order.index(name)
+    return order[i - 1 : i] if i > 0 else []
+
+
+def _diverged(s: Any, tolerance: float) -> bool:
+    if s.nonfinite:
+        return True
+    return s.max_abs_diff > tolerance if tolerance > 0 else not s.equal
+
+
+def _input_evidence(pair: Any, name: str, order: list[str], tolerance: float) -> tuple[bool, float | None, list[str]]:
+    """(inputs equal?, their largest difference, inputs that were not compared)."""
+    names = _inputs(pair, name, order)
+    if not names:
+        return True, 0.0, []
+    summaries = pair.comparer.summaries
+    missing = [n for n in names if n not in summaries]
+    present = [summaries[n] for n in names if n in summaries]
+    worst = max((s.max_abs_diff for s in present), default=None)
+    equal = not missing and all(not _diverged(s, tolerance) for s in present)
+    return equal, worst, missing
+
+
+def locate(pair: Any, tolerance: float = 0.0) -> Localization:
+    """First divergence, introducing ops and the divergence table of one pair."""
+    summaries, local = pair.comparer.summaries, pair.comparer.local
+    order = _order(pair)
+    warnings: list[str] = []
+    _alignment_warnings(pair, warnings)
+
+    first = None
+    for name in order:
+        s = summaries[name]
+        if not _diverged(s, tolerance):
+            continue
+        equal, worst, missing = _input_evidence(pair, name, order, tolerance)
+        if missing:
+            warnings.append(f"{name}: inputs {', '.join(missing)} were not compared; inputs_equal is unproven")
+        first = {
+            "boundary": name,
+            "layer": _layer(pair, name),
+            "position": int(s.worst_position) if s.worst_position is not None else 0,
+            "sequence": s.worst_sequence,
+            "max_abs_diff": s.max_abs_diff,
+            "max_ulp": s.max_ulp,
+            "bitwise_equal_fraction": s.bitwise_equal_fraction,
+            "inputs_equal": bool(equal),
+            "input_max_abs_diff": worst,
+            "inputs": _inputs(pair, name, order),
+            "tolerance": tolerance,
+        }
+        break
+
+    introducing, unresolved = [], []
+    for name in order:
+        s = summaries[name]
+        equal, _worst, _missing = _input_evidence(pair, name, order, tolerance)
+        replayed = local.get(name)
+        if replayed is not None and replayed.elements:
+            evidence, method = replayed, "replay"  # the live op on the stored inputs vs the stored op
+        elif equal:
+            evidence, method = s, "equal_inputs"  # same inputs: the whole output difference is the op's
+        else:
+            if _diverged(s, tolerance):
+                unresolved.append(name)
+            continue
+        if not _diverged(evidence, tolerance):
+            continue
+        b = pair.cmap.get(name)
+        introducing.append(
+            {
+                "boundary": name,
+                "layer": _layer(pair, name),
+                "kind": b.kind if b is not None else None,
+                "method": method,
+                "local_max_abs_diff": evidence.max_abs_diff,
+                "local_max_ulp": evidence.max_ulp,
+                "local_rel": evidence.max_abs_diff / evidence.max_abs_ref if evidence.max_abs_ref else None,
+                "local_bitwise_equal_fraction": evidence.bitwise_equal_fraction,
+                "position": evidence.worst_position,
+                "propagated_max_abs_diff": s.max_abs_diff,
+                "inputs_equal": bool(equal),
+            }
+        )
+    if unresolved:
+        warnings.append(
+            "could not separate introduced from propagated error (inputs differ, op not replayable) at: "
+            + ", ".join(unresolved)
+        )
+    for n, why in pair.comparer.replay_skipped.items():
+        warnings.append(f"{n}: replay skipped ({why})")
+
+    rows = []
+    for name in order:
+        s = summaries[name]
+        row = {"boundary": name, "layer": _layer(pair, name), **s.to_dict()}
+        if name in local:
+            row["local"] = local[name].to_dict()
+        rows.append(row)
+    loc = Localization(pair.train, pair.infer, first, introducing, rows, divergence_frame(pair, order), warnings)
+    if pair.tracer_train is not None or pair.tracer_infer is not None:
+        loc.op_trace = op_drilldown(pair, first)
+    return loc
+
+
+def _layer(pair: Any, name: str) -> int | None:
+    b = pair.cmap.get(name)
+    return b.layer if b is not None else layer_of(name)
+
+
+def _alignment_warnings(pair: Any, warnings: list[str]) -> None:
+    compared = set(pair.comparer.summaries)
+    train_only = sorted(pair.comparer.not_stored)
+    infer_only = sorted(n for n in pair.store.order if n not in compared and n not in pair.comparer._seen)
+    if pair.cmap.mapped:
+        expected = [n for n in pair.cmap.order if n not in compared]
+        if expected:
+            warnings.append(
+                f"{pair.train} vs {pair.infer}: {len(expected)} mapped boundaries were not compared "
+                f"(recorded on one side only or not at all): {', '.join(expected[:12])}"
+                + (" ..." if len(expected) > 12 else "")
+            )
+    else:
+        if train_only or infer_only:
+            warnings.append(
+                f"{pair.train} vs {pair.infer}: could not align {len(train_only) + len(infer_only)} boundaries "
+                f"without a correspondence map; only on {pair.train}: {', '.join(train_only[:12]) or 'none'}; "
+                f"only on {pair.infer}: {', '.join(infer_only[:12]) or 'none'}"
+            )
+
+
+def divergence_frame(pair: Any, order: list[str] | None = None) -> Any:
+    """Boundary x absolute position DataFrame of the largest absolute difference (NaN: not compared)."""
+    import pandas as pd
+
+    order = order if order is not None else _order(pair)
+    summaries = pair.comparer.summaries
+    if not order:
+        return pd.DataFrame(dtype=np.float32)
+    data = np.stack([summaries[n].per_position for n in order])
+    seen = ~np.all(np.isnan(data), axis=0)
+    positions = np.nonzero(seen)[0]
+    frame = pd.DataFrame(data[:, positions], index=pd.Index(order, name="boundary"), columns=positions.tolist())
+    frame.columns.name = "position"
+    return frame
+
+
+def table_json(frame: Any) -> dict[str, Any] | None:
+    """The JSON form of a divergence DataFrame (null cells where nothing was compared)."""
+    if frame is None or frame.empty:
+        return None
+    values = [[None if np.isnan(v) else float(v) for v in row] for row in frame.to_numpy()]
+    return {
+        "boundaries": [str(b) for b in frame.index],
+        "positions": [int(p) for p in frame.columns],
+        "max_abs_diff": values,
+        "metric": "max_abs_diff",
+    }
+
+
+def write_table(frame: Any, out_dir: Path, stem: str = "divergence_table") -> Path:
+    """Save a divergence DataFrame beside result.json: parquet when pyarrow is installed, else CSV."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = frame.copy()
+    frame.columns = [str(c) for c in frame.columns]
+    try:
+        import pyarrow  # noqa: F401
+
+        path = out_dir / f"{stem}.parquet"
+        frame.to_parquet(path)
+    except ImportError:
+        path = out_dir / f"{stem}.csv"
+        frame.to_csv(path)
+    return path
+
+
+def write_tables(tables: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Write every DataFrame ``scan`` returned in ``tables`` (name -> DataFrame)."""
+    return [write_table(frame, out_dir, name) for name, frame in tables.items() if frame is not None]
+
+
+def op_drilldown(pair: Any, first: dict[str, Any] | None, limit: int = 64) -> dict[str, Any] | None:
+    """Both paths' op traces of the module behind the first divergence, and where they part."""
+    if first is None:
+        return None
+    name = first["boundary"]
+    owner_t = pair.owners_train.get(name)
+    owner_i = pair.owners_infer.get(name)
+    calls_t = pair.tracer_train.calls(owner_t) if pair.tracer_train is not None and owner_t else []
+    calls_i = pair.tracer_infer.calls(owner_i) if pair.tracer_infer is not None and owner_i else []
+    out: dict[str, Any] = {
+        "boundary": name,
+        "train": {"path": pair.train, "module": owner_t, "calls": [summarize(c, limit) for c in calls_t]},
+        "infer": {"path": pair.infer, "module": owner_i, "calls": [summarize(c, limit) for c in calls_i]},
+        "first_difference": None,
+    }
+    if calls_t and calls_i:
+        t = calls_t[0]
+        decode = [c for c in calls_i if c.step == "decode"]
+        prefill = [c for c in calls_i if c.step == "prefill"]
+        # a divergence at a response position comes from the infer path's decode steps when it has them
+        response_pos = first.get("sequence") is not None and _is_response(pair, first)
+        i = (decode or prefill)[0] if response_pos else (prefill or decode)[0]
+        out["compared_calls"] = {"train": t.step, "infer": i.step}
+        out["first_difference"] = compare_traces(t.ops, i.ops)
+    return out
+
+
+def _is_response(pair: Any, first: dict[str, Any]) -> bool:
+    seqs = getattr(pair, "seqs", None)
+    if not seqs:
+        return True
+    s = seqs[first["sequence"]]
+    return first["position"] >= len(s.prompt_ids)

@@ -1,0 +1,469 @@
+"""Consistent mode for a loaded transformers model (Qwen2, Qwen3, Llama, Qwen3-MoE).
+
+``with consistent_hf(model): ...`` routes every operator on the numerical path
+of ``model`` through ``logdiff.kernels`` and restores every original on exit,
+exceptions included. A full teacher-forced forward and a token-by-token
+KV-cache decode then give bitwise-equal logits, and so do HF and a vLLM engine
+under ``consistent_vllm``.
+
+What is replaced (instance attributes and refcounted globals; classes are never
+edited):
+
+====================================  =====================================  ====================
+HF object                             how                                    kernel
+====================================  =====================================  ====================
+every ``nn.Linear`` (incl. lm_head)   instance ``forward``                   ``linear``
+``*RMSNorm`` (HF formula)             instance ``forward``                   ``rms_norm``
+``*RotaryEmbedding`` (default rope)   instance ``forward``: fp32 cos/sin     ``rope_cos_sin``
+                                      from the shared table, tagged
+``apply_rotary_pos_emb`` (modeling    module global, refcounted: tagged      ``rope_apply``
+module)                               cos/sin -> kernel, else the original
+attention core                        ``AttentionInterface`` +               ``attention_batched``
+                                      ``AttentionMaskInterface`` entry
+                                      ``"logdiff_consistent"``;
+                                      ``config._attn_implementation``
+gated MLP (``gate/up/down_proj``)     instance ``forward``                   ``silu_and_mul``
+MoE router (``*TopKRouter``)          instance ``forward`` (fp32 weights)    ``moe_route``
+MoE experts (``*Experts``, 3-D)       instance ``forward``                   ``moe_experts``
+====================================  =====================================  ====================
+
+Attention: HF hands the function the whole cache (decode) or the whole padded
+batch (prefill) and a boolean 4-D mask. Each sequence's visible keys are
+compacted to the front (left padding removed) so key ``j`` of the kernel is the
+sequence's ``j``-th real token, and each query's position is its number of
+visible keys minus one. The mask must therefore be a causal prefix per
+sequence; a sliding window or packed sequences raise ``NotImplementedError``.
+The layout is computed once per mask object (every layer gets the same one).
+
+Logprobs: consistent mode covers the model up to the logits. Engines compute
+logprobs from them with ``logdiff.kernels.log_softmax`` (or
+``token_log_probs`` for the chosen tokens), on every path alike.
+
+Everything is checked before anything is patched: a module that no replacement
+covers (another norm, a scaled RoPE, a non-SiLU MLP, shared experts, ...)
+raises ``NotImplementedError`` naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+ATTN_IMPLEMENTATION = "logdiff_consistent"
+_ROPE_TAG = "_logdiff_consistent_rope"
+_HF_RMSNORMS = {
+    "LlamaRMSNorm",
+    "MistralRMSNorm",
+    "Qwen2RMSNorm",
+    "Qwen2MoeRMSNorm",
+    "Qwen3RMSNorm",
+    "Qwen3MoeRMSNorm",
+}
+_SILU = {"silu", "swish"}
+
+
+@dataclass
+class ConsistentHF:
+    """What consistent mode replaced: kind -> module names (yielded by the context manager)."""
+
+    replaced: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, kind: str, name: str) -> None:
+        self.replaced.setdefault(kind, []).append(name)
+
+
+class _Patches:
+    """Instance-attribute patches, undone newest first."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def set(self, obj: Any, attr: str, value: Any) -> None:
+        had_own = attr in vars(obj)
+        old = vars(obj).get(attr)
+        setattr(obj, attr, value)
+        self._undo.append(lambda: setattr(obj, attr, old) if had_own else delattr(obj, attr))
+
+    def call_on_undo(self, fn: Callable[[], None]) -> None:
+        self._undo.append(fn)
+
+    def undo(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+class _SharedPatch:
+    """A process-wide replacement (module global, registry entry) held while any context needs it."""
+
+    _holders: dict[tuple[int, str], list[Any]] = {}
+
+    @classmethod
+    def acquire(cls, mapping: Any, key: str, value: Any, get: Callable, put: Callable, drop: Callable) -> Callable:
+        """Install ``value`` under ``key`` (first holder only); returns the release function."""
+        slot = (id(mapping), key)
+        if slot not in cls._holders:
+            present, old = get(mapping, key)
+            put(mapping, key, value)
+            cls._holders[slot] = [0, present, old]
+        cls._holders[slot][0] += 1
+
+        def release() -> None:
+            entry = cls._holders[slot]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del cls._holders[slot]
+                if entry[1]:
+                    put(mapping, key, entry[2])
+                else:
+                    drop(mapping, key)
+
+        return release
+
+
+def _get_attr(obj: Any, key: str) -> tuple[bool, Any]:
+    return hasattr(obj, key), getattr(obj, key, None)
+
+
+def _get_item(mapping: dict, key: str) -> tuple[bool, Any]:
+    return key in mapping, mapping.get(key)
+
+
+def _put_item(mapping: dict, key: str, value: Any) -> None:
+    mapping[key] = value
+
+
+def _drop_item(mapping: dict, key: str) -> None:
+    mapping.pop(key, None)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+@dataclass
+class _Plan:
+    linears: list[tuple[str, Any]] = field(default_factory=list)
+    norms: list[tuple[str, Any]] = field(default_factory=list)
+    rotaries: list[tuple[str, Any, float, int]] = field(default_factory=list)
+    mlps: list[tuple[str, Any]] = field(default_factory=list)
+    routers: list[tuple[str, Any]] = field(default_factory=list)
+    experts: list[tuple[str, Any]] = field(default_factory=list)
+    modeling_modules: set[str] = field(default_factory=set)
+
+
+def _rope_params(module: Any) -> tuple[float, int]:
+    """``(theta, rotary_dim)`` of a default-RoPE HF rotary module, checked against its inv_freq."""
+    import torch
+
+    rope_type = getattr(module, "rope_type", "default")
+    if rope_type != "default" or float(getattr(module, "attention_scaling", 1.0)) != 1.0:
+        raise NotImplementedError(f"consistent_hf: rope_type {rope_type!r} (only default RoPE is supported)")
+    config = module.config
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise NotImplementedError("consistent_hf: cannot find rope_theta in the config")
+    buffer = getattr(module, "original_inv_freq", module.inv_freq)
+    rotary_dim = 2 * buffer.numel()
+    ours = 1.0 / float(theta) ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    if not torch.allclose(ours, buffer.double(), rtol=2 * torch.finfo(buffer.dtype).eps, atol=0):
+        raise NotImplementedError("consistent_hf: the rotary module's inv_freq is not theta ** (-2i/d)")
+    return float(theta), rotary_dim
+
+
+def _plan(model: Any) -> _Plan:
+    import torch.nn as nn
+
+    config = getattr(model, "config", None)
+    if config is None:
+        raise NotImplementedError("consistent_hf: the model has no config")
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
+        raise NotImplementedError("consistent_hf: sliding-window attention")
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        raise NotImplementedError("consistent_hf: layers other than full attention (sliding window)")
+    plan = _Plan()
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if isinstance(module, nn.Linear):
+            plan.linears.append((name, module))
+        elif cls.endswith("RMSNorm"):
+            if cls not in _HF_RMSNORMS:
+                raise NotImplementedError(f"consistent_hf: {name} is a {cls} (unknown norm formula)")
+            plan.norms.append((name, module))
+        elif "Norm" in cls:
+            raise NotImplementedError(f"consistent_hf: {name} is a {cls}, not an RMSNorm")
+        elif cls.endswith("RotaryEmbedding"):
+            plan.rotaries.append((name, module, *_rope_params(module)))
+        elif cls.endswith("TopKRouter"):
+            if not all(hasattr(module, a) for a in ("weight", "top_k", "norm_topk_prob")):
+                raise NotImplementedError(f"consistent_hf: router {name} ({cls})")
+            plan.routers.append((name, module))
+        elif cls.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            flags = (getattr(module, "is_transposed", False), getattr(module, "has_bias", False))
+            if flags != (False, False) or not getattr(module, "is_concatenated", True):
+                raise NotImplementedError(f"consistent_hf: experts layout of {name} ({cls})")
+            if config.hidden_act not in _SILU:
+                raise NotImplementedError(f"consistent_hf: experts activation {config.hidden_act!r}")
+            plan.experts.append((name, module))
+        elif all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            if config.hidden_act not in _SILU:
+                raise NotImplementedError(f"consistent_hf: MLP activation {config.hidden_act!r}")
+            plan.mlps.append((name, module))
+        elif hasattr(module, "shared_expert"):
+            raise NotImplementedError(f"consistent_hf: {name} has a shared expert")
+        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+            plan.modeling_modules.add(type(module).__module__)
+    if not plan.rotaries:
+        raise NotImplementedError("consistent_hf: no rotary embedding module found")
+    if len(plan.routers) != len(plan.experts):
+        raise NotImplementedError("consistent_hf: MoE blocks without a TopKRouter/Experts pair")
+    for mod_name in plan.modeling_modules:
+        if not hasattr(sys.modules[mod_name], "apply_rotary_pos_emb"):
+            raise NotImplementedError(f"consistent_hf: {mod_name} has no apply_rotary_pos_emb")
+    return plan
+
+
+# ----------------------------------------------------------------------------- replacements
+
+
+def _linear_forward(module: Any) -> Callable:
+    from logdiff import kernels
+
+    def forward(x: Any) -> Any:
+        return kernels.linear(x, module.weight, module.bias)
+
+    return forward
+
+
+def _norm_forward(module: Any) -> Callable:
+    from logdiff import kernels
+
+    def forward(hidden_states: Any) -> Any:
+        return kernels.rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+    return forward
+
+
+def _rotary_forward(theta: float, rotary_dim: int) -> Callable:
+    import torch
+
+    from logdiff import kernels
+
+    def forward(x: Any, position_ids: Any) -> tuple[Any, Any]:
+        cos, sin = kernels.rope_cos_sin(position_ids, theta, rotary_dim)
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)  # HF's [.., rotary_dim] layout
+        setattr(cos, _ROPE_TAG, True)
+        setattr(sin, _ROPE_TAG, True)
+        return cos, sin
+
+    return forward
+
+
+def _apply_rotary(original: Callable) -> Callable:
+    """``apply_rotary_pos_emb`` that rotates with the kernel when handed tagged (consistent) cos/sin."""
+    import inspect
+
+    from logdiff import kernels
+
+    signature = inspect.signature(original)
+
+    def apply_rotary_pos_emb(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if not getattr(cos, _ROPE_TAG, False):
+            return original(q, k, cos, sin, *args, **kwargs)
+        bound = signature.bind(q, k, cos, sin, *args, **kwargs)
+        bound.apply_defaults()
+        unsqueeze_dim = bound.arguments.get("unsqueeze_dim", 1)
+        half = cos.shape[-1] // 2
+        c = cos[..., :half].unsqueeze(unsqueeze_dim)
+        s = sin[..., :half].unsqueeze(unsqueeze_dim)
+        return kernels.rope_apply(q, c, s, "neox"), kernels.rope_apply(k, c, s, "neox")
+
+    return apply_rotary_pos_emb
+
+
+def _mlp_forward(module: Any) -> Callable:
+    from logdiff import kernels
+
+    def forward(x: Any) -> Any:
+        return module.down_proj(kernels.silu_and_mul(module.gate_proj(x), module.up_proj(x)))
+
+    return forward
+
+
+def _router_forward(module: Any) -> Callable:
+    from logdiff import kernels
+
+    def forward(hidden_states: Any) -> tuple[Any, Any, Any]:
+        rows = hidden_states.reshape(-1, module.weight.shape[1])
+        router_logits = kernels.linear(rows, module.weight)
+        weights, ids = kernels.moe_route(router_logits, int(module.top_k), bool(module.norm_topk_prob))
+        return router_logits, weights, ids
+
+    return forward
+
+
+def _experts_forward(module: Any) -> Callable:
+    from logdiff import kernels
+
+    def forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
+        return kernels.moe_experts(hidden_states, top_k_weights, top_k_index, module.gate_up_proj, module.down_proj)
+
+    return forward
+
+
+class _MaskLayout:
+    """Per-sequence key compaction and query positions derived from HF's 4-D mask, cached per mask."""
+
+    def __init__(self) -> None:
+        self._mask: Any = None
+        self._shape: tuple[int, ...] = ()
+        self._layout: tuple[Any, Any, Any] = (None, None, None)
+
+    def get(self, mask: Any, b: int, t: int, s: int, device: Any) -> tuple[Any, Any, Any]:
+        """``(q_positions [B, T], key_index [B, S'] or None, kv_lens [B])``."""
+        if mask is not None and mask is self._mask and self._shape == (b, t, s):
+            return self._layout
+        layout = self._compute(mask, b, t, s, device)
+        self._mask, self._shape, self._layout = mask, (b, t, s), layout
+        return layout
+
+    @staticmethod
+    def _compute(mask: Any, b: int, t: int, s: int, device: Any) -> tuple[Any, Any, Any]:
+        import torch
+
+        if mask is None:  # plain causal, no padding
+            q_pos = torch.arange(s - t, s, device=device).expand(b, t)
+            return q_pos, None, torch.full((b,), s, dtype=torch.int64, device=device)
+        if mask.dim() != 4 or mask.shape[1] != 1:
+            raise NotImplementedError(f"consistent attention: mask of shape {tuple(mask.shape)}")
+        visible = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+        visible = visible.expand(b, t, s)
+        key_real = visible.any(1)
+        kv_lens = key_real.sum(-1)
+        q_pos = visible.sum(-1) - 1
+        order = torch.sort((~key_real).to(torch.uint8), dim=-1, stable=True).indices
+        identity = bool((order == torch.arange(s, device=device)).all())
+        compact = visible if identity else visible.gather(-1, order[:, None, :].expand(b, t, s))
+        if not torch.equal(compact, torch.arange(s, device=device) <= q_pos[..., None]):
+            raise NotImplementedError(
+                "consistent attention: the mask is not a causal prefix per sequence (sliding window, packed sequences?)"
+            )
+        key_index = None if identity else order[:, : int(kv_lens.max())]
+        return q_pos, key_index, kv_lens
+
+
+def _attention_function() -> Callable:
+    from logdiff import kernels
+
+    layouts = _MaskLayout()
+
+    def consistent_attention(
+        module: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        attention_mask: Any,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        sliding_window: int | None = None,
+        **kwargs: Any,
+    ) -> tuple[Any, None]:
+        if sliding_window is not None:
+            raise NotImplementedError("consistent attention: sliding window")
+        if dropout:
+            raise NotImplementedError("consistent attention: dropout (call model.eval())")
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            raise NotImplementedError("consistent attention: softcap / attention sinks")
+        b, _, t, d = query.shape
+        s = key.shape[2]
+        q_pos, key_index, kv_lens = layouts.get(attention_mask, b, t, s, query.device)
+        if key_index is not None:
+            index = key_index[:, None, :, None].expand(-1, key.shape[1], -1, d)
+            key, value = key.gather(2, index), value.gather(2, index)
+        scale = d**-0.5 if scaling is None else float(scaling)
+        out = kernels.attention_batched(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), q_pos, scale, kv_lens
+        )
+        return out, None
+
+    return consistent_attention
+
+
+def _consistent_mask(*args: Any, **kwargs: Any) -> Any:
+    """HF's boolean sdpa mask, always materialised (never the ``None`` 'is_causal' shortcut)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- the context manager
+
+
+@contextlib.contextmanager
+def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[ConsistentHF]:
+    """Install the consistent kernels into ``model`` for the duration of the block.
+
+    ``only`` limits the swap to some op families (``linear``, ``rms_norm``, ``rope``,
+    ``silu_and_mul``, ``attention``, ``moe``); attribution installs one at a time.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from logdiff import kernels
+
+    plan = _plan(model)
+    report = ConsistentHF()
+
+    def want(family: str) -> bool:
+        return only is None or family in only
+
+    patches = _Patches()
+    try:
+        with kernels.weight_cache():
+            for name, module in plan.linears if want("linear") else []:
+                patches.set(module, "forward", _linear_forward(module))
+                report.add("linear", name)
+            for name, module in plan.norms if want("rms_norm") else []:
+                patches.set(module, "forward", _norm_forward(module))
+                report.add("rms_norm", name)
+            for name, module, theta, rotary_dim in plan.rotaries if want("rope") else []:
+                patches.set(module, "forward", _rotary_forward(theta, rotary_dim))
+                report.add("rope", name)
+            for mod_name in sorted(plan.modeling_modules) if want("rope") else []:
+                modeling = importlib.import_module(mod_name)
+                original = modeling.apply_rotary_pos_emb
+                patches.call_on_undo(
+                    _SharedPatch.acquire(
+                        modeling, "apply_rotary_pos_emb", _apply_rotary(original), _get_attr, setattr, delattr
+                    )
+                )
+                report.add("rope", f"{mod_name}.apply_rotary_pos_emb")
+            for name, module in plan.mlps if want("silu_and_mul") else []:
+                patches.set(module, "forward", _mlp_forward(module))
+                report.add("silu_and_mul", name)
+            for name, module in plan.routers if want("moe") else []:
+                patches.set(module, "forward", _router_forward(module))
+                report.add("moe_route", name)
+            for name, module in plan.experts if want("moe") else []:
+                patches.set(module, "forward", _experts_forward(module))
+                report.add("moe_combine", name)
+            if want("attention"):
+                for interface, value in (
+                    (AttentionInterface._global_mapping, _attention_function()),
+                    (AttentionMaskInterface._global_mapping, _consistent_mask),
+                ):
+                    patches.call_on_undo(
+                        _SharedPatch.acquire(interface, ATTN_IMPLEMENTATION, value, _get_item, _put_item, _drop_item)
+                    )
+                previous = model.config._attn_implementation
+                model.config._attn_implementation = ATTN_IMPLEMENTATION
+                patches.call_on_undo(lambda: setattr(model.config, "_attn_implementation", previous))
+                report.add("attention", ATTN_IMPLEMENTATION)
+            yield report
+    finally:
+        patches.undo()

@@ -1,0 +1,266 @@
+"""Consistent mode for a real, in-process vLLM engine (vLLM 0.32, CPU build).
+
+``with consistent_vllm(llm): ...`` swaps every operator on the numerical path
+of ``llm``'s model for the reference kernels in ``logdiff.kernels`` and puts
+every original back on exit, exceptions included. The same kernels installed
+into HF by ``consistent_hf`` then give bitwise-equal logprobs on both sides.
+
+What is replaced (all as *instance* attributes: classes are never touched):
+
+==========================  ==========================================  ==================
+vLLM object                 attribute                                   kernel
+==========================  ==========================================  ==================
+linear layers, lm_head      ``layer.cpu_linear`` (layers/utils.py,      ``linear``
+(anything with a CPU GEMM)  ``dispatch_cpu_unquantized_gemm``)
+``RMSNorm``                 ``forward`` (with/without fused residual)   ``rms_norm``
+``RotaryEmbedding``         ``forward``                                 ``rope``
+``SiluAndMul``              ``forward``                                 ``silu_and_mul``
+``Attention.impl``          ``forward`` (v1/attention/backends/         ``attention``
+(CPUAttentionBackendImpl)   cpu_attn.py); the cache write is kept
+``MoERunner``               ``forward`` (fused_moe/runner/moe_runner;   ``moe_route``,
+                            gate GEMM, router and fused experts)        ``moe_experts``
+``model_runner.sampler``    ``compute_logprobs`` (v1/sample/sampler.py; ``log_softmax``
+                            also the prompt-logprobs path)
+==========================  ==========================================  ==================
+
+The plan is built and checked *before* anything is patched: a module on the
+numerical path that no replacement covers (another norm, a scaled RoPE,
+sliding-window attention, a quantized layer, speculative decoding, ...) raises
+``NotImplementedError`` naming it, rather than giving a silently half-consistent
+engine. Weights that the CPU build has packed away are recovered bit-exactly
+(``vllm_weights``). The prefix cache is reset on entry and on exit, because a
+cached block computed in the other mode would leak its numerics into this one.
+
+The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+_ACTIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # models currently in consistent mode
+
+
+@dataclass
+class ConsistentVLLM:
+    """What consistent mode replaced: kind -> module names (yielded by the context manager)."""
+
+    replaced: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, kind: str, name: str) -> None:
+        self.replaced.setdefault(kind, []).append(name)
+
+
+class _Patches:
+    """Instance-attribute patches that can all be undone, newest first."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[Any, str, bool, Any]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        own = vars(obj)
+        self._undo.append((obj, name, name in own, own.get(name)))
+        setattr(obj, name, value)
+
+    def restore(self) -> None:
+        first_error: BaseException | None = None
+        while self._undo:
+            obj, name, had_own, old = self._undo.pop()
+            try:
+                if had_own:
+                    setattr(obj, name, old)
+                else:
+                    delattr(obj, name)
+            except Exception as e:  # noqa: BLE001 - restore everything, then report
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+
+
+@contextlib.contextmanager
+def consistent_vllm(llm: Any, only: Collection[str] | None = None) -> Iterator[ConsistentVLLM]:
+    """Run ``llm`` (a ``vllm.LLM``) on the logdiff reference kernels inside the block.
+
+    ``only`` limits the swap to some op families (``linear``, ``rms_norm``, ``rope``,
+    ``silu_and_mul``, ``attention``, ``moe``, ``log_softmax``): attribution installs
+    one family at a time.
+    """
+    from logdiff import kernels
+
+    model, runner = _engine_objects(llm)
+    if model in _ACTIVE:
+        raise RuntimeError("consistent mode is already active on this engine")
+    plan, summary = _plan(llm, model, runner)
+    if only is not None:
+        summary.replaced = {k: v for k, v in summary.replaced.items() if k in only}
+    patches = _Patches()
+    _ACTIVE.add(model)
+    try:
+        _reset_prefix_cache(llm)
+        for kind, obj, name, value in plan:
+            if only is None or kind in only:
+                patches.set(obj, name, value)
+        with kernels.fp32_weight_cache():
+            yield summary
+    finally:
+        try:
+            patches.restore()
+            _reset_prefix_cache(llm)
+        finally:
+            _ACTIVE.discard(model)
+
+
+def _engine_objects(llm: Any) -> tuple[Any, Any]:
+    """The live model and model runner; both exist only for an in-process engine."""
+    holder: list[Any] = []
+    llm.apply_model(holder.append)
+    runners = llm.collective_rpc(_model_runner)
+    if not holder or not runners or runners[0] is None or runners[0].get_model() is not holder[0]:
+        raise RuntimeError(
+            "consistent mode needs the engine in this process: set VLLM_ENABLE_V1_MULTIPROCESSING=0 before creating it"
+        )
+    return holder[0], runners[0]
+
+
+def _model_runner(worker: Any) -> Any:
+    return getattr(worker, "model_runner", None)
+
+
+def _reset_prefix_cache(llm: Any) -> None:
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("could not reset vLLM's prefix cache (requests still running?)")
+
+
+def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, Any]], ConsistentVLLM]:
+    """Every (object, attribute, replacement) to install; raises on anything unsupported."""
+    from vllm.model_executor.custom_op import CustomOp, PluggableLayer
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    from logdiff.probes import vllm_consistent_ops as ops
+    from logdiff.probes.vllm_weights import dense_weight
+
+    config = llm.llm_engine.vllm_config
+    if config.speculative_config is not None:
+        raise NotImplementedError("consistent mode does not cover speculative decoding")
+    if config.parallel_config.world_size > 1:
+        raise NotImplementedError("consistent mode covers a single-process (TP=1, PP=1) engine only")
+
+    plan: list[tuple[str, Any, str, Any]] = []  # (op family, object, attribute, replacement)
+    summary = ConsistentVLLM()
+    unsupported: list[str] = []
+    replaced_parents: list[str] = []  # their submodules are only reached through the replacement
+    for name, module in model.named_modules():
+        if any(name.startswith(parent) for parent in replaced_parents):
+            continue
+        qm = getattr(module, "quant_method", None)
+        if isinstance(module, (LinearBase, VocabParallelEmbedding)):
+            if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+                unsupported.append(f"{name} ({type(module).__name__}, quantized: {type(qm).__name__})")
+            elif "cpu_linear" not in vars(module):
+                unsupported.append(f"{name} ({type(module).__name__} without a CPU GEMM)")
+            else:
+                sizes = getattr(module, "output_partition_sizes", None)
+                plan.append(("linear", module, "cpu_linear", ops.linear_gemm(dense_weight(module), sizes)))
+                summary.add("linear", name)
+        elif type(module) is RMSNorm:
+            if not module.has_weight or module.variance_size_override is not None:
+                unsupported.append(f"{name} (RMSNorm without weight or with a variance size override)")
+            else:
+                plan.append(("rms_norm", module, "forward", ops.rms_norm_forward(module)))
+                summary.add("rms_norm", name)
+        elif type(module) is RotaryEmbedding:
+            plan.append(("rope", module, "forward", ops.rope_forward(module)))
+            summary.add("rope", name)
+            replaced_parents.append(name + ".")
+        elif type(module) is SiluAndMul:
+            plan.append(("silu_and_mul", module, "forward", ops.silu_and_mul_forward()))
+            summary.add("silu_and_mul", name)
+        elif isinstance(module, Attention):
+            problem = _attention_problem(module)
+            if problem:
+                unsupported.append(f"{name} ({problem})")
+            else:
+                plan.append(("attention", module.impl, "forward", ops.attention_forward(module.impl)))
+                summary.add("attention", name)
+        elif isinstance(module, MoERunner):
+            problem = _moe_problem(module)
+            if problem:
+                unsupported.append(f"{name} ({problem})")
+            else:
+                plan.append(("moe", module, "forward", _moe_replacement(module)))
+                summary.add("moe", name)
+                replaced_parents.append(name + ".")
+        elif isinstance(module, LogitsProcessor):
+            if module.soft_cap is not None or module.scale != 1.0 or module.logits_as_input:
+                unsupported.append(f"{name} (logit soft cap or scale)")
+        elif isinstance(module, (CustomOp, PluggableLayer)) or next(module.parameters(recurse=False), None) is not None:
+            unsupported.append(f"{name} ({type(module).__name__})")
+    if unsupported:
+        raise NotImplementedError("consistent mode has no kernel for: " + "; ".join(unsupported))
+    plan.append(("log_softmax", runner.sampler, "compute_logprobs", ops.log_softmax()))
+    summary.add("log_softmax", "sampler.compute_logprobs")
+    return plan, summary
+
+
+def _attention_problem(layer: Any) -> str | None:
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    impl = layer.impl
+    if not isinstance(impl, CPUAttentionBackendImpl):
+        return f"attention backend {type(impl).__name__}; only the CPU backend is covered"
+    if impl.attn_type != AttentionType.DECODER:
+        return f"{impl.attn_type} attention"
+    if impl.sliding_window != -1 or impl.alibi_slopes is not None:
+        return "sliding-window or ALiBi attention"
+    if impl.logits_soft_cap or impl.sinks is not None:
+        return "attention soft cap or sinks"
+    if impl.kv_cache_dtype != "auto" or impl.kv_sharing_target_layer_name is not None:
+        return f"KV cache dtype {impl.kv_cache_dtype} or shared KV cache"
+    return None
+
+
+def _moe_problem(runner: Any) -> str | None:
+    router = runner.router
+    experts = runner.routed_experts
+    if getattr(router, "scoring_func", None) != "softmax" or getattr(router, "use_grouped_topk", True):
+        return f"MoE routing {type(router).__name__} is not plain softmax top-k"
+    if router.e_score_correction_bias is not None or router.custom_routing_function is not None:
+        return "MoE routing with a correction bias or a custom function"
+    if router.routed_scaling_factor != 1.0 or runner.routed_scaling_factor != 1.0:
+        return "MoE routed scaling factor"
+    if runner.shared_experts is not None or runner.routed_input_transform or runner.routed_output_transform:
+        return "MoE shared experts or routed transforms"
+    if runner.moe_config.has_bias or experts.expert_map is not None:
+        return "MoE expert bias or expert parallelism"
+    if str(getattr(experts.activation, "value", experts.activation)) != "silu":
+        return f"MoE activation {experts.activation}"
+    if runner.gate is not None and "cpu_linear" not in vars(runner.gate):
+        return "MoE gate without a CPU GEMM"
+    return None
+
+
+def _moe_replacement(runner: Any) -> Any:
+    from logdiff.probes import vllm_consistent_ops as ops
+    from logdiff.probes.vllm_weights import dense_weight, moe_expert_weights
+
+    experts = runner.routed_experts
+    fused = experts.quant_method.moe_kernel.fused_experts
+    w13, w2 = moe_expert_weights(experts, fused, runner.moe_config.intermediate_size_per_partition_unpadded)
+    gate_weight = dense_weight(runner.gate) if runner.gate is not None else None
+    return ops.moe_forward(runner, gate_weight, w13, w2)

@@ -1,0 +1,278 @@
+"""Streaming summaries of how two paths' values differ at one boundary.
+
+A comparison never keeps the tensors it compares: every aligned chunk of rows
+(the rows one forward pass produced, matched to the other path's rows for the
+same sequence and position) is reduced on the spot into a ``DiffSummary``:
+
+* ``max_abs_diff`` and ``mean_abs_diff`` (over every element compared);
+* ``max_ulp``: the largest distance in units in the last place of the output
+  dtype (``ulp_distance``: both values' bit patterns mapped to an ordered
+  integer line, so adjacent floats are 1 apart and +0 == -0);
+* ``bitwise_equal_fraction`` of elements, and ``rows_equal`` (tokens whose whole
+  row is bitwise equal);
+* the worst element's sequence and position;
+* ``per_position``: the largest difference at each absolute position, the
+  small vector the boundary x position heatmap is made of.
+
+Memory per summary is O(max positions) floats, independent of the hidden size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+_INT_OF = {"bfloat16": ("int16", 16), "float16": ("int16", 16), "float32": ("int32", 32), "float64": ("int64", 64)}
+_PRECISION = {"float64": 3, "float32": 2, "float16": 1, "bfloat16": 0}
+#: elements compared per chunk (float64 temporaries of a few MiB, whatever the batch or vocabulary)
+CHUNK_ELEMENTS = 1 << 18
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).replace("torch.", "")
+
+
+def coarser(a: str, b: str) -> str:
+    """The lower-precision of two float dtype names (ulps are counted in it)."""
+    if a not in _PRECISION or b not in _PRECISION:
+        return a
+    if {a, b} == {"bfloat16", "float16"}:
+        return "bfloat16"
+    return a if _PRECISION[a] <= _PRECISION[b] else b
+
+
+def ordered_bits(x: Any, dtype: str) -> Any:
+    """Map floats of ``dtype`` to int64 so that adjacent representable values differ by 1."""
+    import torch
+
+    int_name, bits = _INT_OF[dtype]
+    raw = x.to(getattr(torch, dtype)).contiguous().view(getattr(torch, int_name)).to(torch.int64)
+    if bits < 64:
+        raw = raw & ((1 << bits) - 1)  # the unsigned bit pattern
+        sign = raw >> (bits - 1)
+        mag = raw & ((1 << (bits - 1)) - 1)
+    else:
+        sign = (raw < 0).to(torch.int64)
+        mag = raw & 0x7FFFFFFFFFFFFFFF
+    return torch.where(sign.bool(), -mag, mag)
+
+
+def ulp_distance(a: Any, b: Any, dtype: str) -> Any:
+    """Elementwise distance in ulps of ``dtype`` between two tensors (int64)."""
+    if dtype not in _INT_OF:
+        raise ValueError(f"no ulp distance for dtype {dtype}")
+    return (ordered_bits(a, dtype) - ordered_bits(b, dtype)).abs()
+
+
+@dataclass
+class DiffSummary:
+    """Running comparison of one boundary between two paths."""
+
+    max_positions: int
+    dtype: str | None = None  # dtype the ulps are counted in
+    elements: int = 0
+    equal_elements: int = 0
+    rows: int = 0
+    rows_equal: int = 0
+    sum_abs_diff: float = 0.0
+    max_abs_diff: float = 0.0
+    max_ulp: int = 0
+    max_abs_ref: float = 0.0  # largest |value| on the reference side, for relative errors
+    worst_sequence: int | None = None
+    worst_position: int | None = None
+    nonfinite: int = 0
+    per_position: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.per_position = np.full(self.max_positions, np.nan, dtype=np.float32)
+
+    def update(self, ref: Any, other: Any, seq: np.ndarray, pos: np.ndarray) -> None:
+        """Fold in ``[rows, width]`` values of both paths for the given sequences/positions."""
+        import torch
+
+        if ref.shape != other.shape:
+            raise ValueError(f"shape mismatch {tuple(ref.shape)} vs {tuple(other.shape)}")
+        if ref.numel() == 0:
+            return
+        dt = coarser(dtype_name(ref.dtype), dtype_name(other.dtype))
+        self.dtype = dt if self.dtype is None else coarser(self.dtype, dt)
+        if ref.dtype == other.dtype and torch.equal(ref, other):  # the common case, in two passes
+            n, rows = ref.numel(), ref.shape[0]
+            self.elements += n
+            self.equal_elements += n
+            self.rows += rows
+            self.rows_equal += rows
+            top = float(ref.abs().amax())
+            if not math.isfinite(top):
+                finite = ref[torch.isfinite(ref)]
+                top = float(finite.abs().amax()) if finite.numel() else 0.0
+            self.max_abs_ref = max(self.max_abs_ref, top)
+            if self.worst_position is None:
+                self.worst_sequence, self.worst_position = int(seq[0]), int(pos[0])
+            keep = pos < self.max_positions
+            np.fmax.at(self.per_position, pos[keep], np.float32(0.0))
+            return
+        # differences of 16-bit floats are (all but exactly) representable in fp32; wider types use fp64
+        work = torch.float32 if dt in ("bfloat16", "float16") and self._narrow(ref, other) else torch.float64
+        a = ref.detach().to(work)
+        b = other.detach().to(work)
+        diff = (a - b).abs()
+        row_max = diff.amax(dim=1)
+        finite = bool(torch.isfinite(row_max).all())
+        if finite:
+            ref_abs = float(a.abs().amax())
+        else:  # NaN/inf somewhere: NaN on both sides counts as equal, anything else as a divergence
+            both_nan = torch.isnan(a) & torch.isnan(b)
+            diff = torch.where(both_nan, torch.zeros_like(diff), diff)
+            bad = ~torch.isfinite(diff)
+            self.nonfinite += int(bad.sum())
+            diff = torch.where(bad, torch.full_like(diff, math.inf), diff)
+            row_max = diff.amax(dim=1)
+            ok = torch.isfinite(a)
+            ref_abs = float(a[ok].abs().max()) if bool(ok.any()) else 0.0
+        any_diff = bool((row_max != 0).any())
+        n_unequal = 0
+        if any_diff:
+            unequal = diff != 0  # for finite values the same as "bits differ" (+0 and -0 are equal)
+            n_unequal = int(unequal.sum())
+            if dt in _INT_OF:
+                ulp = ulp_distance(ref[unequal], other[unequal], dt)
+                self.max_ulp = max(self.max_ulp, int(ulp.max()))
+            self.rows_equal += int((row_max == 0).sum())
+            finite_diff = diff if finite else torch.where(torch.isinf(diff), torch.zeros_like(diff), diff)
+            self.sum_abs_diff += float(finite_diff.sum(dtype=torch.float64))
+        else:
+            self.rows_equal += diff.shape[0]
+        self.elements += diff.numel()
+        self.equal_elements += diff.numel() - n_unequal
+        self.rows += diff.shape[0]
+        self.max_abs_ref = max(self.max_abs_ref, ref_abs)
+        row_max = row_max.to(torch.float64).numpy()
+        worst = int(np.argmax(row_max))
+        if self.worst_position is None or row_max[worst] > self.max_abs_diff:
+            self.max_abs_diff = float(row_max[worst])
+            self.worst_sequence = int(seq[worst])
+            self.worst_position = int(pos[worst])
+        keep = pos < self.max_positions
+        if keep.any():
+            # fmax treats the NaN "never seen" marker as missing
+            np.fmax.at(self.per_position, pos[keep], row_max[keep].astype(np.float32))
+
+    @staticmethod
+    def _narrow(ref: Any, other: Any) -> bool:
+        return all(dtype_name(t.dtype) in ("bfloat16", "float16") for t in (ref, other))
+
+    @property
+    def mean_abs_diff(self) -> float:
+        return self.sum_abs_diff / self.elements if self.elements else 0.0
+
+    @property
+    def bitwise_equal_fraction(self) -> float:
+        return self.equal_elements / self.elements if self.elements else 1.0
+
+    @property
+    def equal(self) -> bool:
+        """True when every compared element was bitwise equal."""
+        return self.elements > 0 and self.equal_elements == self.elements
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready numbers (without the per-position vector)."""
+        return {
+            "elements": self.elements,
+            "rows": self.rows,
+            "max_abs_diff": self.max_abs_diff,
+            "mean_abs_diff": self.mean_abs_diff,
+            "max_ulp": self.max_ulp,
+            "bitwise_equal_fraction": self.bitwise_equal_fraction,
+            "rows_equal_fraction": self.rows_equal / self.rows if self.rows else 1.0,
+            "max_abs_ref": self.max_abs_ref,
+            "worst_sequence": self.worst_sequence,
+            "worst_position": self.worst_position,
+            "dtype": self.dtype,
+            "nonfinite": self.nonfinite,
+        }
+
+
+class PathComparer:
+    """Compares a live path against a stored one as the live path runs.
+
+    For every boundary the live path emits, the rows the stored path also
+    produced (same sequence and position) are read back from disk and folded
+    into ``summaries[name]``. When the live op comes with a ``ReplaySpec``, the
+    op is re-run on the stored path's inputs and compared with the stored
+    output: ``local[name]`` is the error the op introduces by itself.
+    """
+
+    def __init__(self, store: Any, max_len: int):
+        self.store = store
+        self.max_len = max_len
+        self.summaries: dict[str, DiffSummary] = {}
+        self.local: dict[str, DiffSummary] = {}
+        self.order: list[str] = []  # first-seen order on the live path
+        self._seen: set[str] = set()
+        self.not_stored: set[str] = set()
+        self.replay_skipped: dict[str, str] = {}
+        self.wants_replay = True
+
+    def emit(self, name: str, rows: Any, rmap: Any, replay: Any = None) -> None:
+        """Compare ``rows`` (``[len(rmap), width]``) with the stored path's rows."""
+        if name not in self._seen:
+            self._seen.add(name)
+            self.order.append(name)
+        stored = self.store.get(name)
+        if stored is None:
+            self.not_stored.add(name)
+            return
+        idx = np.nonzero(rmap.valid)[0]
+        seq, pos = rmap.seq[idx], rmap.pos[idx]
+        here = stored.has(seq, pos)
+        if not here.any():
+            return
+        summ = self.summaries.get(name)
+        if summ is None:
+            summ = self.summaries[name] = DiffSummary(self.max_len)
+        self._fold(summ, stored, rows, idx[here], seq[here], pos[here])
+        if replay is not None:
+            self._replay(name, stored, rmap, replay)
+
+    @staticmethod
+    def _fold(summ: DiffSummary, stored: Any, live: Any, idx: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> None:
+        """Compare in chunks of rows so the float64 temporaries stay small whatever the batch."""
+        step = max(1, CHUNK_ELEMENTS // max(1, int(live.shape[1])))
+        for a in range(0, len(idx), step):
+            b = a + step
+            summ.update(stored.read(seq[a:b], pos[a:b]), live[idx[a:b]], seq[a:b], pos[a:b])
+
+    def _replay(self, name: str, stored: Any, rmap: Any, spec: Any) -> None:
+        import torch
+
+        n = len(rmap)
+        ok = rmap.valid & stored.has(rmap.seq, rmap.pos)
+        xs = []
+        for in_name, template, layout in spec.inputs:
+            source = self.store.get(in_name)
+            if source is None:
+                self.replay_skipped[name] = f"input {in_name} was not recorded on the stored path"
+                return
+            rows = layout.to_rows(template, n).clone()
+            check = source.has_prefix if spec.causal else source.has
+            have = rmap.valid & check(rmap.seq, rmap.pos)
+            if have.any():
+                hidx = np.nonzero(have)[0]
+                rows[hidx] = source.read(rmap.seq[hidx], rmap.pos[hidx]).to(rows.dtype)
+            ok &= have
+            xs.append(layout.from_rows(rows, like=template))
+        if not ok.any():
+            return
+        with torch.no_grad():
+            out = spec.run(xs)
+        out_rows = spec.out_layout.to_rows(out, n)
+        oidx = np.nonzero(ok)[0]
+        local = self.local.get(name)
+        if local is None:
+            local = self.local[name] = DiffSummary(self.max_len)
+        self._fold(local, stored, out_rows, oidx, rmap.seq[oidx], rmap.pos[oidx])

@@ -1,0 +1,173 @@
+"""Replacement forwards that route vLLM's operators through ``logdiff.kernels``.
+
+Each factory takes one live vLLM object and returns the callable that
+``consistent_vllm`` installs in its place (as an instance attribute, so the
+class and every other instance stay untouched). They reproduce the exact
+calling convention of what they replace, and the HF semantics the kernels
+implement:
+
+* ``linear_gemm``: replaces ``layer.cpu_linear(x, weight, bias)``, which
+  ``UnquantizedLinearMethod.apply`` and ``UnquantizedEmbeddingMethod.apply``
+  (the lm_head) call through ``cpu_unquantized_gemm``.
+* ``rms_norm_forward``: ``RMSNorm.forward(x, residual=None)``; with a residual
+  it returns ``(norm(x + residual), x + residual)`` like the fused op.
+* ``rope_forward``: ``RotaryEmbedding.forward(positions, query, key)``.
+* ``silu_and_mul_forward``: ``SiluAndMul.forward(x)`` on ``[..., 2d]``.
+* ``attention_forward``: ``CPUAttentionBackendImpl.forward``; reads each
+  request's whole context back from the paged cache and runs the kernel with
+  absolute query positions, all requests of the step in one padded batch.
+* ``moe_forward``: ``MoERunner.forward``; router GEMM (``linear``),
+  ``moe_route``, then ``moe_experts`` (kernel linears and SiLU-and-mul per
+  expert, fixed-order ``moe_combine``) on the recovered plain expert weights.
+* ``log_softmax``: ``Sampler.compute_logprobs(logits)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def _kernels() -> Any:
+    from logdiff import kernels
+
+    return kernels
+
+
+def linear_gemm(weight: Any, output_sizes: Any = None) -> Callable[..., Any]:
+    """``cpu_linear`` replacement bound to the recovered plain weight.
+
+    A packed weight (``qkv_proj``, ``gate_up_proj``) is computed part by part,
+    which is what ``kernels.linear(..., output_sizes=...)`` does; the parts are
+    split once here so that the kernel's fp32 weight cache keeps hitting.
+    """
+    kernels = _kernels()
+    parts = [weight] if not output_sizes or len(output_sizes) < 2 else list(weight.split(list(output_sizes)))
+    parts = [p.contiguous() for p in parts]
+
+    def gemm(x: Any, _weight: Any, bias: Any = None) -> Any:
+        biases = [None] * len(parts) if bias is None else bias.to(weight.dtype).split([p.shape[0] for p in parts])
+        outs = [kernels.linear(x, p, b) for p, b in zip(parts, biases)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    return gemm
+
+
+def rms_norm_forward(module: Any) -> Callable[..., Any]:
+    """``RMSNorm.forward`` replacement (HF order: add, round, then normalise)."""
+    kernels = _kernels()
+    weight = module.weight.data
+    eps = float(module.variance_epsilon)
+
+    def forward(x: Any, residual: Any = None) -> Any:
+        if residual is None:
+            return kernels.rms_norm(x, weight, eps)
+        return kernels.rms_norm(x, weight, eps, residual=residual)
+
+    return forward
+
+
+def rope_forward(module: Any) -> Callable[..., Any]:
+    """``RotaryEmbedding.forward`` replacement: cos/sin from theta and absolute positions."""
+    kernels = _kernels()
+    head_size, rotary_dim = module.head_size, module.rotary_dim
+    theta = float(module.base)
+    style = "neox" if module.is_neox_style else "gptj"
+
+    def rotate(positions: Any, x: Any) -> Any:
+        heads = x.reshape(positions.shape[0], -1, head_size)
+        out = kernels.rope(heads, positions, theta, style=style, rotary_dim=rotary_dim)
+        return out.reshape(x.shape)
+
+    def forward(positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
+        positions = positions.flatten().long()
+        return rotate(positions, query), (None if key is None else rotate(positions, key))
+
+    return forward
+
+
+def silu_and_mul_forward() -> Callable[..., Any]:
+    """``SiluAndMul.forward`` replacement on the packed ``[gate | up]`` input."""
+    kernels = _kernels()
+
+    def forward(x: Any) -> Any:
+        d = x.shape[-1] // 2
+        return kernels.silu_and_mul(x[..., :d].contiguous(), x[..., d:].contiguous())
+
+    return forward
+
+
+def log_softmax() -> Callable[..., Any]:
+    """``Sampler.compute_logprobs`` replacement (a staticmethod: no ``self``)."""
+    kernels = _kernels()
+
+    def compute_logprobs(logits: Any) -> Any:
+        return kernels.log_softmax(logits)
+
+    return compute_logprobs
+
+
+def attention_forward(impl: Any) -> Callable[..., Any]:
+    """``CPUAttentionBackendImpl.forward`` replacement over the paged KV cache."""
+    from logdiff.probes.vllm_kv_cache import PagedKVReader
+
+    kernels = _kernels()
+    scale = float(impl.scale)
+
+    def forward(
+        layer: Any,
+        query: Any,
+        key: Any,
+        value: Any,
+        kv_cache: Any,
+        attn_metadata: Any,
+        output: Any,
+        output_scale: Any = None,
+        output_block_scale: Any = None,
+    ) -> Any:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("consistent attention: fused output quantization")
+        if attn_metadata is None:  # warm-up / profiling run
+            return output
+        if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
+            raise NotImplementedError("consistent attention: only causal decoder attention")
+        reader = PagedKVReader.discover(impl, layer, kv_cache)
+        starts = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()[: len(starts) - 1]
+        requests = [(r, starts[r], starts[r + 1], n) for r, n in enumerate(seq_lens) if starts[r + 1] > starts[r]]
+        if not requests:
+            return output
+        # One padded batch per step: the kernel's result for a query does not depend
+        # on the other sequences, on padding, or on the key count beyond its position.
+        rows = torch.tensor([r for r, *_ in requests])
+        kv_lens = torch.tensor([n for *_, n in requests], dtype=torch.int64)
+        k, v = reader.read_batch(kv_cache, attn_metadata.block_table[rows], kv_lens)
+        longest_q = max(stop - start for _, start, stop, _ in requests)
+        q = query.new_zeros(len(requests), longest_q, *query.shape[1:])
+        positions = torch.full((len(requests), longest_q), -1, dtype=torch.int64)
+        for i, (_, start, stop, seq_len) in enumerate(requests):
+            q[i, : stop - start] = query[start:stop]
+            positions[i, : stop - start] = torch.arange(seq_len - (stop - start), seq_len)
+        out = kernels.attention_batched(q, k, v, positions, scale, kv_lens)
+        for i, (_, start, stop, _) in enumerate(requests):
+            output[start:stop] = out[i, : stop - start]
+        return output
+
+    return forward
+
+
+def moe_forward(runner: Any, gate_weight: Any, w13: Any, w2: Any) -> Callable[..., Any]:
+    """``MoERunner.forward`` replacement for plain softmax top-k routing (Qwen3-MoE, Mixtral)."""
+    kernels = _kernels()
+    router = runner.router
+    top_k, renormalize = int(router.top_k), bool(router.renormalize)
+
+    def forward(hidden_states: Any, router_logits: Any, input_ids: Any = None, shared_experts_input: Any = None) -> Any:
+        if gate_weight is not None:  # the runner owns the gate: vLLM passes the hidden states as logits
+            router_logits = kernels.linear(hidden_states, gate_weight)
+        weights, ids = kernels.moe_route(router_logits, top_k, renormalize)
+        return kernels.moe_experts(hidden_states, weights, ids, w13, w2)
+
+    return forward

@@ -1,0 +1,129 @@
+"""Number and value formatting shared by the HTML page and the terminal summary.
+
+Both renderers show the same numbers the same way, and both read the metric
+catalogue below, so a metric gets one label and one verl name everywhere.
+Everything here is pure and works on plain JSON values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+# (key in the metrics dict, label, the name RL frameworks log it under, what it means)
+METRICS: list[tuple[str, str, str, str]] = [
+    ("num_tokens", "tokens compared", "", "response tokens compared"),
+    ("abs_diff_max", "max |Δ logprob|", "", "largest |lp_train − lp_infer| over all tokens"),
+    ("abs_diff_mean", "mean |Δ logprob|", "", "mean |lp_train − lp_infer|"),
+    ("abs_diff_p99", "p99 |Δ logprob|", "", "99th percentile of |lp_train − lp_infer|"),
+    ("bitwise_equal_fraction", "bitwise-equal tokens", "", "tokens whose two logprobs are the same float"),
+    ("rollout_probs_diff_max", "max |Δ prob|", "training/rollout_probs_diff_max",
+     "verl: max |p_infer − p_train|"),
+    ("rollout_probs_diff_mean", "mean |Δ prob|", "training/rollout_probs_diff_mean",
+     "verl: mean |p_infer − p_train|"),
+    ("rollout_probs_diff_std", "std |Δ prob|", "training/rollout_probs_diff_std",
+     "verl: std of |p_infer − p_train|"),
+    ("probs_pearson", "Pearson r of probs", "training/rollout_actor_probs_pearson_corr",
+     "correlation of p_train and p_infer"),
+    ("kl_k1", "KL (k1)", "rollout_corr/kl", "mean of lp_infer − lp_train"),
+    ("kl_k3", "KL (k3)", "rollout_corr/k3_kl", "mean of r − 1 − log r, r = p_train / p_infer"),
+    ("ratio_mean", "ratio mean", "", "importance ratio r = exp(lp_train − lp_infer)"),
+    ("ratio_std", "ratio std", "", "standard deviation of r"),
+    ("ratio_min", "ratio min", "", "smallest r"),
+    ("ratio_max", "ratio max", "", "largest r"),
+    ("clip_fraction_0.2", "clip fraction ε=0.2", "", "tokens with |r − 1| > 0.2 (PPO clip)"),
+    ("clip_fraction_0.28", "clip fraction ε=0.28", "", "tokens with |r − 1| > 0.28 (DAPO clip-higher)"),
+    ("argmax_flip_fraction", "argmax flips", "", "positions whose top-1 token differs"),
+    ("rollout_abs_diff_max", "recorded rollout max |Δ|", "",
+     "replay mode: recorded rollout logprobs against this inference path"),
+    ("rollout_abs_diff_mean", "recorded rollout mean |Δ|", "",
+     "replay mode: recorded rollout logprobs against this inference path"),
+]
+
+# The subset the terminal summary shows.
+KEY_METRICS = ["abs_diff_max", "abs_diff_mean", "bitwise_equal_fraction", "rollout_probs_diff_max",
+               "rollout_probs_diff_mean", "probs_pearson", "kl_k1", "kl_k3", "clip_fraction_0.2",
+               "argmax_flip_fraction", "rollout_abs_diff_max"]
+
+FRACTION_METRICS = {"bitwise_equal_fraction", "clip_fraction_0.2", "clip_fraction_0.28",
+                    "argmax_flip_fraction"}
+
+VERDICT_TEXT = {
+    "consistent": "consistent: the paths agree",
+    "divergent": "divergent: the paths differ, cause not classified",
+    "operator_path": "operator path: same contract, different kernels",
+    "framework_difference": "framework difference: the paths compute different things",
+    "mixed": "mixed: operator-path and framework differences",
+}
+
+
+def is_number(value: Any) -> bool:
+    """True for ints and floats, false for bools and everything else."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def fmt_num(value: Any) -> str:
+    """A short, readable number: 0, 0.0412, 3.90e-03, 1.2e+05; '—' for missing."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if not isinstance(value, float):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4g}"
+    return f"{value:.2e}"
+
+
+def fmt_fraction(value: Any) -> str:
+    """A fraction as a percentage: 0.0781 -> '7.81%'."""
+    if not is_number(value) or not math.isfinite(value):
+        return fmt_num(value)
+    if value == 0:
+        return "0%"
+    pct = 100.0 * value
+    return f"{pct:.3g}%" if pct >= 0.01 else f"{pct:.1e}%"
+
+
+def fmt_metric(key: str, value: Any) -> str:
+    """A metric value, formatted for its kind."""
+    return fmt_fraction(value) if key in FRACTION_METRICS else fmt_num(value)
+
+
+def fmt_value(value: Any) -> str:
+    """A config or settings value exactly as JSON would spell it (floats keep full precision)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        return fmt_num(value)
+    try:
+        return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def fmt_lens(lens: Any) -> str:
+    """A list of lengths as 'N' when all equal, else 'min–max'."""
+    if not isinstance(lens, list) or not lens or not all(is_number(x) for x in lens):
+        return "—"
+    lo, hi = min(lens), max(lens)
+    return str(lo) if lo == hi else f"{lo}–{hi}"
+
+
+def pair_label(pair: dict) -> str:
+    """'hf vs vllm'."""
+    return f"{pair.get('train', '?')} vs {pair.get('infer', '?')}"
+
+
+def verdict_text(verdict: Any) -> str:
+    """The verdict with a short explanation."""
+    return VERDICT_TEXT.get(verdict, str(verdict))

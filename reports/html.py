@@ -1,0 +1,369 @@
+"""Render a result dict as one self-contained, offline HTML page.
+
+The page is ``templates/report.html`` rendered by Jinja2 with autoescaping on,
+so every string from the model, the paths or the user is escaped by default.
+``build_view`` first turns the result into a flat, defaulted view (formatted
+numbers, chart geometry from ``charts``), so the template never meets a
+missing key and optional fields (null at ``--depth logprobs``) simply drop
+their section.
+
+The only data the page's script reads is the heatmap, embedded as JSON in a
+``<script type="application/json">`` block. ``embed_json`` escapes ``<``,
+``>`` and ``&`` (and U+2028/2029) as ``\\uXXXX`` so a ``</script>`` inside a
+boundary name cannot end the block. A Content-Security-Policy allows no
+network access at all and only the page's own script (by hash), so even a
+string that escaped escaping could neither load nor run anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from .charts import heatmap_data, histogram_chart, position_chart
+from .format import (METRICS, fmt_fraction, fmt_lens, fmt_metric, fmt_num, fmt_value, is_number,
+                     pair_label, verdict_text)
+
+TEMPLATE_DIR = Path(__file__).with_name("templates")
+
+
+@lru_cache(maxsize=1)
+def _environment():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = fmt_num
+    env.filters["csp_hash"] = csp_hash
+    env.filters["breakable"] = breakable
+    return env
+
+
+def render_html(result: dict) -> str:
+    """The report page for ``result`` (a result.json dict) as one HTML string."""
+    return _environment().get_template("report.html").render(v=build_view(result))
+
+
+def write_html(result: dict, path: Path) -> Path:
+    """Render ``result`` to ``path`` (parents created); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(result), encoding="utf-8")
+    return path
+
+
+def embed_json(data: Any) -> str:
+    """JSON safe to place inside a <script> element: no <, >, & or line separators in the text."""
+    from markupsafe import Markup
+
+    text = json.dumps(data, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    for char, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"),
+                          ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+        text = text.replace(char, escaped)
+    return Markup(text)
+
+
+def breakable(name: Any):
+    """Escape a dotted name and allow line breaks after its dots (model.layers.0.<wbr>mlp)."""
+    from markupsafe import Markup, escape
+
+    return Markup(str(escape(name)).replace(".", ".<wbr>"))
+
+
+def csp_hash(script: str) -> str:
+    """The CSP source expression that allows exactly this inline script."""
+    digest = hashlib.sha256(str(script).encode("utf-8")).digest()
+    return "'sha256-" + base64.b64encode(digest).decode("ascii") + "'"
+
+
+# ---------------------------------------------------------------- view model
+
+def _dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
+
+
+def _text(value: Any, missing: str = "—") -> str:
+    return missing if value is None else str(value)
+
+
+def build_view(result: dict) -> dict:
+    """Everything the template shows, formatted and defaulted."""
+    r = _dict(result)
+    pairs = [p for p in _list(r.get("pairs")) if isinstance(p, dict)]
+    settings = _dict(r.get("settings"))
+    depth = settings.get("depth")
+    heatmap = heatmap_data(r.get("divergence_table"), r.get("first_divergence"))
+    if heatmap is not None:
+        heatmap["response_start"] = _uniform_prompt_len(r.get("sequences"))
+    verdict = _text(r.get("verdict"), "unknown")
+    return {
+        "verdict": verdict,
+        "verdict_text": verdict_text(verdict),
+        "complete": r.get("complete") is not False,
+        "warnings": [str(w) for w in _list(r.get("warnings"))],
+        "model": _text(r.get("model")),
+        "checkpoint": _text(r.get("checkpoint"), "(the model's own weights)"),
+        "infer_checkpoint": _text(r.get("infer_checkpoint"), "(same as training)"),
+        "architecture": _text(r.get("architecture")),
+        "dtype": _text(r.get("dtype")),
+        "created": _format_created(r.get("created")),
+        "tool_version": _text(_dict(r.get("tool")).get("version")),
+        "schema_version": _text(r.get("schema_version")),
+        "depth": _text(depth),
+        "headline": _headline(r, pairs),
+        "cards": _cards(r),
+        "settings": _settings_rows(settings, r.get("sequences")),
+        "environment": [(k, fmt_value(v)) for k, v in _dict(r.get("environment")).items()],
+        "paths": _paths(r.get("paths")),
+        "pair_labels": [pair_label(p) for p in pairs],
+        "metrics": _metrics_rows(pairs, r.get("logprobs")),
+        "pairs": [_pair_view(p) for p in pairs],
+        "first_divergence": _first_divergence(r.get("first_divergence")),
+        "no_divergence_reason": _no_divergence_reason(r, depth),
+        "introducing_ops": _introducing(r.get("introducing_ops")),
+        "causes": _causes(r.get("causes")),
+        "heatmap": heatmap,
+        "heatmap_missing": _heatmap_missing(r, depth),
+        "data_json": embed_json({"heatmap": heatmap}),
+        "contracts": _contracts(r.get("contracts")),
+        "moe": _moe(r.get("moe")),
+        "batch_invariance": _pretty(r.get("batch_invariance")),
+    }
+
+
+def _uniform_prompt_len(sequences: Any) -> int | None:
+    """The absolute position where responses start, when every prompt has the same length."""
+    lens = _dict(sequences).get("prompt_lens")
+    if isinstance(lens, list) and lens and all(is_number(x) for x in lens) and len(set(lens)) == 1:
+        return int(lens[0])
+    return None
+
+
+def _format_created(value: Any) -> str:
+    if not isinstance(value, str):
+        return "—"
+    try:
+        when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        return value
+    if when.tzinfo is not None:
+        when = when.astimezone(timezone.utc)
+    return when.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _headline(r: dict, pairs: list[dict]) -> str:
+    """One sentence under the verdict: the size of the gap and where it starts."""
+    lp = _dict(r.get("logprobs"))
+    parts = []
+    if pairs:
+        n = lp.get("num_tokens")
+        tokens = f" over {n} tokens" if is_number(n) else ""
+        parts.append(f"max |Δ logprob| {fmt_num(lp.get('abs_diff_max'))}, "
+                     f"mean {fmt_num(lp.get('abs_diff_mean'))} ({pair_label(pairs[0])}{tokens})")
+    fd = r.get("first_divergence")
+    if isinstance(fd, dict):
+        parts.append(f"first divergence at {fd.get('boundary')}, position {fd.get('position')}")
+    causes = _list(r.get("causes"))
+    if causes:
+        parts.append(f"{len(causes)} cause{'s' if len(causes) != 1 else ''} found")
+    return "; ".join(parts) + ("." if parts else "")
+
+
+def _cards(r: dict) -> list[dict]:
+    lp = _dict(r.get("logprobs"))
+    fd = r.get("first_divergence")
+    cards = [
+        {"label": "max |Δ logprob|", "value": fmt_num(lp.get("abs_diff_max")), "sub": "primary pair"},
+        {"label": "mean |Δ logprob|", "value": fmt_num(lp.get("abs_diff_mean")), "sub": "primary pair"},
+    ]
+    if "bitwise_equal_fraction" in lp:
+        cards.append({"label": "bitwise-equal tokens",
+                      "value": fmt_fraction(lp.get("bitwise_equal_fraction")),
+                      "sub": f"of {fmt_num(lp.get('num_tokens'))} tokens"})
+    if "kl_k3" in lp:
+        cards.append({"label": "KL (k3)", "value": fmt_num(lp.get("kl_k3")), "sub": "rollout_corr/k3_kl"})
+    if isinstance(fd, dict):
+        layer = fd.get("layer")
+        cards.append({"label": "first divergence", "value": _text(fd.get("boundary")), "mono": True,
+                      "sub": f"position {_text(fd.get('position'))}"
+                             + (f", layer {layer}" if layer is not None else "")})
+    for card in cards:
+        card.setdefault("mono", False)
+    return cards
+
+
+def _settings_rows(settings: dict, sequences: Any) -> list[tuple[str, str]]:
+    rows = []
+    for key, value in settings.items():
+        if key == "overrides" and isinstance(value, dict):
+            for side in ("train", "infer"):
+                for k, v in _dict(value.get(side)).items():
+                    rows.append((f"override ({side})", f"{k} = {fmt_value(v)}"))
+            continue
+        rows.append((str(key), fmt_value(value)))
+    seqs = _dict(sequences)
+    if seqs:
+        rows.append(("sequences", f"{fmt_num(seqs.get('count'))} from {_text(seqs.get('source'))}, "
+                                  f"prompt {fmt_lens(seqs.get('prompt_lens'))} + "
+                                  f"response {fmt_lens(seqs.get('response_lens'))} tokens"))
+    return rows
+
+
+def _paths(paths: Any) -> list[dict]:
+    out = []
+    for p in _list(paths):
+        if not isinstance(p, dict):
+            continue
+        settings = ", ".join(f"{k}={fmt_value(v)}" for k, v in _dict(p.get("settings")).items())
+        out.append({"name": _text(p.get("name")), "role": _text(p.get("role")),
+                    "engine": _text(p.get("engine")), "mode": _text(p.get("mode")),
+                    "version": _text(p.get("version")), "settings": settings or "—"})
+    return out
+
+
+def _metrics_rows(pairs: list[dict], logprobs: Any) -> list[dict]:
+    """One row per known metric present in any pair; one value column per pair."""
+    per_pair = [_dict(p.get("metrics")) for p in pairs] or [_dict(logprobs)]
+    rows = []
+    for key, label, verl, meaning in METRICS:
+        if not any(key in m for m in per_pair):
+            continue
+        rows.append({"key": key, "label": label, "verl": verl, "meaning": meaning,
+                     "cells": [fmt_metric(key, m.get(key)) if key in m else "—" for m in per_pair]})
+    known = {k for k, *_ in METRICS}
+    extra = sorted({k for m in per_pair for k in m} - known)
+    for key in extra:
+        rows.append({"key": key, "label": key, "verl": "", "meaning": "",
+                     "cells": [fmt_num(m.get(key)) if key in m else "—" for m in per_pair]})
+    return rows
+
+
+def _pair_view(pair: dict) -> dict:
+    worst = pair.get("worst")
+    worst_view = None
+    if isinstance(worst, dict):
+        t, i = worst.get("train_logprob"), worst.get("infer_logprob")
+        diff = abs(t - i) if is_number(t) and is_number(i) else None
+        worst_view = {"sequence": _text(worst.get("sequence")), "position": _text(worst.get("position")),
+                      "token_id": _text(worst.get("token_id")),
+                      "token_text": None if worst.get("token_text") is None else repr(str(worst["token_text"])),
+                      "train": fmt_num(t), "infer": fmt_num(i), "diff": fmt_num(diff)}
+    return {"label": pair_label(pair), "train": _text(pair.get("train")), "infer": _text(pair.get("infer")),
+            "chart": position_chart(pair.get("per_position")),
+            "histogram": histogram_chart(pair.get("histogram")), "worst": worst_view}
+
+
+def _first_divergence(fd: Any) -> dict | None:
+    if not isinstance(fd, dict):
+        return None
+    eq = fd.get("inputs_equal")
+    return {"boundary": _text(fd.get("boundary")), "layer": _text(fd.get("layer"), "— (outside a layer)"),
+            "position": _text(fd.get("position")), "max_abs_diff": fmt_num(fd.get("max_abs_diff")),
+            "inputs_equal": eq is True, "inputs_known": isinstance(eq, bool),
+            "input_max_abs_diff": fmt_num(fd.get("input_max_abs_diff"))}
+
+
+def _no_divergence_reason(r: dict, depth: Any) -> str:
+    if depth == "logprobs":
+        return "Not localized: this scan ran at --depth logprobs. Rerun with --depth modules to find where the paths part."
+    if r.get("verdict") == "consistent":
+        return "Nothing diverged: every recorded boundary is bitwise equal."
+    return "No boundary was found whose inputs agree and whose outputs differ."
+
+
+def _heatmap_missing(r: dict, depth: Any) -> str:
+    if depth == "logprobs":
+        return "No boundary × position table: this scan ran at --depth logprobs (use --depth modules)."
+    return "This result has no boundary × position table."
+
+
+def _introducing(ops: Any) -> list[dict]:
+    out = []
+    for op in _list(ops):
+        if isinstance(op, dict):
+            out.append({"boundary": _text(op.get("boundary")), "layer": _text(op.get("layer")),
+                        "local": fmt_num(op.get("local_max_abs_diff")),
+                        "propagated": fmt_num(op.get("propagated_max_abs_diff")),
+                        "method": _text(op.get("method")),
+                        "inputs_equal": fmt_num(op.get("inputs_equal"))})
+    return out
+
+
+def _causes(causes: Any) -> list[dict]:
+    out = []
+    for c in _list(causes):
+        if not isinstance(c, dict):
+            continue
+        share = c.get("share")
+        width = min(100.0, max(0.0, 100.0 * share)) if is_number(share) and math.isfinite(share) else 0.0
+        necessity = c.get("necessity")
+        out.append({"boundary": _text(c.get("boundary")), "cls": _text(c.get("class")),
+                    "kind": _text(c.get("kind")), "fix": _text(c.get("fix"), ""),
+                    "evidence": [str(e) for e in _list(c.get("evidence"))],
+                    "share": fmt_fraction(share) if is_number(share) else "not measured",
+                    "share_width": f"{width:.1f}", "share_known": is_number(share),
+                    "necessity": {True: "necessary", False: "not necessary alone"}.get(necessity, "—")})
+    return out
+
+
+def _contracts(contracts: Any) -> dict | None:
+    if not isinstance(contracts, dict):
+        return None
+    train, infer = _dict(contracts.get("train")), _dict(contracts.get("infer"))
+    declared = {str(k) for k in _list(contracts.get("differs"))}
+    rows = []
+    for key in list(train) + [k for k in infer if k not in train]:
+        tv, iv = train.get(key, _MISSING), infer.get(key, _MISSING)
+        differs = key in declared or tv != iv
+        rows.append({"key": str(key), "train": "(absent)" if tv is _MISSING else fmt_value(tv),
+                     "infer": "(absent)" if iv is _MISSING else fmt_value(iv), "differs": differs})
+    rows.sort(key=lambda row: not row["differs"])          # differing values first, order kept otherwise
+    weights = contracts.get("weights")
+    weights_view = None
+    if isinstance(weights, dict):
+        ft, fi = weights.get("fingerprint_train"), weights.get("fingerprint_infer")
+        differing = [str(w) for w in _list(weights.get("differs"))]
+        weights_view = {"train": _text(ft), "infer": _text(fi), "differs": differing[:200],
+                        "more": max(0, len(differing) - 200),
+                        "mismatch": bool(differing) or (ft is not None and fi is not None and ft != fi)}
+    return {"rows": rows, "differ_count": sum(r["differs"] for r in rows), "weights": weights_view}
+
+
+_MISSING = object()
+
+
+def _moe(moe: Any) -> list[dict] | None:
+    rates = _dict(_dict(moe).get("router_flip_rate"))
+    if not rates:
+        return None
+    finite = [v for v in rates.values() if is_number(v) and math.isfinite(v)]
+    top = max(finite, default=0.0) or 1.0          # bars are relative to the largest rate
+    return [{"boundary": str(k), "rate": fmt_fraction(v),
+             "width": f"{min(100.0, max(0.0, 100.0 * v / top)):.1f}" if is_number(v) and math.isfinite(v) else "0"}
+            for k, v in rates.items()]
+
+
+def _flatten(value: Any, prefix: str = "", depth: int = 0) -> list[tuple[str, str]]:
+    """Nested dicts as ('a.b.c', value) rows; lists and deeper levels stay inline JSON."""
+    if isinstance(value, dict) and value and depth < 4:
+        rows = []
+        for key, inner in value.items():
+            rows.extend(_flatten(inner, f"{prefix}.{key}" if prefix else str(key), depth + 1))
+        return rows
+    return [(prefix or "value", fmt_value(value))]
+
+
+def _pretty(value: Any) -> list[tuple[str, str]] | None:
+    if value is None or value == {}:
+        return None
+    return _flatten(value)[:500]

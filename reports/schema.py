@@ -1,0 +1,171 @@
+"""Load a saved result.json and check it against the documented schema.
+
+The contract lives in two places that must agree: ``docs/result-schema.md``
+(for people) and ``result.schema.json`` next to this file (JSON Schema draft
+2020-12, for machines). ``validate_result`` runs the JSON Schema and then the
+few cross-field rules a JSON Schema cannot express (table shapes, histogram
+edges, ``logprobs`` being the primary pair's metrics). It returns messages
+rather than raising, so the CLI decides whether a bad result is fatal.
+
+``jsonschema`` is a dev/runtime dependency; without it the structural check
+is skipped with one clear message and only the cross-field rules run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
+
+
+@lru_cache(maxsize=1)
+def load_schema() -> dict:
+    """The JSON Schema of result.json (cached)."""
+    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+
+
+def load_result(path: str | Path) -> dict:
+    """Read a result.json; raises ValueError with a one-line reason when unusable."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    try:
+        result = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(result, dict):
+        raise ValueError(f"{path} does not hold a JSON object (found {type(result).__name__})")
+    return result
+
+
+def validate_result(result: dict) -> list[str]:
+    """Error messages for everything in ``result`` that breaks the schema; empty when valid."""
+    if not isinstance(result, dict):
+        return [f"$: expected a JSON object, found {type(result).__name__}"]
+    errors = _schema_errors(result)
+    errors.extend(_cross_field_errors(result))
+    return errors
+
+
+def _schema_errors(result: dict) -> list[str]:
+    try:
+        from jsonschema import Draft202012Validator
+    except ImportError:
+        return ["jsonschema is not installed, so the structure of the result was not checked "
+                "(pip install jsonschema)"]
+    validator = Draft202012Validator(load_schema())
+    found = [leaf for e in validator.iter_errors(result) for leaf in _specific(e)]
+    found.sort(key=lambda e: [str(p) for p in e.absolute_path])
+    return list(dict.fromkeys(f"{_json_path(e.absolute_path)}: {e.message}" for e in found))
+
+
+def _specific(error) -> list:
+    """For "null or object" (oneOf) failures, the errors inside the object branch, not the vague summary."""
+    if not error.context:
+        return [error]
+    inner = [e for e in error.context if not (e.validator == "type" and e.validator_value == "null")]
+    return [leaf for e in inner for leaf in _specific(e)] or [error]
+
+
+def _json_path(parts) -> str:
+    out = "$"
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out
+
+
+def _cross_field_errors(result: dict) -> list[str]:
+    """Rules between fields that JSON Schema cannot state. Each guards its own types."""
+    errors: list[str] = []
+    if result.get("complete") is False and not result.get("warnings"):
+        errors.append("$.warnings: must say why when complete is false")
+
+    seqs = result.get("sequences")
+    if isinstance(seqs, dict) and isinstance(seqs.get("count"), int):
+        for key in ("prompt_lens", "response_lens"):
+            lens = seqs.get(key)
+            if isinstance(lens, list) and len(lens) != seqs["count"]:
+                errors.append(f"$.sequences.{key}: has {len(lens)} entries, count is {seqs['count']}")
+
+    pairs = result.get("pairs")
+    paths = result.get("paths")
+    roles = {p.get("name"): p.get("role") for p in paths if isinstance(p, dict)} \
+        if isinstance(paths, list) else {}
+    if isinstance(pairs, list):
+        for i, pair in enumerate(pairs):
+            if isinstance(pair, dict):
+                errors.extend(_pair_errors(f"$.pairs[{i}]", pair, roles))
+        if pairs and isinstance(pairs[0], dict):
+            errors.extend(_primary_metrics_errors(result.get("logprobs"), pairs[0].get("metrics")))
+
+    table = result.get("divergence_table")
+    if isinstance(table, dict):
+        errors.extend(_table_errors(table))
+    return errors
+
+
+def _pair_errors(where: str, pair: dict, roles: dict) -> list[str]:
+    errors = []
+    for side in ("train", "infer"):
+        name = pair.get(side)
+        if roles and isinstance(name, str) and roles.get(name) != side:
+            errors.append(f"{where}.{side}: {name!r} is not a path with role {side!r} in $.paths")
+    per_pos = pair.get("per_position")
+    if isinstance(per_pos, dict):
+        mean, mx = per_pos.get("abs_diff_mean"), per_pos.get("abs_diff_max")
+        if isinstance(mean, list) and isinstance(mx, list) and len(mean) != len(mx):
+            errors.append(f"{where}.per_position: abs_diff_mean has {len(mean)} entries, "
+                          f"abs_diff_max has {len(mx)}")
+    hist = pair.get("histogram")
+    if isinstance(hist, dict):
+        edges, counts = hist.get("edges"), hist.get("counts")
+        if isinstance(edges, list) and isinstance(counts, list):
+            if len(edges) != len(counts) + 1:
+                errors.append(f"{where}.histogram: edges has {len(edges)} entries, "
+                              f"expected len(counts) + 1 = {len(counts) + 1}")
+            if edges and edges[0] != 0:
+                errors.append(f"{where}.histogram.edges[0]: must be 0 (exactly-equal tokens)")
+            if _numbers(edges) and any(b <= a for a, b in zip(edges, edges[1:])):
+                errors.append(f"{where}.histogram.edges: must be strictly increasing")
+    return errors
+
+
+def _primary_metrics_errors(logprobs: Any, primary: Any) -> list[str]:
+    if not (isinstance(logprobs, dict) and isinstance(primary, dict)):
+        return []
+    errors = []
+    for key in ("abs_diff_max", "abs_diff_mean"):
+        a, b = logprobs.get(key), primary.get(key)
+        if _numbers([a, b]) and not (a == b or (math.isnan(a) and math.isnan(b))):
+            errors.append(f"$.logprobs.{key}: {a!r} differs from the primary pair's "
+                          f"$.pairs[0].metrics.{key} {b!r}")
+    return errors
+
+
+def _table_errors(table: dict) -> list[str]:
+    bounds, positions, values = table.get("boundaries"), table.get("positions"), table.get("max_abs_diff")
+    if not (isinstance(bounds, list) and isinstance(positions, list) and isinstance(values, list)):
+        return []
+    errors = []
+    if len(values) != len(bounds):
+        errors.append(f"$.divergence_table.max_abs_diff: has {len(values)} rows, "
+                      f"boundaries has {len(bounds)}")
+    for i, row in enumerate(values):
+        if isinstance(row, list) and len(row) != len(positions):
+            errors.append(f"$.divergence_table.max_abs_diff[{i}]: has {len(row)} columns, "
+                          f"positions has {len(positions)}")
+            break
+    if len(set(bounds)) != len(bounds):
+        errors.append("$.divergence_table.boundaries: names must be unique")
+    return errors
+
+
+def _numbers(values: list) -> bool:
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)

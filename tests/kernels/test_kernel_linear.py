@@ -1,0 +1,115 @@
+"""linear: a row's bits do not depend on M; packed weights give the unpacked columns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from logdiff.kernels import KERNELS, M_TILE, N_TILE, N_TILED_MAX, linear, linear_reference, weight_cache
+
+DTYPES = [torch.float32, torch.bfloat16]
+BOUND = {k.name: k.bound for k in KERNELS}["linear"]
+
+
+def _xw(gen: torch.Generator, m: int = 70, k: int = 256, n: int = 192, dtype: torch.dtype = torch.float32):
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    return x.to(dtype), w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 8, M_TILE + 1])
+def test_rows_do_not_depend_on_batch_size(gen, dtype, m):
+    x, w = _xw(gen, dtype=dtype)
+    full = linear(x, w)
+    assert torch.equal(linear(x[:m], w), full[:m])
+    assert torch.equal(linear(x[-m:], w), full[-m:])  # rows at other offsets in the tile
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mixed_length_batch_equals_each_sequence_alone(gen, dtype):
+    x, w = _xw(gen, m=40, dtype=dtype)
+    seqs = [x[:5], x[5:22], x[22:40]]
+    padded = torch.zeros(3, 18, x.shape[1], dtype=dtype)
+    for i, s in enumerate(seqs):
+        padded[i, : len(s)] = s
+    batched = linear(padded, w)  # [3, 18, N], leading dims kept
+    for i, s in enumerate(seqs):
+        assert torch.equal(batched[i, : len(s)], linear(s, w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_weight_with_output_sizes_equals_unpacked_layers(gen, dtype):
+    x, _ = _xw(gen, dtype=dtype)
+    q, k, v = (torch.randn(n, 256, generator=gen).to(dtype) / 16 for n in (128, 64, 64))
+    bias = torch.randn(256, generator=gen).to(dtype)
+    packed = linear(x, torch.cat([q, k, v]), bias, output_sizes=(128, 64, 64))
+    unpacked = torch.cat([linear(x, q, bias[:128]), linear(x, k, bias[128:192]), linear(x, v, bias[192:])], -1)
+    assert torch.equal(packed, unpacked)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k,parts", [(256, (256, 128, 128)), (896, (896, 128, 128)), (896, (4864, 4864))])
+def test_packed_parts_that_are_whole_n_tiles_equal_unpacked_by_construction(gen, dtype, k, parts):
+    assert all(n % N_TILE == 0 for n in parts)
+    x = torch.randn(37, k, generator=gen).to(dtype)
+    ws = [(torch.randn(n, k, generator=gen) / k**0.5).to(dtype) for n in parts]
+    assert torch.equal(linear(x, torch.cat(ws)), torch.cat([linear(x, w) for w in ws], -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_parts_inside_one_n_tile_also_match_on_this_blas(gen, dtype):
+    """Parts smaller than N_TILE share a tile at different column offsets: equal here because the
+    BLAS computes each column alike (a measured property; output_sizes makes it certain)."""
+    x = torch.randn(37, 64, generator=gen).to(dtype)
+    ws = [(torch.randn(n, 64, generator=gen) / 8).to(dtype) for n in (64, 32, 32)]
+    assert torch.equal(linear(x, torch.cat(ws)), torch.cat([linear(x, w) for w in ws], -1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_weights_wider_than_the_tiled_limit_are_row_invariant(gen, dtype):
+    x = torch.randn(70, 64, generator=gen).to(dtype)
+    w = (torch.randn(N_TILED_MAX + 100, 64, generator=gen) / 8).to(dtype)
+    full = linear(x, w)
+    assert full.shape == (70, N_TILED_MAX + 100)
+    assert torch.equal(linear(x[:1], w), full[:1]) and torch.equal(linear(x[-3:], w), full[-3:])
+
+
+def test_weight_cache_gives_the_same_bits_and_follows_in_place_updates(gen):
+    x, w = _xw(gen, n=100, dtype=torch.bfloat16)  # 100 columns: padded to one N tile
+    plain = linear(x, w)
+    with weight_cache():
+        assert torch.equal(linear(x, w), plain) and torch.equal(linear(x, w), plain)
+        w.mul_(2)
+        assert torch.equal(linear(x, w), linear(x, w.clone()))
+
+
+def test_bias_is_added_in_fp32_and_rounded_once(gen):
+    x, w = _xw(gen, dtype=torch.float32)
+    b = torch.randn(w.shape[0], generator=gen)
+    assert torch.equal(linear(x, w, b), linear(x, w) + b)
+    assert torch.equal(linear(x[:1], w, b), linear(x, w, b)[:1])
+
+
+def test_error_against_fp64_is_within_the_stated_bound(gen):
+    x, w = _xw(gen, k=1024)
+    ref = linear_reference(x.double(), w.double())
+    err = (linear(x, w).double() - ref).abs().max() / ref.abs().max()
+    assert err <= BOUND
+
+
+def test_bf16_output_is_one_rounding_of_an_fp32_accurate_result(gen):
+    x, w = _xw(gen, dtype=torch.bfloat16)
+    ref = linear_reference(x.double(), w.double())
+    out = linear(x, w).double()
+    # one bf16 rounding (<= 2^-8 relative) plus fp32 accumulation error
+    assert ((out - ref).abs() <= ref.abs() * 2.0**-8 + 1e-4 * ref.abs().max()).all()
+
+
+def test_negative_control_stock_fp32_linear_depends_on_batch_size(gen):
+    x, w = _xw(gen)
+    alone = F.linear(x[:1], w)
+    in_batch = F.linear(x[:8], w)[:1]
+    assert not torch.equal(alone, in_batch), "stock fp32 F.linear became batch-invariant on this CPU"
+    assert torch.equal(linear(x[:1], w), linear(x[:8], w)[:1])

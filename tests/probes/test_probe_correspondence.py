@@ -1,0 +1,49 @@
+"""Correspondence maps: semantic order is a topological order of the data flow."""
+
+from __future__ import annotations
+
+import pytest
+
+from logdiff.probes import correspondence as c
+
+CONFIG = {"num_hidden_layers": 3}
+
+
+@pytest.mark.parametrize("arch", sorted(c.MAPS))
+def test_every_input_comes_before_its_boundary(arch: str) -> None:
+    cmap = c.build(arch, {**CONFIG, "mlp_only_layers": [1], "decoder_sparse_step": 1})
+    seen: set[str] = set()
+    for b in cmap.boundaries:
+        for i in b.inputs:
+            assert i in seen, f"{b.name} reads {i} before it is computed"
+        seen.add(b.name)
+    assert cmap.order[0] == "model.embed_tokens" and cmap.order[-2:] == ["logits", "log_softmax"]
+    assert len(set(cmap.order)) == len(cmap.order)
+
+
+def test_maps_differ_where_the_architectures_do() -> None:
+    qwen3 = c.build("Qwen3ForCausalLM", CONFIG)
+    llama = c.build("LlamaForCausalLM", CONFIG)
+    moe = c.build("Qwen3MoeForCausalLM", {**CONFIG, "mlp_only_layers": [1]})
+    assert qwen3.get("model.layers.0.self_attn.q_norm") is not None
+    assert llama.get("model.layers.0.self_attn.q_norm") is None
+    assert llama.get("model.layers.0.self_attn.rope_q").inputs == ("model.layers.0.self_attn.q_proj",)
+    assert moe.get("model.layers.0.mlp.gate").kind == "router"
+    assert moe.get("model.layers.1.mlp.down_proj") is not None  # a dense layer inside the MoE model
+    assert c.build("MistralForCausalLM", CONFIG) is None
+    assert not c.fallback("MistralForCausalLM", CONFIG).mapped
+
+
+def test_fused_residual_taps_name_the_previous_layer() -> None:
+    cmap = c.build("Qwen3ForCausalLM", CONFIG)
+    tap = next(t for t in cmap.taps["vllm"] if t.pattern.endswith(r"\.input_layernorm"))
+    assert cmap.names_for(tap, 0) == ["model.layers.0.input_layernorm", None]
+    assert cmap.names_for(tap, 2) == ["model.layers.2.input_layernorm", "model.layers.1.residual_mlp"]
+    norm = next(t for t in cmap.taps["vllm"] if t.pattern == r"model\.norm")
+    assert cmap.names_for(norm, None) == ["model.norm", "model.layers.2.residual_mlp"]
+    assert tap.regex().match("model.layers.12.input_layernorm").group("N") == "12"
+
+
+def test_layer_of() -> None:
+    assert c.layer_of("model.layers.3.mlp.down_proj") == 3
+    assert c.layer_of("logits") is None
