@@ -6,8 +6,10 @@ within a process) and scans the same model twice over: once at
 (probes on every boundary, the inference path recorded to disk, the training
 path compared on the spot). The *probe overhead* is the difference. The
 script also prints what keeping every boundary's values in memory would
-cost (the size of the on-disk store, which is exactly that), so the two can
-be compared: the overhead must stay far below it and must not double with it.
+cost ("all values": the peak bytes held in the on-disk stores, which is
+exactly that), so the two can be compared: the overhead must stay far below
+it and must not double with it. Classification (follow-up scans with kernels
+swapped) is switched off so only localization is measured.
 
 Usage::
 
@@ -40,12 +42,18 @@ from logdiff.pipeline import scan
 import logdiff.probes.store as store
 
 model, infer, depth, n, prompt, response = sys.argv[1:7]
-written = []
-orig = store.RowStore.__init__
-def spy(self, path, num_sequences, max_len, width, dtype):
-    orig(self, path, num_sequences, max_len, width, dtype)
-    written.append(num_sequences * max_len * width * self._itemsize)
-store.RowStore.__init__ = spy
+live = {"now": 0, "peak": 0}  # bytes of boundary values held in on-disk stores at once
+orig_init, orig_close = store.RowStore.__init__, store.RowStore.close
+def spy_init(self, path, num_sequences, max_len, width, dtype):
+    orig_init(self, path, num_sequences, max_len, width, dtype)
+    self._bench_bytes = num_sequences * max_len * width * self._itemsize
+    live["now"] += self._bench_bytes
+    live["peak"] = max(live["peak"], live["now"])
+def spy_close(self):
+    if self._fd >= 0:
+        live["now"] -= self._bench_bytes
+    orig_close(self)
+store.RowStore.__init__, store.RowStore.close = spy_init, spy_close
 
 def hwm():
     for line in open("/proc/self/status"):
@@ -54,8 +62,11 @@ def hwm():
 t = time.time()
 cfg = ScanConfig(model=Path(model), infer=[infer], num_sequences=int(n), prompt_len=int(prompt),
                  response_len=int(response), depth=depth)
-r = scan(cfg)
-print(json.dumps({"peak_rss": hwm(), "seconds": time.time() - t, "store_bytes": sum(written),
+import inspect
+# localization only: no follow-up scans (classification reruns paths with kernels swapped)
+extra = {"classify": False} if "classify" in inspect.signature(scan).parameters else {}
+r = scan(cfg, **extra)
+print(json.dumps({"peak_rss": hwm(), "seconds": time.time() - t, "store_bytes": live["peak"],
                   "boundaries": len((r.get("divergence_table") or {}).get("boundaries", []))}))
 """
 

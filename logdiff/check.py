@@ -181,10 +181,11 @@ def fail_on_gates(result: dict[str, Any], classes: list[str]) -> list[GateResult
 
 
 def hardware_key(environment: dict[str, Any]) -> str:
-    """``cpu-x86_64``, or the accelerator's name as a slug (``cuda-nvidia-h200``)."""
+    """``cpu-x86_64-avx512_bf16``, or the accelerator's name as a slug (``cuda-nvidia-h200``)."""
     device = str(environment.get("device") or "cpu")
     if device == "cpu":
-        return f"cpu-{environment.get('machine') or 'unknown'}"
+        isa = environment.get("cpu_isa")
+        return f"cpu-{environment.get('machine') or 'unknown'}" + (f"-{isa}" if isa else "")
     return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
 
 

@@ -122,8 +122,6 @@ def _operator_kind(kind: str, infer_mode: str) -> str:
         return "fused_vs_unfused"
     if kind in ("rope", "act"):
         return "intermediate_precision"
-    if kind in ("linear", "logits") and infer_mode == "decode":
-        return "batch_dependent_tiling"
     return "reduction_order"
 
 
@@ -219,4 +217,66 @@ def merge_fused(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 target["evidence"].append(f"fused with {c['boundary']} (one add+norm kernel in vLLM)")
                 continue
         out.append(c)
+    return out
+
+
+# Where a contract key is read first, for a difference no introducing op accounts for.
+KEY_BOUNDARY = {
+    "rms_norm_eps": ("model.layers.0.input_layernorm", "norm"),
+    "qk_norm_eps": ("model.layers.0.self_attn.q_norm", "norm"),
+    "final_norm_eps": ("model.norm", "norm"),
+    "rope_theta": ("model.layers.0.self_attn.rope_q", "rope"),
+    "rope_type": ("model.layers.0.self_attn.rope_q", "rope"),
+    "rope_style": ("model.layers.0.self_attn.rope_q", "rope"),
+    "attention_scale": ("model.layers.0.self_attn.attn_core", "attn"),
+    "sliding_window": ("model.layers.0.self_attn.attn_core", "attn"),
+    "tie_word_embeddings": ("logits", "logits"),
+    "temperature": ("log_softmax", "log_softmax"),
+    "logprobs_mode": ("log_softmax", "log_softmax"),
+    "vocab_size": ("log_softmax", "log_softmax"),
+    "num_experts_per_tok": ("model.layers.0.mlp.gate", "router"),
+    "norm_topk_prob": ("model.layers.0.mlp.gate", "router"),
+}
+
+
+def _weight_boundary(name: str) -> tuple[str, str]:
+    if ".experts." in name:
+        return name.split(".experts.")[0], "moe"
+    if name == "lm_head.weight":
+        return "logits", "logits"
+    if name == "model.embed_tokens.weight":
+        return "model.embed_tokens", "embed"
+    owner = name.rsplit(".", 1)[0]
+    kind = "norm" if owner.endswith("norm") else "router" if owner.endswith("mlp.gate") else "linear"
+    return owner, kind
+
+
+def preflight_only_causes(contracts: dict[str, Any] | None, causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Contract or weight differences that no introducing op accounts for.
+
+    The preflight alone is enough for a framework verdict: a stale expert that no
+    probe token was routed to, or an eps whose effect hid below the output's
+    rounding, still means the two engines compute different functions.
+    """
+    if not contracts:
+        return []
+    covered = {d for c in causes for d in c.get("differs", [])}
+    out = []
+    weights = (contracts.get("weights") or {}).get("differs", [])
+    for item in [*contracts.get("differs", []), *weights]:
+        if item in covered or item == "dtype":
+            continue
+        is_weight = item in weights
+        boundary, kind = _weight_boundary(item) if is_weight else KEY_BOUNDARY.get(item, ("model", "module"))
+        ev = OpEvidence(boundary, kind, None, 0.0, None, None)
+        if is_weight:
+            evidence = [f"weight differs: {item} has a different fingerprint on the inference side"]
+            fix = f"reload or resync {item} on the inference engine (stale or mis-loaded weights)"
+        else:
+            evidence = [f"contract differs: {item} = {contracts['train'][item]!r} (train) vs {contracts['infer'][item]!r} (infer)"]
+            fix = f"set {item} to the same value in both engines' configs"
+        evidence.append("found by the semantic preflight; no probed token exercised a difference at this op, "
+                        "so it did not show in these logprobs but will on other inputs")
+        kind_name = _framework_kind([] if is_weight else [item], [item] if is_weight else [])
+        out.append(_cause(ev, "framework_difference", kind_name, evidence, fix, [item]))
     return out

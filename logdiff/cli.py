@@ -82,17 +82,19 @@ def _build_config(**kw: Any) -> Any:
 
     train_set, infer_set = parse_sets(kw.pop("set_") or [])
     infer = kw.pop("infer") or ["vllm"]
+    families = kw.pop("consistent_kernels", None)
+    kw["consistent_kernels"] = tuple(f.strip() for f in families.split(",") if f.strip()) if families else None
     return ScanConfig(train_set=train_set, infer_set=infer_set, infer=infer, **kw)
 
 
-def _run_scan(cfg: Any, quiet: bool) -> dict[str, Any]:
+def _run_scan(cfg: Any, quiet: bool, tables: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     from logdiff.pipeline import scan as run
 
     console = _stderr()
     if quiet or not console.is_terminal:
-        return run(cfg)
+        return run(cfg, tables=tables)
     with console.status("starting") as status:
-        return run(cfg, progress=lambda msg: status.update(msg))
+        return run(cfg, progress=lambda msg: status.update(msg), tables=tables)
 
 
 def dump_json(result: dict[str, Any], path: Path) -> None:
@@ -111,12 +113,18 @@ def dump_json(result: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(clean(result), indent=2, allow_nan=False))
 
 
-def _write_outputs(result: dict[str, Any], out: Optional[Path], json_path: Optional[Path]) -> None:
+def _write_outputs(
+    result: dict[str, Any], out: Optional[Path], json_path: Optional[Path], tables: Optional[dict[str, Any]] = None
+) -> None:
     from logdiff.reports import write_html
 
     if out is not None:
         dump_json(result, out / "result.json")
         write_html(result, out / "report.html")
+        if tables:
+            from logdiff.locate import write_tables
+
+            write_tables(tables, out)
     if json_path is not None:
         dump_json(result, json_path)
 
@@ -139,6 +147,11 @@ def scan(
     set_: Optional[list[str]] = typer.Option(None, "--set", help="train.KEY=VALUE or infer.KEY=VALUE. Repeatable."),
     depth: str = typer.Option("logprobs", help="logprobs, modules or ops."),
     consistent: bool = typer.Option(False, help="Install the reference consistent kernels on every path."),
+    consistent_kernels: Optional[str] = typer.Option(
+        None, metavar="FAMILIES", help="With --consistent, only these op families (comma-separated): "
+        "linear, rms_norm, rope, attention, silu_and_mul, moe, log_softmax.",
+    ),  # fmt: skip
+    attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (rescans)."),
     out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
@@ -150,9 +163,11 @@ def scan(
         model=model, ckpt=ckpt, train=train, infer=infer, dtype=dtype, sequences=sequences, prompts=prompts,
         num_sequences=num_sequences, prompt_len=prompt_len, response_len=response_len, seed=seed,
         infer_ckpt=infer_ckpt, set_=set_, depth=depth, consistent=consistent,
+        consistent_kernels=consistent_kernels, attribute=attribute,
     )  # fmt: skip
-    result = _run_scan(cfg, quiet)
-    _write_outputs(result, out, json_path)
+    tables: dict[str, Any] = {}
+    result = _run_scan(cfg, quiet, tables)
+    _write_outputs(result, out, json_path, tables)
     print_summary(result, Console(), quiet=quiet)
 
 
@@ -233,8 +248,9 @@ def check(
     if base_path is not None:
         old = gating.load_baseline(base_path) if not update_baseline else gating.try_load_baseline(base_path)
 
-    result = _run_scan(cfg, quiet)
-    _write_outputs(result, scan_options.get("out"), scan_options.get("json_path"))
+    tables: dict[str, Any] = {}
+    result = _run_scan(cfg, quiet, tables)
+    _write_outputs(result, scan_options.get("out"), scan_options.get("json_path"), tables)
     console = Console()
     print_summary(result, console, quiet=quiet)
 

@@ -10,6 +10,7 @@ from typing import Any
 from logdiff.errors import InputError
 
 DEPTHS = ("logprobs", "modules", "ops")
+KERNEL_FAMILIES = ("linear", "rms_norm", "rope", "attention", "silu_and_mul", "moe", "log_softmax")
 
 
 @dataclass
@@ -34,6 +35,8 @@ class ScanConfig:
     consistent: bool = False
     #: with ``consistent``, install only these op families (None: all of them)
     consistent_kernels: tuple[str, ...] | None = None
+    #: at depth modules|ops, measure each cause's share and necessity (rescans)
+    attribute: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -44,6 +47,9 @@ class ScanConfig:
             raise InputError("give either --sequences or --prompts, not both")
         if not self.infer:
             raise InputError("give at least one --infer engine")
+        unknown = set(self.consistent_kernels or ()) - set(KERNEL_FAMILIES)
+        if unknown:
+            raise InputError(f"--consistent-kernels: unknown {', '.join(sorted(unknown))}; choose from {', '.join(KERNEL_FAMILIES)}")
         if self.response_len < 1:
             raise InputError("--response-len must be at least 1")
 

@@ -73,13 +73,15 @@ def diagnose(
     pair = result["pairs"][0]
     consistent = pair["metrics"]["bitwise_equal_fraction"] == 1.0
     ops = result.get("introducing_ops") or []
-    if consistent or not ops:
-        result["verdict"] = "consistent" if consistent else "divergent"
-        if not consistent:
-            result["warnings"].append("the logprobs differ but no introducing op was found; cause unclassified")
+    if consistent:
+        result["verdict"] = "consistent"
+        if contracts["differs"] or (contracts["weights"] or {}).get("differs"):
+            result["warnings"].append("the contracts differ although the logprobs are bitwise equal: see contracts")
         return
+    if not ops:
+        result["warnings"].append("the logprobs differ but no op was found to introduce the error")
     progress("rerunning both paths with the reference kernels")
-    reference = _reference_rerun(cfg, scan, result["warnings"])
+    reference = _reference_rerun(cfg, scan, result["warnings"]) if ops else None
     infer_mode = next((p["mode"] for p in result["paths"] if p["name"] == pair["infer"]), "decode")
     causes = []
     for op in ops:
@@ -95,6 +97,7 @@ def diagnose(
         )
         causes.append(classify.classify_op(ev, contracts, infer_mode))
     causes = classify.merge_fused(causes)
+    causes += classify.preflight_only_causes(contracts, causes)
     progress("attributing the logdiff to its causes")
     baseline = float(pair["metrics"]["abs_diff_max"])
     measure_cache: dict[Any, float] = {}
@@ -106,7 +109,8 @@ def diagnose(
         return measure_cache[key]
 
     try:
-        result["attribution"] = attribute.attribute(causes, cfg, baseline, measure)
+        if cfg.attribute:
+            result["attribution"] = attribute.attribute(causes, cfg, baseline, measure)
     except Exception as e:  # noqa: BLE001 - classification stands without attribution
         result["warnings"].append(f"attribution skipped ({type(e).__name__}: {e})")
     causes.sort(key=lambda c: (-(c["share"] if c["share"] is not None else -1.0), c["boundary"]))

@@ -81,7 +81,7 @@ class RowStore:
         data = self._to_numpy(rows[np.nonzero(keep)[0]] if not keep.all() else rows)
         if data.shape[1] != self.width:
             raise ValueError(f"{self.path.name}: width {data.shape[1]} != {self.width}")
-        for s, p, n, idx in _runs(seq, pos):
+        for s, p, _n, idx in _runs(seq, pos):
             os.pwrite(self._fd, np.ascontiguousarray(data[idx]).tobytes(), self._offset(s, p))
         self.present[seq, pos] = True
         self._prefix = None

@@ -35,16 +35,12 @@ METRICS: list[tuple[str, str, str, str]] = [
     ("clip_fraction_0.2", "clip fraction ε=0.2", "", "tokens with |r − 1| > 0.2 (PPO clip)"),
     ("clip_fraction_0.28", "clip fraction ε=0.28", "", "tokens with |r − 1| > 0.28 (DAPO clip-higher)"),
     ("argmax_flip_fraction", "argmax flips", "", "positions whose top-1 token differs"),
-    ("rollout_abs_diff_max", "recorded rollout max |Δ|", "",
-     "replay mode: recorded rollout logprobs against this inference path"),
-    ("rollout_abs_diff_mean", "recorded rollout mean |Δ|", "",
-     "replay mode: recorded rollout logprobs against this inference path"),
 ]
 
 # The subset the terminal summary shows.
 KEY_METRICS = ["abs_diff_max", "abs_diff_mean", "bitwise_equal_fraction", "rollout_probs_diff_max",
                "rollout_probs_diff_mean", "probs_pearson", "kl_k1", "kl_k3", "clip_fraction_0.2",
-               "argmax_flip_fraction", "rollout_abs_diff_max"]
+               "argmax_flip_fraction"]
 
 FRACTION_METRICS = {"bitwise_equal_fraction", "clip_fraction_0.2", "clip_fraction_0.28",
                     "argmax_flip_fraction"}

@@ -87,6 +87,7 @@ def test_tolerance_is_relative_plus_absolute_and_exact_at_zero() -> None:
 
 def test_hardware_key() -> None:
     assert gating.hardware_key({"device": "cpu", "machine": "x86_64"}) == "cpu-x86_64"
+    assert gating.hardware_key({"device": "cpu", "machine": "x86_64", "cpu_isa": "avx2"}) == "cpu-x86_64-avx2"
     assert gating.hardware_key({"device": "cuda:NVIDIA H200", "machine": "x86_64"}) == "cuda-nvidia-h200"
     assert gating.resolve_baseline_path(Path("b/{hw}/m.json"), "cpu-aarch64") == Path("b/cpu-aarch64/m.json")
 
@@ -294,7 +295,7 @@ def _switch_off_consistent_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     from logdiff.probes.engines import hf, vllm
 
     for cls in (hf._HFEngine, vllm.VLLMEngine):
-        monkeypatch.setattr(cls, "consistent", lambda self: contextlib.nullcontext())
+        monkeypatch.setattr(cls, "consistent", lambda self, only=None: contextlib.nullcontext())
 
 
 def _negative_control(qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:

@@ -22,6 +22,7 @@ import contextlib
 import gc
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,26 @@ def _import_vllm() -> Any:
     return vllm
 
 
+def hf_overrides(spec: EngineSpec) -> dict[str, Any]:
+    """``--set`` keys as vLLM ``hf_overrides``; RoPE keys go inside ``rope_parameters``.
+
+    transformers 5 keeps ``rope_theta`` and friends in ``config.rope_parameters``; a
+    top-level override would be silently ignored by the model.
+    """
+    import json
+
+    config = json.loads((Path(spec.model_dir) / "config.json").read_text())
+    rope = dict(config.get("rope_parameters") or {})
+    out: dict[str, Any] = {}
+    for key, value in spec.overrides:
+        if key in rope:
+            rope[key] = value
+            out["rope_parameters"] = rope
+        else:
+            out[key] = value
+    return out
+
+
 @register
 class VLLMEngine(Engine):
     """vLLM decode and prefill paths."""
@@ -78,7 +99,7 @@ class VLLMEngine(Engine):
             if spec.option(key) is not None:
                 kwargs[key] = int(spec.option(key))
         if spec.overrides:
-            kwargs["hf_overrides"] = dict(spec.overrides)
+            kwargs["hf_overrides"] = hf_overrides(spec)
         try:
             self.llm = vllm.LLM(
                 model=spec.model_dir,

@@ -154,18 +154,22 @@ def test_ops_depth_traces_modules(engines: dict, tiny_qwen3: Path) -> None:
     assert torch._C._len_torch_dispatch_stack() == 0
 
 
-def test_moe_router_and_block_are_aligned(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen3-moe"])
+def test_other_architectures_are_fully_aligned(arch: str, tmp_path: Path) -> None:
     from tiny_models import build_tiny
 
-    model = build_tiny(tmp_path / "moe", "qwen3-moe")
+    model = build_tiny(tmp_path / arch, arch)
     spec = EngineSpec(str(model), "bfloat16")
     seqs = _seqs(2)
     pair, loc, session = _run_pair(model, HFDecode(spec), HFForward(spec), seqs)
     compared = pair.comparer.summaries
     assert set(compared) == set(session.cmap.order) and not loc.warnings
-    assert {"model.layers.0.mlp.gate", "model.layers.0.mlp"} <= set(compared)
-    assert compared["model.layers.0.mlp.gate"].rows == compared["model.embed_tokens"].rows
-    assert pair.comparer.local["model.layers.0.mlp"].elements > 0  # the MoE block was replayed
+    replayed = {n for n, s in pair.comparer.local.items() if s.elements}
+    assert replayed == {b.name for b in session.cmap.boundaries if b.kind != "embed"}
+    if arch == "qwen3-moe":
+        assert compared["model.layers.0.mlp.gate"].rows == compared["model.embed_tokens"].rows
+    else:
+        assert session.cmap.get("model.layers.0.self_attn.q_norm") is None
     if loc.first_divergence is not None:
         assert loc.first_divergence["inputs_equal"] is True
 

@@ -1,0 +1,201 @@
+"""Planted faults: each must be localized to its exact boundary, class and kind.
+
+Faults are planted through the real user-facing levers (``--infer-ckpt``,
+``--set``) or, for a pure reduction-order change, by swapping one module's
+forward on the inference engine. Controls: identical paths are consistent,
+and every operator-path cause vanishes under ``--consistent``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import logdiff
+from logdiff.probes import checkpoint
+from logdiff.probes.engines import base
+
+SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
+
+
+def perturbed(model: Path, tmp: Path, name: str, scale: float = 1.05) -> Path:
+    """A copy of MODEL's weights with one tensor scaled: a stale / mis-synced weight."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(model / "model.safetensors"))
+    assert name in sd, sorted(sd)[:8]
+    sd[name] = (sd[name].float() * scale).to(sd[name].dtype)
+    out = tmp / f"{name}.safetensors"
+    save_file(sd, str(out))
+    return out
+
+
+def cause_at(result: dict[str, Any], boundary: str) -> dict[str, Any]:
+    found = [c for c in result["causes"] if c["boundary"] == boundary]
+    assert found, (boundary, [(c["boundary"], c["class"], c["kind"]) for c in result["causes"]])
+    return found[0]
+
+
+def framework_causes(result: dict[str, Any]) -> list[str]:
+    return [c["boundary"] for c in result["causes"] if c["class"] == "framework_difference"]
+
+
+# --- weights ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arch", "infer", "tensor", "boundary"),
+    [
+        ("qwen3", "hf-decode", "model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj"),
+        ("llama", "hf-decode", "model.layers.3.mlp.up_proj.weight", "model.layers.3.mlp.up_proj"),
+        pytest.param(
+            "qwen3", "vllm", "model.layers.2.mlp.down_proj.weight", "model.layers.2.mlp.down_proj",
+            marks=pytest.mark.vllm,
+        ),
+    ],
+)  # fmt: skip
+def test_weight_fault_is_localized_to_the_op_that_reads_it(
+    demo_model: Callable[[str], Path], tmp_path: Path, arch: str, infer: str, tensor: str, boundary: str
+) -> None:
+    model = demo_model(arch)
+    r = logdiff.scan(model, infer=[infer], infer_ckpt=perturbed(model, tmp_path, tensor), **SMALL)
+    c = cause_at(r, boundary)
+    assert (c["class"], c["kind"]) == ("framework_difference", "weights")
+    assert framework_causes(r) == [boundary]  # nothing else is blamed on the weights
+    assert r["contracts"]["weights"]["differs"] == [tensor]
+    intro = {op["boundary"]: op for op in r["introducing_ops"]}
+    assert intro[boundary]["local_max_abs_diff"] > 0
+
+
+def test_moe_router_weight_fault(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
+    model = demo_model("qwen3-moe")
+    r = logdiff.scan(model, infer=["hf-decode"], infer_ckpt=perturbed(model, tmp_path, "model.layers.1.mlp.gate.weight", 1.5), **SMALL)
+    c = cause_at(r, "model.layers.1.mlp.gate")
+    assert (c["class"], c["kind"]) == ("framework_difference", "weights")
+
+
+# --- config contracts and sampling semantics -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arch", "infer", "override", "boundary", "kind", "first"),
+    [
+        ("qwen3", "hf-decode", {"rms_norm_eps": 0.01}, "model.layers.0.input_layernorm", "config_contract", True),
+        ("llama", "hf-decode", {"rms_norm_eps": 0.01}, "model.layers.0.input_layernorm", "config_contract", True),
+        ("qwen3", "hf-decode", {"rope_theta": 10000.0}, "model.layers.0.self_attn.rope_q", "config_contract", True),
+        # Downstream of attention's own operator-path difference: found, though not first.
+        ("qwen3", "hf-decode", {"temperature": 0.7}, "log_softmax", "sampling_semantics", False),
+        pytest.param(
+            "qwen3", "vllm", {"rms_norm_eps": 0.01}, "model.layers.0.input_layernorm", "config_contract", True,
+            marks=pytest.mark.vllm,
+        ),
+    ],
+)  # fmt: skip
+def test_one_sided_setting_is_a_framework_difference(
+    demo_model: Callable[[str], Path], arch: str, infer: str, override: dict, boundary: str, kind: str, first: bool
+) -> None:
+    r = logdiff.scan(demo_model(arch), infer=[infer], infer_set=override, **SMALL)
+    if first:
+        assert r["first_divergence"]["boundary"] == boundary
+    c = cause_at(r, boundary)
+    assert (c["class"], c["kind"]) == ("framework_difference", kind)
+    assert r["verdict"] in ("framework_difference", "mixed")
+
+
+def test_framework_difference_hiding_behind_numeric_noise(qwen3: Path) -> None:
+    """An eps change too small to stand out from reordering noise is still caught by the contract."""
+    r = logdiff.scan(qwen3, infer=["hf-decode"], infer_set={"rms_norm_eps": 1.5e-6}, **SMALL)
+    c = cause_at(r, "model.layers.0.input_layernorm")
+    assert (c["class"], c["kind"]) == ("framework_difference", "config_contract")
+    assert any(c2["class"] == "operator_path" for c2 in r["causes"])
+    assert r["verdict"] == "mixed"
+
+
+# --- pure numerics ----------------------------------------------------------------------------
+
+
+def test_hf_vs_hf_decode_is_operator_path_in_attention(qwen3: Path) -> None:
+    r = logdiff.scan(qwen3, infer=["hf-decode"], **{**SMALL, "attribute": True})
+    assert r["first_divergence"]["boundary"] == "model.layers.0.self_attn.attn_core"
+    assert r["first_divergence"]["inputs_equal"] is True
+    assert r["verdict"] == "operator_path"
+    assert {(c["class"], c["kind"]) for c in r["causes"]} == {("operator_path", "online_softmax_block_size")}
+    # The attention reference kernel alone closes the whole gap: a necessary cause with share 1.
+    assert all(c["share"] == 1.0 and c["necessity"] is True for c in r["causes"])
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3-moe"])
+def test_hf_vs_vllm_is_operator_path_and_vanishes_under_consistent(demo_model: Callable[[str], Path], arch: str) -> None:
+    model = demo_model(arch)
+    r = logdiff.scan(model, infer=["vllm"], **SMALL)
+    assert r["causes"] and r["verdict"] == "operator_path", [(c["boundary"], c["class"]) for c in r["causes"]]
+    assert all("vanishes with the reference kernel" in " ".join(c["evidence"]) for c in r["causes"])
+    fixed = logdiff.scan(model, infer=["vllm"], consistent=True, **SMALL)
+    assert fixed["logprobs"]["abs_diff_max"] == 0.0 and fixed["verdict"] == "consistent"
+
+
+@contextlib.contextmanager
+def split_k(module: torch.nn.Module) -> Iterator[None]:
+    """Plant a reduction-order change: the two halves of K summed separately, then added."""
+    weight = module.weight
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1] // 2
+        lo = torch.nn.functional.linear(x[..., :k].float(), weight[:, :k].float())
+        hi = torch.nn.functional.linear(x[..., k:].float(), weight[:, k:].float())
+        return (hi + lo).to(x.dtype)
+
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+def test_planted_reduction_order_change_is_operator_path(qwen3: Path) -> None:
+    logdiff.scan(qwen3, infer=["hf-decode"], **{**SMALL, "depth": "logprobs"})  # loads the pooled engines
+    engine = base._POOL[("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path)))]
+    target = "model.layers.2.self_attn.o_proj"
+    with split_k(engine.model.get_submodule(target)):
+        r = logdiff.scan(qwen3, infer=["hf-decode"], **SMALL)
+    c = cause_at(r, target)
+    assert (c["class"], c["kind"]) == ("operator_path", "reduction_order")
+    assert "vanishes with the reference kernel" in " ".join(c["evidence"])
+
+
+# --- controls -------------------------------------------------------------------------------
+
+
+def test_identical_paths_are_consistent(qwen3: Path) -> None:
+    r = logdiff.scan(qwen3, infer=["hf"], **SMALL)
+    assert r["verdict"] == "consistent"
+    assert r["causes"] == [] and r["first_divergence"] is None and r["introducing_ops"] == []
+
+
+def test_every_operator_path_cause_vanishes_under_consistent(qwen3: Path) -> None:
+    r = logdiff.scan(qwen3, infer=["hf-decode"], consistent=True, **SMALL)
+    assert r["logprobs"]["abs_diff_max"] == 0.0 and r["verdict"] == "consistent" and r["causes"] == []
+
+
+def test_dormant_weight_fault_is_still_found_by_the_preflight(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
+    """A stale expert no probe token is routed to shows in no logprob, yet the engines differ."""
+    model = demo_model("qwen3-moe")
+    bad = perturbed(model, tmp_path, "model.layers.2.mlp.experts.0.down_proj.weight", 1.1)
+    r = logdiff.scan(model, infer=["hf-decode"], infer_ckpt=bad, **SMALL)
+    c = cause_at(r, "model.layers.2.mlp")
+    assert (c["class"], c["kind"]) == ("framework_difference", "weights")
+    assert c["differs"] == ["model.layers.2.mlp.experts.down_proj"]
+    assert r["verdict"] == "mixed"
+
+
+@pytest.mark.vllm
+def test_vllm_rope_theta_override_reaches_the_model(qwen3: Path) -> None:
+    r = logdiff.scan(qwen3, infer=["vllm"], infer_set={"rope_theta": 5e5}, **SMALL)
+    assert r["contracts"]["infer"]["rope_theta"] == 5e5
+    assert (cause_at(r, "model.layers.0.self_attn.rope_q")["class"]) == "framework_difference"
