@@ -152,6 +152,9 @@ def scan(
         "linear, rms_norm, rope, attention, silu_and_mul, moe, log_softmax.",
     ),  # fmt: skip
     attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (rescans)."),
+    drill: Optional[str] = typer.Option(
+        None, metavar="MODULE", help="At --depth ops, trace this module's aten ops (default: the first divergent one)."
+    ),
     out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
@@ -163,7 +166,7 @@ def scan(
         model=model, ckpt=ckpt, train=train, infer=infer, dtype=dtype, sequences=sequences, prompts=prompts,
         num_sequences=num_sequences, prompt_len=prompt_len, response_len=response_len, seed=seed,
         infer_ckpt=infer_ckpt, set_=set_, depth=depth, consistent=consistent,
-        consistent_kernels=consistent_kernels, attribute=attribute,
+        consistent_kernels=consistent_kernels, attribute=attribute, drill=drill,
     )  # fmt: skip
     tables: dict[str, Any] = {}
     result = _run_scan(cfg, quiet, tables)

@@ -37,6 +37,8 @@ class ScanConfig:
     consistent_kernels: tuple[str, ...] | None = None
     #: at depth modules|ops, measure each cause's share and necessity (rescans)
     attribute: bool = True
+    #: at depth ops, the module to trace (default: the first divergent one)
+    drill: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):

@@ -81,7 +81,7 @@ def run_paths(
             staged.architecture,
             staged.config,
             ops=cfg.depth == "ops",
-            drill=getattr(cfg, "drill", None),
+            drill=cfg.drill,
         )
 
     def recording(engine: Engine, role: str) -> Any:

@@ -96,8 +96,10 @@ def _cross_field_errors(result: dict) -> list[str]:
 
     pairs = result.get("pairs")
     paths = result.get("paths")
-    roles = {p.get("name"): p.get("role") for p in paths if isinstance(p, dict)} \
-        if isinstance(paths, list) else {}
+    roles: dict = {}  # name -> the roles it has (the identity control uses one name for both)
+    for p in paths if isinstance(paths, list) else []:
+        if isinstance(p, dict):
+            roles.setdefault(p.get("name"), set()).add(p.get("role"))
     if isinstance(pairs, list):
         for i, pair in enumerate(pairs):
             if isinstance(pair, dict):
@@ -115,7 +117,7 @@ def _pair_errors(where: str, pair: dict, roles: dict) -> list[str]:
     errors = []
     for side in ("train", "infer"):
         name = pair.get(side)
-        if roles and isinstance(name, str) and roles.get(name) != side:
+        if roles and isinstance(name, str) and side not in roles.get(name, ()):
             errors.append(f"{where}.{side}: {name!r} is not a path with role {side!r} in $.paths")
     per_pos = pair.get("per_position")
     if isinstance(per_pos, dict):

@@ -53,7 +53,6 @@ class PathScores:
     mode: str  # forward | decode | prefill
     logprobs: list[np.ndarray]
     top1: list[np.ndarray] | None = None
-    records: Any = None  # probe records, when a recorder was attached
 
 
 @dataclass
