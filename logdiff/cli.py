@@ -339,6 +339,24 @@ def report(
 
 @app.command()
 @handle_errors
+def explain(result_json: Path = typer.Argument(..., help="A result.json written by scan or check.")) -> None:
+    """Explain a result in plain language: what diverged, why, how sure, what to do next."""
+    from logdiff.errors import InputError
+    from logdiff.reports import explain as account
+    from logdiff.reports import load_result, validate_result
+
+    try:
+        result = load_result(result_json)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    problems = validate_result(result)
+    if problems:
+        raise InputError(f"{result_json} is not a valid logdiff result: {problems[0]}")
+    sys.stdout.write(account(result))
+
+
+@app.command()
+@handle_errors
 def kernels(
     self_test: bool = typer.Option(False, "--self-test", help="Check each kernel's invariance and fp64 agreement."),
 ) -> None:

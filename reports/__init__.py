@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["render_html", "write_html", "print_summary", "validate_result", "load_result",
+__all__ = ["explain", "render_html", "write_html", "print_summary", "validate_result", "load_result",
            "scan_progress", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
-_WHERE = {"render_html": "html", "write_html": "html", "print_summary": "terminal",
+_WHERE = {"explain": "narrative", "render_html": "html", "write_html": "html", "print_summary": "terminal",
           "scan_progress": "terminal", "validate_result": "schema", "load_result": "schema"}
 
 

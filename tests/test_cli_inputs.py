@@ -124,3 +124,13 @@ def test_scan_writes_json(qwen3: Path, tmp_path: Path) -> None:
     assert code == 0, out
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["schema_version"] == 1 and result["verdict"] == "consistent"
+
+
+def test_explain_and_report_refuse_a_missing_or_invalid_result(tmp_path: Path) -> None:
+    for command in ("explain", "report"):
+        code, out = invoke(command, tmp_path / "nope.json")
+        assert code == 2 and ("cannot read" in one_line_error(out) or "not found" in one_line_error(out))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema_version": 1}))
+    code, out = invoke("explain", bad)
+    assert code == 2 and "not a valid logdiff result" in one_line_error(out)

@@ -1,0 +1,123 @@
+"""``logdiff explain``: a plain-language account of a result, for an RL engineer.
+
+It reads only the result dict (docs/result-schema.md) and says, in order:
+what diverged and by how much in the terms an RL run feels (importance ratio,
+clip fraction), where the two engines first part, why (each cause with its
+class, evidence and share), how sure the tool is, and what to do next.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+VERDICT_LINE = {
+    "consistent": "The training and inference paths agree bit for bit on every scored token.",
+    "divergent": "The paths disagree, and the scan did not classify why (run with --depth modules).",
+    "operator_path": "The paths compute the same function; they differ only in how kernels do the arithmetic.",
+    "framework_difference": "The paths compute different functions: a setting, a weight or a semantic differs.",
+    "mixed": "Both kinds of cause are present: a real semantic difference and kernel-level arithmetic differences.",
+}
+
+
+def _num(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def _impact(result: dict[str, Any]) -> list[str]:
+    m = result["logprobs"]
+    pair = result["pairs"][0]
+    lines = [
+        f"Between {pair['train']} (training) and {pair['infer']} (inference), over {m.get('num_tokens', '?')} "
+        f"response tokens: max |Δ logprob| {_num(m['abs_diff_max'])}, mean {_num(m['abs_diff_mean'])}, "
+        f"{100 * (m.get('bitwise_equal_fraction') or 0):.0f}% of tokens bitwise equal."
+    ]
+    if "ratio_min" in m:
+        lines.append(
+            f"In PPO terms the importance ratio ranges {_num(m['ratio_min'])}–{_num(m['ratio_max'])}; "
+            f"{100 * m.get('clip_fraction_0.2', 0):.1f}% of tokens would be clipped at ε = 0.2 from this gap alone "
+            f"(k3 KL {_num(m.get('kl_k3'))})."
+        )
+    return lines
+
+
+def _where(result: dict[str, Any]) -> list[str]:
+    fd = result.get("first_divergence")
+    if not fd:
+        if result["settings"].get("depth") == "logprobs" and result["verdict"] != "consistent":
+            return ["Where: not probed. Rerun with --depth modules to find the first op where the engines part."]
+        return []
+    inputs = "its inputs were bitwise equal" if fd.get("inputs_equal") else "its inputs already differed"
+    return [
+        f"Where: the values first part at {fd['boundary']} (position {fd.get('position')}, max |Δ| "
+        f"{_num(fd.get('max_abs_diff'))}); {inputs}, so the error starts there."
+    ]
+
+
+def _why(result: dict[str, Any]) -> list[str]:
+    causes = result.get("causes") or []
+    if not causes:
+        return []
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in causes:
+        groups.setdefault((c["class"], c["kind"]), []).append(c)
+    lines = ["Why:"]
+    for (cls, kind), members in sorted(groups.items(), key=lambda kv: kv[0][0] != "framework_difference"):
+        names = ", ".join(c["boundary"] for c in members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
+        share = members[0].get("share")
+        share_text = f"; neutralising it alone removes {100 * share:.0f}% of the gap" if share is not None else ""
+        necessary = " It must be fixed to reach logdiff = 0." if members[0].get("necessity") else ""
+        lines.append(f"  - {cls.replace('_', ' ')} ({kind.replace('_', ' ')}) at {names}{share_text}.{necessary}")
+        evidence = [e for e in members[0].get("evidence", []) if e][:2]
+        lines += [f"      evidence: {e}" for e in evidence]
+        lines.append(f"      fix: {members[0]['fix']}")
+    return lines
+
+
+def _confidence(result: dict[str, Any]) -> list[str]:
+    causes = result.get("causes") or []
+    proven = [c for c in causes if any("vanishes with the reference kernel" in e for e in c.get("evidence", []))]
+    contract = [c for c in causes if c.get("differs")]
+    lines = []
+    if causes:
+        lines.append(
+            f"How sure: {len(proven)} of {len(causes)} causes were proven by rerunning both engines with the "
+            f"reference kernels; {len(contract)} rest on a contract or weight difference read from the loaded engines."
+        )
+    residual = (result.get("attribution") or {}).get("residual_abs_diff_max")
+    if residual is not None:
+        lines.append(
+            "With every cause neutralised the gap is "
+            + ("exactly 0: the causes found explain all of it." if residual == 0 else f"{_num(residual)}: something is still unexplained.")
+        )
+    if not result.get("complete", True) or result.get("warnings"):
+        lines += [f"Caveat: {w}" for w in result.get("warnings", [])[:3]]
+    return lines
+
+
+def _next(result: dict[str, Any]) -> list[str]:
+    v = result["verdict"]
+    if v == "consistent":
+        return ["Next: nothing to fix. Guard it in CI with `logdiff check ... --max-abs-diff 0`."]
+    if v == "divergent":
+        return ["Next: rerun with --depth modules to localize and classify the divergence."]
+    steps = []
+    if v in ("framework_difference", "mixed"):
+        steps.append("fix the framework differences first (they change the function, not just its rounding)")
+    if v in ("operator_path", "mixed"):
+        steps.append(("then " if steps else "") + "decide whether the operator-path gap matters: `--consistent` shows logdiff = 0 is reachable "
+                     "and `bench/bench_consistent.py` what it costs; otherwise importance-sampling correction absorbs it")
+    steps.append("keep it fixed with `logdiff check` and a baseline")
+    return ["Next: " + "; ".join(steps) + "."]
+
+
+def explain(result: dict[str, Any]) -> str:
+    """The account as plain text (one paragraph per part)."""
+    parts = [
+        [f"Verdict: {result['verdict']}. {VERDICT_LINE.get(result['verdict'], '')}"],
+        _impact(result),
+        _where(result),
+        _why(result),
+        _confidence(result),
+        _next(result),
+    ]
+    return "\n\n".join("\n".join(p) for p in parts if p) + "\n"
