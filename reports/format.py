@@ -87,7 +87,7 @@ def fmt_fraction(value: Any) -> str:
     if value == 0:
         return "0%"
     pct = 100.0 * value
-    return f"{pct:.3g}%" if pct >= 0.01 else f"{pct:.1e}%"
+    return f"{pct:.3g}%" if abs(pct) >= 0.01 else f"{pct:.1e}%"
 
 
 def fmt_metric(key: str, value: Any) -> str:

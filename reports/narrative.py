@@ -64,7 +64,10 @@ def _why(result: dict[str, Any]) -> list[str]:
     for (cls, kind), members in sorted(groups.items(), key=lambda kv: kv[0][0] != "framework_difference"):
         names = ", ".join(c["boundary"] for c in members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
         share = members[0].get("share")
-        share_text = f"; neutralising it alone removes {100 * share:.0f}% of the gap" if share is not None else ""
+        share_text = ""
+        if share is not None:
+            share_text = (f"; neutralising it alone removes {100 * share:.0f}% of the gap" if share >= 0 else
+                          f"; neutralising it alone makes the gap {-100 * share:.0f}% larger (the causes interact)")
         necessary = " It must be fixed to reach logdiff = 0." if members[0].get("necessity") else ""
         lines.append(f"  - {cls.replace('_', ' ')} ({kind.replace('_', ' ')}) at {names}{share_text}.{necessary}")
         evidence = [e for e in members[0].get("evidence", []) if e][:2]
