@@ -79,9 +79,16 @@ CkptArg = typer.Argument(None, help="Weights both paths load: HF dir, .safetenso
 
 def _build_config(**kw: Any) -> Any:
     from logdiff.config import ScanConfig, parse_sets
+    from logdiff.errors import InputError
 
     train_set, infer_set = parse_sets(kw.pop("set_") or [])
     infer = kw.pop("infer") or ["vllm"]
+    sizes = kw.pop("batch_compositions", None)
+    if sizes:
+        try:
+            kw["batch_sizes"] = tuple(int(x) for x in sizes.split(","))
+        except ValueError:
+            raise InputError(f"--batch-compositions expects comma-separated integers, got {sizes!r}") from None
     families = kw.pop("consistent_kernels", None)
     kw["consistent_kernels"] = tuple(f.strip() for f in families.split(",") if f.strip()) if families else None
     return ScanConfig(train_set=train_set, infer_set=infer_set, infer=infer, **kw)
@@ -152,6 +159,10 @@ def scan(
         "linear, rms_norm, rope, attention, silu_and_mul, moe, log_softmax.",
     ),  # fmt: skip
     attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (rescans)."),
+    batch_compositions: Optional[str] = typer.Option(
+        None, metavar="SIZES", help="Batch-invariance probe: score the sequences on the inference engine in "
+        "batches of each size (e.g. 1,4,8) and compare them with the first.",
+    ),  # fmt: skip
     drill: Optional[str] = typer.Option(
         None, metavar="MODULE", help="At --depth ops, trace this module's aten ops (default: the first divergent one)."
     ),
@@ -167,6 +178,7 @@ def scan(
         num_sequences=num_sequences, prompt_len=prompt_len, response_len=response_len, seed=seed,
         infer_ckpt=infer_ckpt, set_=set_, depth=depth, consistent=consistent,
         consistent_kernels=consistent_kernels, attribute=attribute, drill=drill,
+        batch_compositions=batch_compositions,
     )  # fmt: skip
     tables: dict[str, Any] = {}
     result = _run_scan(cfg, quiet, tables)
@@ -232,7 +244,7 @@ def check(
     from logdiff.errors import EXIT_GATE_FAILED, InputError
     from logdiff.reports import print_summary
 
-    config_keys = {f.name for f in dataclasses.fields(ScanConfig)} | {"set_"}
+    config_keys = {f.name for f in dataclasses.fields(ScanConfig)} | {"set_", "batch_compositions"}
     cfg = _build_config(**{k: v for k, v in scan_options.items() if k in config_keys})
     quiet = bool(scan_options.get("quiet"))
     thresholds = {"max_abs_diff": max_abs_diff, "max_mean_diff": max_mean_diff, "max_kl": max_kl,

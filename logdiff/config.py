@@ -39,6 +39,8 @@ class ScanConfig:
     attribute: bool = True
     #: at depth ops, the module to trace (default: the first divergent one)
     drill: str | None = None
+    #: batch-invariance probe: score the sequences at these batch sizes on the first inference engine
+    batch_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -52,6 +54,8 @@ class ScanConfig:
         unknown = set(self.consistent_kernels or ()) - set(KERNEL_FAMILIES)
         if unknown:
             raise InputError(f"--consistent-kernels: unknown {', '.join(sorted(unknown))}; choose from {', '.join(KERNEL_FAMILIES)}")
+        if self.batch_sizes is not None and (len(self.batch_sizes) < 2 or min(self.batch_sizes) < 1):
+            raise InputError("--batch-compositions needs at least two batch sizes >= 1, e.g. 1,4")
         if self.response_len < 1:
             raise InputError("--response-len must be at least 1")
 

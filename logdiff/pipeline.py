@@ -144,11 +144,18 @@ def _run(
         progress(f"scoring with {train.name} (training path)")
         with recording(train, "train"):
             train_scores = train.score(seqs)[0]
+        batch_invariance = None
+        if cfg.batch_sizes:
+            from logdiff import batch_probe
+
+            progress(f"batch-invariance probe: {infers[0].name} at batch sizes {cfg.batch_sizes}")
+            batch_invariance = batch_probe.probe(infers[0], seqs, cfg.batch_sizes)
     if all(s.rollout_logprobs is not None for s in seqs):
         add(None, [PathScores("rollout", "recorded", [np.asarray(s.rollout_logprobs, np.float32) for s in seqs])])
     paths = [_path_info(train, train_scores, "train")]
     paths += [_path_info(owners[p.path], p, "infer") for p in infer_scores]
-    meta = {"paths": paths, "architecture": staged.architecture, "probes": probes, "engines": (train, infers)}
+    meta = {"paths": paths, "architecture": staged.architecture, "probes": probes, "engines": (train, infers),
+            "batch_invariance": batch_invariance}
     return seqs, source, train_scores, infer_scores, meta
 
 
@@ -315,7 +322,7 @@ def scan(
         "divergence_table": located["divergence_table"],
         "contracts": None,
         "moe": None,
-        "batch_invariance": None,
+        "batch_invariance": meta["batch_invariance"],
     }
     if located["op_trace"] is not None:
         result["op_trace"] = located["op_trace"]

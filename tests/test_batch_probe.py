@@ -1,0 +1,36 @@
+"""The batch-invariance probe: the same sequences scored at several batch compositions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import logdiff
+
+SIZES = (1, 4, 8)
+
+
+def test_probe_detects_batch_dependence_and_consistent_mode_removes_it(qwen3: Path) -> None:
+    # fp32 SDPA decode differs between batch 1 and batch 8 here (../shared/notes/cpu-numerics.md).
+    common = {"infer": ["hf-decode"], "dtype": "float32", "num_sequences": 8, "prompt_len": 16, "response_len": 8}
+    stock = logdiff.scan(qwen3, batch_sizes=SIZES, **common)["batch_invariance"]
+    assert stock["engine"] == "hf-decode" and stock["reference_batch_size"] == 1
+    assert [c["batch_size"] for c in stock["comparisons"]] == [4, 8]
+    assert stock["invariant"] is False
+    assert any(c["bitwise_equal_fraction"] < 1.0 for c in stock["comparisons"])
+    fixed = logdiff.scan(qwen3, batch_sizes=SIZES, consistent=True, **common)["batch_invariance"]
+    assert fixed["invariant"] is True
+    assert all(c["abs_diff_max"] == 0.0 for c in fixed["comparisons"])
+
+
+@pytest.mark.vllm
+def test_vllm_on_long_sequences(qwen3: Path) -> None:
+    """Reports the real engine's behaviour per path; under consistent mode it must be invariant."""
+    common = {"infer": ["vllm"], "num_sequences": 8, "prompt_len": 200, "response_len": 16}
+    stock = logdiff.scan(qwen3, batch_sizes=SIZES, **common)["batch_invariance"]
+    assert {c["path"] for c in stock["comparisons"]} == {"vllm", "vllm-prefill"}
+    assert max(stock["sequence_lengths"]) >= 200
+    assert stock["invariant"] == all(c["bitwise_equal_fraction"] == 1.0 for c in stock["comparisons"])
+    fixed = logdiff.scan(qwen3, batch_sizes=SIZES, consistent=True, **common)["batch_invariance"]
+    assert fixed["invariant"] is True
