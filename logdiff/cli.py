@@ -324,6 +324,21 @@ def _report_gates(
         github.append_step_summary(github.step_summary(dicts, explanation + notes))
 
 
+def _load_valid_result(path: Path) -> dict[str, Any]:
+    """A saved result.json, or a one-line InputError saying why it is unusable."""
+    from logdiff.errors import InputError
+    from logdiff.reports import load_result, validate_result
+
+    try:
+        result = load_result(path)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    problems = validate_result(result)
+    if problems:
+        raise InputError(f"{path} is not a valid logdiff result: {problems[0]}")
+    return result
+
+
 @app.command()
 @handle_errors
 def report(
@@ -332,18 +347,9 @@ def report(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
 ) -> None:
     """Render report.html (and the terminal summary) from a saved result.json."""
-    from logdiff.errors import InputError
-    from logdiff.reports import load_result, print_summary, validate_result, write_html
+    from logdiff.reports import print_summary, write_html
 
-    if not result_json.is_file():
-        raise InputError(f"result file not found: {result_json}")
-    try:
-        result = load_result(result_json)
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    problems = validate_result(result)
-    if problems:
-        raise InputError(f"{result_json} is not a valid logdiff result: {problems[0]}")
+    result = _load_valid_result(result_json)
     path = write_html(result, out or result_json.parent / "report.html")
     print_summary(result, Console(), quiet=quiet)
     _stderr().print(f"wrote {path}", highlight=False)
@@ -353,18 +359,9 @@ def report(
 @handle_errors
 def explain(result_json: Path = typer.Argument(..., help="A result.json written by scan or check.")) -> None:
     """Explain a result in plain language: what diverged, why, how sure, what to do next."""
-    from logdiff.errors import InputError
     from logdiff.reports import explain as account
-    from logdiff.reports import load_result, validate_result
 
-    try:
-        result = load_result(result_json)
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    problems = validate_result(result)
-    if problems:
-        raise InputError(f"{result_json} is not a valid logdiff result: {problems[0]}")
-    sys.stdout.write(account(result))
+    sys.stdout.write(account(_load_valid_result(result_json)))
 
 
 @app.command()
