@@ -33,18 +33,6 @@ LARGE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
          "head_dim": 64, "intermediate_size": 4864, "vocab_size": 32768}  # fmt: skip
 
 
-def build_random(path: Path, **overrides: object) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from logdiff.demo import tiny_config
-
-    cfg = tiny_config("qwen3", int(overrides.pop("vocab_size", 4096)), initializer_range=0.2, **overrides)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
 def best_of(repeats: int, stock: Callable[[], object], consistent: Callable[[], object]) -> tuple[float, float]:
     """Minimum seconds of each, alternating so both see the same machine load."""
     stock(), consistent()  # warm-up: caches, weight recovery, first-call allocations
@@ -108,12 +96,14 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    from logdiff.demo import build_random_model
+
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        demo = args.demo or build_random(Path(tmp) / "demo")
+        demo = args.demo or build_random_model(Path(tmp) / "demo")
         rows += bench_model("demo qwen3", demo, args.repeats)
         if not args.skip_large:
-            rows += bench_model("0.5B-class qwen3", build_random(Path(tmp) / "large", **LARGE), max(2, args.repeats // 2))
+            rows += bench_model("0.5B-class qwen3", build_random_model(Path(tmp) / "large", **LARGE), max(2, args.repeats // 2))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16; min of repeats, alternating")
     print(f"{'model':<18} {'workload':<26} {'stock s':>9} {'consistent s':>13} {'ratio':>6}")
     for model, what, s, c in rows:

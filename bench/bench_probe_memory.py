@@ -72,21 +72,9 @@ print(json.dumps({"peak_rss": hwm(), "seconds": time.time() - t, "store_bytes": 
 
 
 def build_model(path: Path) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
+    from logdiff.demo import build_random_model
 
-    from logdiff.demo import tiny_config
-
-    config = tiny_config("qwen3", 4096, pad_token_id=0)
-    config.architectures = ["Qwen3ForCausalLM"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.2)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
+    return build_random_model(path, "qwen3")
 
 
 def measure(model: Path, infer: str, depth: str, n: int, length: int) -> dict:

@@ -17,12 +17,14 @@ from __future__ import annotations
 from logdiff.demo.build import METADATA_FILE, build_demo_model, read_demo_metadata
 from logdiff.demo.configs import SUPPORTED_DEMO_ARCHS, tiny_config
 from logdiff.demo.tokenizer import DEMO_VOCAB_SIZE
+from logdiff.demo.untrained import build_random_model
 
 __all__ = [
     "DEMO_VOCAB_SIZE",
     "METADATA_FILE",
     "SUPPORTED_DEMO_ARCHS",
     "build_demo_model",
+    "build_random_model",
     "read_demo_metadata",
     "tiny_config",
 ]
