@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from logdiff.config import ScanConfig
+from logdiff.config import KERNEL_FAMILIES, ScanConfig
 
 Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key)
 
@@ -52,13 +52,15 @@ def lever_of(cause: dict[str, Any], cfg: ScanConfig) -> Lever | None:
 
 def apply_levers(cfg: ScanConfig, levers: set[Lever]) -> ScanConfig:
     """``cfg`` with ``levers`` applied, at ``--depth logprobs``."""
-    families = sorted(f for kind, f in levers if kind == "kernel")
+    # A scan already in consistent mode keeps its kernels; levers add families to them.
+    base = set(cfg.consistent_kernels or KERNEL_FAMILIES) if cfg.consistent else set()
+    families = base | {f for kind, f in levers if kind == "kernel"}
     drop = {k for kind, k in levers if kind == "config"}
     return replace(
         cfg,
         depth="logprobs",
         consistent=bool(families),
-        consistent_kernels=tuple(families) if families else None,
+        consistent_kernels=None if families >= set(KERNEL_FAMILIES) or not families else tuple(sorted(families)),
         infer_ckpt=None if ("weights", "") in levers else cfg.infer_ckpt,
         train_set={k: v for k, v in cfg.train_set.items() if k not in drop},
         infer_set={k: v for k, v in cfg.infer_set.items() if k not in drop},

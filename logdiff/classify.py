@@ -50,7 +50,6 @@ FIX = {
     "neither, rounding the residual at the same point (logdiff.kernels.rms_norm with residual)",
     "intermediate_precision": "align the precision of the op's internal steps on both sides (e.g. fp32 "
     "cos/sin and rotation, fp32 silu*up rounded once: logdiff.kernels.rope / silu_and_mul)",
-    "batch_dependent_tiling": "use batch-invariant kernels so a row's result does not depend on batch shape",
 }
 
 
@@ -115,18 +114,21 @@ def _framework_kind(keys: list[str], weights: list[str]) -> str:
     return "config_contract"
 
 
-def _operator_kind(kind: str, infer_mode: str) -> str:
+def _operator_kind(kind: str, fused_add_norm: bool) -> str:
     if kind == "attn":
         return "online_softmax_block_size"
-    if kind in ("norm", "add") and infer_mode in ("decode", "prefill"):
+    if kind in ("norm", "add") and fused_add_norm:
         return "fused_vs_unfused"
     if kind in ("rope", "act"):
         return "intermediate_precision"
     return "reduction_order"
 
 
-def classify_op(ev: OpEvidence, contracts: dict[str, Any] | None, infer_mode: str) -> dict[str, Any]:
-    """One cause: class, kind, evidence lines and a fix."""
+def classify_op(ev: OpEvidence, contracts: dict[str, Any] | None, fused_add_norm: bool) -> dict[str, Any]:
+    """One cause: class, kind, evidence lines and a fix.
+
+    ``fused_add_norm``: the inference engine adds the residual inside its norm kernel.
+    """
     keys, weights = contract_keys(ev.boundary, ev.kind)
     evidence: list[str] = []
     c_diff = [k for k in keys if contracts and k in contracts.get("differs", [])]
@@ -170,7 +172,7 @@ def classify_op(ev: OpEvidence, contracts: dict[str, Any] | None, infer_mode: st
         )
         fix = "compare this op's implementation on both sides: it computes a different function although its visible contract matches"
         return _cause(ev, "framework_difference", "config_contract", evidence, fix)
-    kind = _operator_kind(ev.kind, infer_mode)
+    kind = _operator_kind(ev.kind, fused_add_norm)
     return _cause(ev, "operator_path", kind, evidence, FIX[kind])
 
 

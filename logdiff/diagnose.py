@@ -82,7 +82,6 @@ def diagnose(
         result["warnings"].append("the logprobs differ but no op was found to introduce the error")
     progress("rerunning both paths with the reference kernels")
     reference = _reference_rerun(cfg, scan, result["warnings"]) if ops else None
-    infer_mode = next((p["mode"] for p in result["paths"] if p["name"] == pair["infer"]), "decode")
     causes = []
     for op in ops:
         rel = op.get("local_rel")
@@ -95,7 +94,7 @@ def diagnose(
             ulps=rel / EPS[cfg.dtype] if rel is not None else None,
             vanished_under_reference=vanished,
         )
-        causes.append(classify.classify_op(ev, contracts, infer_mode))
+        causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm))
     causes = classify.merge_fused(causes)
     causes += classify.preflight_only_causes(contracts, causes)
     progress("attributing the logdiff to its causes")

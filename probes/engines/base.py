@@ -72,6 +72,8 @@ class Engine(ABC):
     options: ClassVar[frozenset[str]] = frozenset({"temperature"})
     #: only one instance may be alive per process (vLLM holds global state).
     exclusive: ClassVar[bool] = False
+    #: the residual add runs inside the norm kernel (one rounding fewer than HF's add, then norm).
+    fuses_add_norm: ClassVar[bool] = False
 
     def __init__(self, spec: EngineSpec):
         self.spec = spec

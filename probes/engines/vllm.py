@@ -81,6 +81,7 @@ class VLLMEngine(Engine):
     name = "vllm"
     mode = "decode"
     exclusive = True
+    fuses_add_norm = True
     options = frozenset(
         {"temperature", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "logprobs_mode", "enable_prefix_caching"}
     )
