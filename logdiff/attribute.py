@@ -59,6 +59,7 @@ def apply_levers(cfg: ScanConfig, levers: set[Lever]) -> ScanConfig:
     return replace(
         cfg,
         depth="logprobs",
+        drill=None,
         consistent=bool(families),
         consistent_kernels=None if families >= set(KERNEL_FAMILIES) or not families else tuple(sorted(families)),
         infer_ckpt=None if ("weights", "") in levers else cfg.infer_ckpt,

@@ -91,6 +91,7 @@ class GateResult:
     value: Any
     threshold: Any
     message: str
+    group: str = ""  # the option that asked for it (``--max-kl``, ``--baseline``...)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,6 +125,21 @@ def completeness_gate(result: dict[str, Any]) -> GateResult:
     return GateResult("scan complete", ok, bool(result.get("complete", True)), True, msg)
 
 
+def finite_gate(result: dict[str, Any]) -> GateResult:
+    """NaN or inf anywhere on a path (weights, activations, logits, logprobs) fails the check."""
+    found = result.get("non_finite")
+    nulls = [pair_name(p) for p in result.get("pairs") or []
+             if _number((p.get("metrics") or {}).get("abs_diff_max")) is None]  # fmt: skip
+    ok = not found and not nulls
+    if ok:
+        msg = "finite values: every weight, logprob and probed value is finite"
+    elif found:
+        msg = f"finite values: {found.get('summary') or 'non-finite values found'}"
+    else:
+        msg = f"finite values: abs_diff_max is not a finite number for {', '.join(nulls)}"
+    return GateResult("finite values", ok, "finite" if ok else "non-finite", "finite", msg)
+
+
 def threshold_gates(result: dict[str, Any], thresholds: dict[str, float | None]) -> list[GateResult]:
     """One gate per given threshold (keys of THRESHOLD_METRICS) and per pair."""
     gates = []
@@ -136,11 +152,12 @@ def threshold_gates(result: dict[str, Any], thresholds: dict[str, float | None])
             name = f"{metric} ({pair_name(pair)})"
             value = _number((pair.get("metrics") or {}).get(metric))
             if value is None:
-                gates.append(GateResult(name, False, None, limit, f"{name}: no value in the result"))
+                gates.append(GateResult(name, False, None, limit, f"{name}: no finite value in the result", flag))
                 continue
             ok = value <= limit
             rel = "<=" if ok else ">"
-            gates.append(GateResult(name, ok, value, limit, f"{name} = {fmt(value)} {rel} {fmt(limit)} ({flag})"))
+            msg = f"{name} = {fmt(value)} {rel} {fmt(limit)} ({flag})"
+            gates.append(GateResult(name, ok, value, limit, msg, flag))
     return gates
 
 
@@ -173,8 +190,31 @@ def fail_on_gates(result: dict[str, Any], classes: list[str]) -> list[GateResult
             msg = f"{name}: found {'; '.join(hits)}"
         else:
             msg = f"{name}: none found (verdict {verdict})"
-        gates.append(GateResult(name, not hits, verdict, f"no {cls}", msg))
+        gates.append(GateResult(name, not hits, verdict, f"no {cls}", msg, "--fail-on"))
     return gates
+
+
+def coverage_gates(gates: list[GateResult], asked: dict[str, int]) -> list[GateResult]:
+    """A failing gate for each option that produced fewer gates than it asked for (``asked``: group -> count)."""
+    out = []
+    for group, wanted in asked.items():
+        got = sum(1 for g in gates if g.group == group)
+        if got < wanted:
+            msg = f"gates evaluated ({group}): {got} of the {wanted} asked for; a gate that was not evaluated cannot pass"
+            out.append(GateResult(f"gates evaluated ({group})", False, got, wanted, msg, group))
+    return out
+
+
+def asked_gates(result: dict[str, Any], thresholds: dict[str, float | None], classes: list[str],
+                baseline: dict[str, Any] | None) -> dict[str, int]:  # fmt: skip
+    """How many gates each option asked for: one per pair and threshold, one per class, the baseline's."""
+    pairs = max(1, len(result.get("pairs") or []))
+    asked = {"--" + k.replace("_", "-"): pairs for k, v in thresholds.items() if v is not None}
+    if classes:
+        asked["--fail-on"] = len(classes)
+    if baseline is not None:
+        asked["--baseline"] = len(BASELINE_METRICS) * len(baseline.get("pairs") or {}) + 1
+    return asked
 
 
 # --- baselines -----------------------------------------------------------------------------------
@@ -258,18 +298,61 @@ def make_baseline(result: dict[str, Any], tolerance: Tolerance) -> dict[str, Any
 
 
 def load_baseline(path: Path) -> dict[str, Any]:
-    """Read and sanity-check a baseline file; InputError (exit 2) when missing or malformed."""
+    """Read and validate a baseline file completely; InputError (exit 2) when missing or malformed."""
     if not path.is_file():
         raise InputError(f"baseline {path} not found; create it with --update-baseline")
     try:
         data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise InputError(f"baseline {path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
-        raise InputError(f"baseline {path}: not a {BASELINE_FORMAT} file")
-    if not isinstance(data.get("key"), dict) or not isinstance(data.get("pairs"), dict):
-        raise InputError(f"baseline {path}: missing 'key' or 'pairs'")
+    problem = baseline_problem(data)
+    if problem:
+        raise InputError(f"baseline {path}: {problem}")
     return data
+
+
+VERDICTS = ("consistent", "divergent", "operator_path", "framework_difference", "mixed")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def baseline_problem(data: Any) -> str | None:
+    """What is wrong with a baseline's contents (every value a gate reads), or None."""
+    if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
+        return f"not a {BASELINE_FORMAT} file"
+    key, pairs = data.get("key"), data.get("pairs")
+    if not isinstance(key, dict) or not isinstance(pairs, dict) or not pairs:
+        return "missing 'key' or 'pairs'"
+    missing = [f for f in STRICT_KEYS if f not in key]
+    if missing:
+        return f"key has no {missing[0]!r}"
+    for name, metrics in pairs.items():
+        if not isinstance(metrics, dict):
+            return f"pairs[{name!r}] is not an object"
+        for metric, exact in BASELINE_METRICS.items():
+            value = metrics.get(metric)
+            if not _finite(value):
+                return f"pairs[{name!r}].{metric} is {value!r}, not a finite number"
+            if value < 0 or (exact == 1.0 and value > 1):
+                return f"pairs[{name!r}].{metric} is {value!r}, out of range"
+    tol = data.get("tolerance")
+    if tol is not None:
+        if not isinstance(tol, dict) or set(tol) - {"rel", "abs"}:
+            return "tolerance must be an object with 'rel' and 'abs'"
+        for part in ("rel", "abs"):
+            if part in tol and not (_finite(tol[part]) and tol[part] >= 0):
+                return f"tolerance.{part} is {tol[part]!r}, not a finite number >= 0"
+    if data.get("verdict") not in VERDICTS:
+        return f"verdict is {data.get('verdict')!r}, not one of {', '.join(VERDICTS)}"
+    causes = data.get("causes", [])
+    if not isinstance(causes, list) or not all(isinstance(c, dict) for c in causes):
+        return "causes must be a list of objects"
+    for field in ("sequences", "overrides"):
+        if data.get(field) is not None and not isinstance(data[field], dict):
+            return f"{field} must be an object"
+    return None
 
 
 def try_load_baseline(path: Path) -> dict[str, Any] | None:
@@ -281,8 +364,13 @@ def try_load_baseline(path: Path) -> dict[str, Any] | None:
 
 
 def write_baseline(path: Path, baseline: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(baseline, indent=2) + "\n")
+    """Write a baseline atomically; refuses one that could not be loaded back (a null metric)."""
+    from logdiff.outputs import write_text
+
+    problem = baseline_problem(baseline)
+    if problem:
+        raise InputError(f"baseline not written to {path}: {problem}")
+    write_text(path, json.dumps(baseline, indent=2, allow_nan=False) + "\n")
 
 
 def baseline_tolerance(baseline: dict[str, Any]) -> Tolerance:
@@ -333,18 +421,19 @@ def baseline_gates(result: dict[str, Any], baseline: dict[str, Any], tolerance: 
     for name in dict.fromkeys([*baseline["pairs"], *pairs]):
         if name not in pairs or name not in baseline["pairs"]:
             where = "this run" if name not in pairs else "the baseline"
-            gates.append(GateResult(f"baseline ({name})", False, None, None, f"pair {name} is missing from {where}"))
+            msg = f"pair {name} is missing from {where}"
+            gates.append(GateResult(f"baseline ({name})", False, None, None, msg, "--baseline"))
             continue
         for metric, exact in BASELINE_METRICS.items():
             gate = f"baseline {metric} ({name})"
             value, base = _number(pairs[name].get(metric)), _number(baseline["pairs"][name].get(metric))
-            if base is None:
-                continue  # not recorded: nothing to hold it to
-            if value is None:
-                gates.append(GateResult(gate, False, None, base, f"{gate}: no value in this run"))
+            if base is None or value is None:  # a gate never silently drops out
+                where = "the baseline" if base is None else "this run"
+                gates.append(GateResult(gate, False, value, base, f"{gate}: no finite value in {where}", "--baseline"))
                 continue
             ok = tolerance.allows(value, base, exact)
-            gates.append(GateResult(gate, ok, value, base, _baseline_message(gate, value, base, exact, ok, tolerance)))
+            msg = _baseline_message(gate, value, base, exact, ok, tolerance)
+            gates.append(GateResult(gate, ok, value, base, msg, "--baseline"))
     gates.append(_causes_gate(result, baseline))
     return gates
 
@@ -394,7 +483,7 @@ def _causes_gate(result: dict[str, Any], baseline: dict[str, Any]) -> GateResult
     problems += [f"new cause {c}" for c in sorted(now - before)]
     problems += [f"cause gone: {c}" for c in sorted(before - now)]
     msg = "baseline verdict and causes: " + ("; ".join(problems) if problems else f"unchanged ({verdict})")
-    return GateResult("baseline verdict and causes", not problems, verdict, base_verdict, msg)
+    return GateResult("baseline verdict and causes", not problems, verdict, base_verdict, msg, "--baseline")
 
 
 # --- explaining a result -------------------------------------------------------------------------

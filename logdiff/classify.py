@@ -282,3 +282,18 @@ def preflight_only_causes(contracts: dict[str, Any] | None, causes: list[dict[st
         kind_name = _framework_kind([] if is_weight else [item], [item] if is_weight else [])
         out.append(_cause(ev, "framework_difference", kind_name, evidence, fix, [item]))
     return out
+
+
+def non_finite_cause(first: dict[str, Any] | None, weights: list[str], evidence: list[str], fix: str) -> dict[str, Any]:
+    """A ``framework_difference``/``non_finite`` cause: NaN or inf on a path (docs/causes.md).
+
+    Its boundary is the first one that holds the value (``first``, from locate), else
+    the module owning the first non-finite weight, else the whole model (not localized).
+    """
+    if first is not None:
+        ev = OpEvidence(first["boundary"], first.get("kind") or "module", first.get("layer"), 0.0, None, None)
+    elif weights:
+        ev = OpEvidence(*_weight_boundary(weights[0]), None, 0.0, None, None)
+    else:
+        ev = OpEvidence("model", "module", None, 0.0, None, None)
+    return _cause(ev, "framework_difference", "non_finite", evidence, fix, list(weights))

@@ -10,8 +10,6 @@ error (exit 101), with the traceback only under ``LOGDIFF_DEBUG=1``.
 from __future__ import annotations
 
 import functools
-import json
-import math
 import os
 import sys
 import traceback
@@ -52,7 +50,12 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (typer.Exit, typer.Abort, SystemExit):
             raise
         except LogdiffError as e:
-            _stderr().print(f"[bold red]logdiff: error:[/] {e}", highlight=False, markup=True, soft_wrap=True)
+            from rich.text import Text
+
+            from logdiff.reports.format import safe_text
+
+            line = Text("logdiff: error: ", style="bold red") + Text(safe_text(e))  # one inert line
+            _stderr().print(line, highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             _stderr().print("logdiff: interrupted")
@@ -60,7 +63,9 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as e:  # noqa: BLE001 - the last line of defence
             if os.environ.get("LOGDIFF_DEBUG"):
                 traceback.print_exc()
-            msg = f"{type(e).__name__}: {e}".splitlines()[0]
+            from logdiff.reports.format import safe_text
+
+            msg = safe_text(f"{type(e).__name__}: {e}".splitlines()[0] if str(e).strip() else type(e).__name__)
             _stderr().print(
                 f"logdiff: internal error: {msg} (set LOGDIFF_DEBUG=1 for the traceback)",
                 highlight=False,
@@ -104,36 +109,11 @@ def _run_scan(cfg: Any, quiet: bool, tables: Optional[dict[str, Any]] = None) ->
         return run(cfg, progress=lambda msg: status.update(msg), tables=tables)
 
 
-def dump_json(result: dict[str, Any], path: Path) -> None:
-    """Strict JSON: non-finite floats (an infinite ratio, say) become null."""
+def _say(console: Console, text: str, **kwargs: Any) -> None:
+    """Print one line built from result data: control characters escaped, never read as markup."""
+    from logdiff.reports.format import safe_text
 
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {k: clean(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [clean(v) for v in x]
-        return x
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(clean(result), indent=2, allow_nan=False))
-
-
-def _write_outputs(
-    result: dict[str, Any], out: Optional[Path], json_path: Optional[Path], tables: Optional[dict[str, Any]] = None
-) -> None:
-    from logdiff.reports import write_html
-
-    if out is not None:
-        dump_json(result, out / "result.json")
-        write_html(result, out / "report.html")
-        if tables:
-            from logdiff.locate import write_tables
-
-            write_tables(tables, out)
-    if json_path is not None:
-        dump_json(result, json_path)
+    console.print(safe_text(text), markup=False, highlight=False, soft_wrap=True, **kwargs)
 
 
 @app.command()
@@ -166,11 +146,15 @@ def scan(
     drill: Optional[str] = typer.Option(
         None, metavar="MODULE", help="At --depth ops, trace this module's aten ops (default: the first divergent one)."
     ),
+    trust_remote_code: bool = typer.Option(
+        False, "--trust-remote-code", help="Let transformers and vLLM run Python code shipped with MODEL (auto_map)."
+    ),
     out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
 ) -> None:
     """Replay the same tokens through a training and an inference path and compare logprobs."""
+    from logdiff import outputs
     from logdiff.reports import print_summary
 
     cfg = _build_config(
@@ -178,11 +162,12 @@ def scan(
         num_sequences=num_sequences, prompt_len=prompt_len, response_len=response_len, seed=seed,
         infer_ckpt=infer_ckpt, set_=set_, depth=depth, consistent=consistent,
         consistent_kernels=consistent_kernels, attribute=attribute, drill=drill,
-        batch_compositions=batch_compositions,
+        batch_compositions=batch_compositions, trust_remote_code=trust_remote_code,
     )  # fmt: skip
+    outputs.prepare(out, json_path)
     tables: dict[str, Any] = {}
     result = _run_scan(cfg, quiet, tables)
-    _write_outputs(result, out, json_path, tables)
+    outputs.write_result(result, out, json_path, tables)
     print_summary(result, Console(), quiet=quiet)
 
 
@@ -230,6 +215,10 @@ def check(
     ),  # fmt: skip
     update_baseline: bool = typer.Option(False, help="Write (or refresh) --baseline from this run."),
     junit: Optional[Path] = typer.Option(None, metavar="PATH", help="Write JUnit XML: one test case per gate."),
+    github: Optional[bool] = typer.Option(
+        None, "--github/--no-github",
+        help="Print GitHub Actions annotations and append to $GITHUB_STEP_SUMMARY (default: when GITHUB_ACTIONS=true).",
+    ),  # fmt: skip
     **scan_options: Any,
 ) -> None:
     """Run a scan and fail (exit 1) when a gate fails: thresholds, --fail-on classes, a baseline.
@@ -240,6 +229,7 @@ def check(
     import dataclasses
 
     from logdiff import check as gating
+    from logdiff import outputs
     from logdiff.config import ScanConfig
     from logdiff.errors import EXIT_GATE_FAILED, InputError
     from logdiff.reports import print_summary
@@ -262,66 +252,83 @@ def check(
     old = None
     if base_path is not None:
         old = gating.load_baseline(base_path) if not update_baseline else gating.try_load_baseline(base_path)
+    out, json_path = scan_options.get("out"), scan_options.get("json_path")
+    outputs.prepare(out, json_path, junit, base_path if update_baseline else None)
 
     tables: dict[str, Any] = {}
     result = _run_scan(cfg, quiet, tables)
-    _write_outputs(result, scan_options.get("out"), scan_options.get("json_path"), tables)
+    outputs.write_result(result, out, json_path, tables)
     console = Console()
     print_summary(result, console, quiet=quiet)
 
     notes: list[str] = []  # shown, never failing: model renamed, overrides, versions changed
-    gates = [gating.completeness_gate(result), *gating.threshold_gates(result, thresholds)]
+    gates = [gating.completeness_gate(result), gating.finite_gate(result), *gating.threshold_gates(result, thresholds)]
     gates += gating.fail_on_gates(result, classes)
     if base_path is not None and not update_baseline:
         notes += gating.check_applicable(result, old, base_path)
         gates += gating.baseline_gates(result, old, tol or gating.baseline_tolerance(old))
         notes += [f"changed since the baseline: {c}" for c in gating.environment_changes(result, old)]
+    gates += gating.coverage_gates(gates, gating.asked_gates(result, thresholds, classes, old if not update_baseline else None))
     if update_baseline:
-        keep = tol or (gating.baseline_tolerance(old) if old else gating.Tolerance())
-        for line in gating.refresh_changes(result, old):
-            console.print(f"baseline change: {line}", markup=False, highlight=False, soft_wrap=True)
-        gating.write_baseline(base_path, gating.make_baseline(result, keep))
-        verb = "refreshed" if old else "wrote"
-        console.print(f"{verb} baseline {base_path} ({keep.describe()})", markup=False, highlight=False, soft_wrap=True)
-    _report_gates(result, gates, notes, console, quiet=quiet, junit=junit, baseline=base_path)
+        _refresh_baseline(result, old, base_path, tol, gates[:2], console)
+    if github is None:
+        github = os.environ.get("GITHUB_ACTIONS") == "true"
+    _report_gates(result, gates, notes, console, junit=junit, baseline=base_path, github=github)
     if any(not g.passed for g in gates):
         raise typer.Exit(EXIT_GATE_FAILED)
 
 
+def _refresh_baseline(result: dict[str, Any], old: Optional[dict[str, Any]], path: Path, tol: Any,
+                      basics: list[Any], console: Console) -> None:  # fmt: skip
+    """Write ``--update-baseline``'s file, unless the run is incomplete or not finite (a gate that can pass nothing)."""
+    from logdiff import check as gating
+
+    if not all(g.passed for g in basics):
+        _say(console, f"baseline not written: {'; '.join(g.message for g in basics if not g.passed)}")
+        return
+    keep = tol or (gating.baseline_tolerance(old) if old else gating.Tolerance())
+    for line in gating.refresh_changes(result, old):
+        _say(console, f"baseline change: {line}")
+    gating.write_baseline(path, gating.make_baseline(result, keep))
+    _say(console, f"{'refreshed' if old else 'wrote'} baseline {path} ({keep.describe()})")
+
+
 def _report_gates(
     result: dict[str, Any], gates: list[Any], notes: list[str], console: Console, *,
-    quiet: bool, junit: Optional[Path], baseline: Optional[Path],
+    junit: Optional[Path], baseline: Optional[Path], github: bool,
 ) -> None:  # fmt: skip
-    """The CI log lines, JUnit XML and GitHub Actions output for ``check``'s gates."""
+    """The CI log lines (every gate evaluated, passed or not), JUnit XML and GitHub Actions output.
+
+    Only the GitHub path emits workflow commands (``::error``), with their data escaped;
+    every other line is printed with its control characters escaped.
+    """
     from logdiff import check as gating
-    from logdiff.reports import github
-    from logdiff.reports.junit import write_junit
+    from logdiff import outputs
+    from logdiff.reports import github as gh
+    from logdiff.reports.junit import junit_xml
 
     failed = [g for g in gates if not g.passed]
     for g in gates:
-        if g.passed and quiet:
-            continue
-        console.print(f"{'PASS' if g.passed else 'FAIL'} {g.message}", markup=False, highlight=False, soft_wrap=True)
+        _say(console, f"{'PASS' if g.passed else 'FAIL'} {g.message}")
     for note in notes:
-        console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+        _say(console, f"note: {note}")
     explanation = gating.explain(result)
     if failed:
-        head = f"logdiff check: {len(failed)} of {len(gates)} gates failed"
-        console.print(head, style="bold red", markup=False, highlight=False, soft_wrap=True)
+        _say(console, f"logdiff check: {len(failed)} of {len(gates)} gates failed", style="bold red")
         for line in explanation:
-            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+            _say(console, f"  {line}")
     else:
-        console.print(f"logdiff check: all {len(gates)} gates passed", style="bold green", markup=False, soft_wrap=True)
+        _say(console, f"logdiff check: all {len(gates)} gates passed", style="bold green")
     dicts = [g.as_dict() for g in gates]
     if junit is not None:
         props = {"verdict": result.get("verdict"), "model": result.get("model"), "dtype": result.get("dtype"),
                  "hardware": gating.hardware_key(result.get("environment") or {}),
                  "baseline": baseline or "", "logdiff": (result.get("tool") or {}).get("version")}  # fmt: skip
-        write_junit(junit, dicts, properties=props)
-    if os.environ.get("GITHUB_ACTIONS") == "true":
-        for line in github.annotations(dicts, explanation) + github.warnings(notes):
+        outputs.write_text(junit, junit_xml(dicts, properties=props))
+    if github:
+        for line in gh.annotations(dicts, explanation) + gh.warnings(notes):
             typer.echo(line)
-        github.append_step_summary(github.step_summary(dicts, explanation + notes))
+        gh.append_step_summary(gh.step_summary(dicts, explanation + notes))
 
 
 def _load_valid_result(path: Path) -> dict[str, Any]:
@@ -347,12 +354,15 @@ def report(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
 ) -> None:
     """Render report.html (and the terminal summary) from a saved result.json."""
-    from logdiff.reports import print_summary, write_html
+    from logdiff import outputs
+    from logdiff.reports import print_summary, render_html
 
     result = _load_valid_result(result_json)
-    path = write_html(result, out or result_json.parent / "report.html")
+    path = out or result_json.parent / "report.html"
+    outputs.probe_file(path, "--out")
+    outputs.write_text(path, render_html(result))
     print_summary(result, Console(), quiet=quiet)
-    _stderr().print(f"wrote {path}", highlight=False)
+    _say(_stderr(), f"wrote {path}")
 
 
 @app.command()

@@ -42,6 +42,7 @@ def token_metrics(
         flips = float(np.mean(_flat(train_top1) != _flat(infer_top1)))
     out = {
         "num_tokens": int(diff.size),
+        "nonfinite_tokens": int((~(np.isfinite(lp_t) & np.isfinite(lp_i))).sum()),
         "abs_diff_max": float(diff.max()),
         "abs_diff_mean": float(diff.mean()),
         "abs_diff_p99": float(np.percentile(diff, 99)),
@@ -84,10 +85,11 @@ def histogram(train: list[np.ndarray], infer: list[np.ndarray]) -> dict[str, lis
 
 
 def worst(train: list[np.ndarray], infer: list[np.ndarray]) -> dict[str, Any]:
-    """The sequence and response position with the largest ``|Δ logprob|``."""
+    """The sequence and response position with the largest ``|Δ logprob|`` (the first NaN/inf one if any)."""
     best = (-1.0, 0, 0)
     for s, (a, b) in enumerate(zip(train, infer)):
         d = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+        d = np.where(np.isfinite(d), d, np.inf)
         if d.size and d.max() > best[0]:
             best = (float(d.max()), s, int(d.argmax()))
     _, s, p = best

@@ -41,6 +41,8 @@ class ScanConfig:
     drill: str | None = None
     #: batch-invariance probe: score the sequences at these batch sizes on the first inference engine
     batch_sizes: tuple[int, ...] | None = None
+    #: let transformers and vLLM run Python code that ships with the model (auto_map)
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -58,6 +60,16 @@ class ScanConfig:
             raise InputError("--batch-compositions needs at least two batch sizes >= 1, e.g. 1,4")
         if self.response_len < 1:
             raise InputError("--response-len must be at least 1")
+        if self.num_sequences < 1 or self.prompt_len < 1:
+            raise InputError("--num-sequences and --prompt-len must be at least 1")
+        if self.drill is not None and self.depth != "ops":
+            raise InputError("--drill needs --depth ops (it names the module whose aten ops are traced)")
+        if self.consistent_kernels is not None and not self.consistent:
+            raise InputError("--consistent-kernels needs --consistent")
+        from logdiff.options import validate_side
+
+        validate_side("train", [self.train], self.train_set)
+        validate_side("infer", list(self.infer), self.infer_set)
 
 
 def parse_value(text: str) -> Any:

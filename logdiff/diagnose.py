@@ -39,7 +39,7 @@ def _reference_rerun(cfg: ScanConfig, scan: Scan, warnings: list[str]) -> Callab
     its output is equal.
     """
     try:
-        ref = scan(replace(cfg, depth="modules", consistent=True, consistent_kernels=None))
+        ref = scan(replace(cfg, depth="modules", consistent=True, consistent_kernels=None, drill=None))
     except Exception as e:  # noqa: BLE001 - a path without consistent mode still gets classified
         warnings.append(f"reference-kernel rerun unavailable ({type(e).__name__}: {e}); classified by contract and noise floor")
         return None
@@ -68,8 +68,15 @@ def diagnose(
 ) -> None:
     """Fill ``contracts``, ``causes``, ``attribution`` and ``verdict`` of ``result`` in place."""
     progress("semantic preflight: contracts and weight fingerprints")
-    contracts = preflight(train, infer)
+    held = any(((result.get("non_finite") or {}).get("weights") or {}).values())
+    if held:  # hashes of NaN-holding tensors say nothing (and vLLM's CPU weights cannot be recovered)
+        result["warnings"].append("weight fingerprints skipped: the weights hold NaN/inf (see non_finite)")
+    contracts = preflight(train, infer, weights=not held)
     result["contracts"] = contracts
+    if result.get("non_finite"):  # no op's arithmetic can be judged on NaN/inf: the finding is the cause
+        result["causes"] += classify.preflight_only_causes(contracts, result["causes"])
+        result["verdict"] = classify.verdict(result["causes"], consistent=False)
+        return
     pair = result["pairs"][0]
     consistent = pair["metrics"]["bitwise_equal_fraction"] == 1.0
     ops = result.get("introducing_ops") or []

@@ -48,6 +48,7 @@ class Localization:
     table: Any  # pandas.DataFrame
     warnings: list[str] = field(default_factory=list)
     op_trace: dict[str, Any] | None = None
+    first_nonfinite: dict[str, Any] | None = None
 
     def table_json(self) -> dict[str, Any] | None:
         """The ``divergence_table`` field of result.json."""
@@ -165,9 +166,25 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
             row["local"] = local[name].to_dict()
         rows.append(row)
     loc = Localization(pair.train, pair.infer, first, introducing, rows, divergence_frame(pair, order), warnings)
+    loc.first_nonfinite = first_nonfinite(pair, order)
     if pair.tracer_train is not None or pair.tracer_infer is not None:
         loc.op_trace = op_drilldown(pair, first)
     return loc
+
+
+def first_nonfinite(pair: Any, order: list[str]) -> dict[str, Any] | None:
+    """The first boundary (semantic order) where either path holds a NaN or inf, and on which side."""
+    for name in order:
+        s = pair.comparer.summaries[name]
+        if not (s.nonfinite_ref or s.nonfinite_other):
+            continue
+        # the stored (reference) side is the inference path, the live side the training path
+        sides = [p for p, n in ((pair.train, s.nonfinite_other), (pair.infer, s.nonfinite_ref)) if n]
+        seq, pos = s.nonfinite_at or (None, None)
+        b = pair.cmap.get(name)
+        return {"boundary": name, "layer": _layer(pair, name), "kind": b.kind if b is not None else None,
+                "paths": sides, "sequence": seq, "position": pos, "inputs": _inputs(pair, name, order)}  # fmt: skip
+    return None
 
 
 def _layer(pair: Any, name: str) -> int | None:

@@ -22,6 +22,8 @@ import numpy as np
 
 from logdiff import compare, sequences
 from logdiff.config import ScanConfig
+from logdiff.errors import InputError
+from logdiff.options import is_option
 from logdiff.probes import checkpoint
 from logdiff.probes.engines.base import Engine, EngineSpec, PathScores, acquire, get_engine
 
@@ -30,27 +32,40 @@ Progress = Callable[[str], None]
 
 
 def _split_settings(engine: str, settings: dict[str, Any]) -> tuple[tuple, tuple]:
-    """(config overrides, engine options) for one side's ``--set`` items."""
+    """(config overrides, engine options) for one side's ``--set`` items.
+
+    An option of another engine on the same side (``max_model_len`` with both
+    vLLM and hf-decode) is that engine's, never a config override here.
+    """
     known = get_engine(engine).options
-    overrides = tuple(sorted((k, v) for k, v in settings.items() if k not in known))
+    overrides = tuple(sorted((k, v) for k, v in settings.items() if not is_option(k)))
     options = tuple(sorted((k, v) for k, v in settings.items() if k in known))
     return overrides, options
 
 
 def _spec(engine: str, staged: checkpoint.StagedModel, cfg: ScanConfig, settings: dict[str, Any]) -> EngineSpec:
     overrides, options = _split_settings(engine, settings)
-    return EngineSpec(str(staged.path), cfg.dtype, overrides, options, cfg.seed)
+    return EngineSpec(str(staged.path), cfg.dtype, overrides, options, cfg.seed, cfg.trust_remote_code)
 
 
 def _load_sequences(cfg: ScanConfig, staged: checkpoint.StagedModel) -> tuple[list[sequences.Sequence], str]:
     if cfg.sequences is not None:
         seqs, source = sequences.load_jsonl(cfg.sequences), "jsonl"
     elif cfg.prompts is not None:
-        seqs, source = sequences.load_text_prompts(cfg.prompts, cfg.model), "prompts"
+        seqs, source = sequences.load_text_prompts(cfg.prompts, cfg.model, cfg.trust_remote_code), "prompts"
     else:
         seqs = sequences.random_prompts(cfg.num_sequences, cfg.prompt_len, staged.vocab_size, cfg.seed)
         source = "probe"
-    sequences.validate(seqs, staged.vocab_size, staged.max_len, cfg.response_len)
+    limit, what = staged.max_len, "max_position_embeddings"
+    max_model_len = cfg.infer_set.get("max_model_len") if "vllm" in cfg.infer else None
+    if max_model_len is not None:
+        if max_model_len > staged.max_len:
+            raise InputError(
+                f"--set infer.max_model_len={max_model_len} exceeds the model's context of {staged.max_len} "
+                "(max_position_embeddings)"
+            )
+        limit, what = max_model_len, "--set infer.max_model_len"
+    sequences.validate(seqs, staged.vocab_size, limit, cfg.response_len, what)
     return seqs, source
 
 
@@ -68,9 +83,19 @@ def run_paths(
     (to disk) and the training path is compared against them as it runs;
     ``meta["probes"]`` is then the ``ProbeSession`` (the caller closes it).
     """
-    staged = checkpoint.stage(cfg.model, cfg.ckpt)
-    staged_infer = checkpoint.stage(cfg.model, cfg.infer_ckpt) if cfg.infer_ckpt else staged
+    from logdiff import overrides
+    from logdiff.probes import nonfinite
+
+    staged = checkpoint.stage(cfg.model, cfg.ckpt, cfg.trust_remote_code)
+    staged_infer = checkpoint.stage(cfg.model, cfg.infer_ckpt, cfg.trust_remote_code) if cfg.infer_ckpt else staged
     seqs, source = _load_sequences(cfg, staged)
+    for side, where, settings in (("train", staged, cfg.train_set), ("infer", staged_infer, cfg.infer_set)):
+        config_keys = {k: v for k, v in settings.items() if not is_option(k)}
+        overrides.check_before_load(where, side, config_keys, cfg.trust_remote_code)
+        settings.update(config_keys)  # ints given for float fields become floats
+    progress("checking the weights for NaN/inf")
+    weights = {"train": nonfinite.checkpoint_nonfinite(staged.path, cfg.dtype)}
+    weights["infer"] = nonfinite.checkpoint_nonfinite(staged_infer.path, cfg.dtype)
     probes = None
     if cfg.depth != "logprobs":
         from logdiff.probes.record import ProbeSession
@@ -88,7 +113,9 @@ def run_paths(
         return probes.record(engine, role) if probes is not None else contextlib.nullcontext()
 
     try:
-        return _run(cfg, progress, staged, staged_infer, seqs, source, recording, probes)
+        out = _run(cfg, progress, staged, staged_infer, seqs, source, recording, probes)
+        out[4]["nonfinite_weights"] = weights
+        return out
     except BaseException:
         if probes is not None:
             probes.close()
@@ -106,12 +133,16 @@ def _run(
     probes: Any,
 ) -> tuple[list[sequences.Sequence], str, PathScores, list[PathScores], dict[str, Any]]:
     """Load the engines and run every path (recording where ``recording`` says)."""
+    from logdiff.overrides import check_applied
+
     progress(f"loading {cfg.train} (training path)")
     train = acquire(cfg.train, _spec(cfg.train, staged, cfg, cfg.train_set))
+    check_applied(train, "train", cfg.train_set)
     infers = []
     for name in dict.fromkeys(cfg.infer):
         progress(f"loading {name} (inference path)")
         infers.append(acquire(name, _spec(name, staged_infer, cfg, cfg.infer_set)))
+        check_applied(infers[-1], "infer", cfg.infer_set)
 
     owners: dict[str, Engine | None] = {}  # path name -> the engine that produced it
     infer_scores: list[PathScores] = []
@@ -184,7 +215,7 @@ def _tokenizer(cfg: ScanConfig) -> Any:
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(cfg.model))
+        return AutoTokenizer.from_pretrained(str(cfg.model), trust_remote_code=cfg.trust_remote_code)
     except Exception:  # noqa: BLE001 - token text is a nicety; ids are the truth
         return None
 
@@ -235,7 +266,7 @@ def _localize(pairs: list[dict[str, Any]], probes: Any, progress: Progress) -> d
 
     found = {(p.train, p.infer): p for p in probes.pairs()}
     out: dict[str, Any] = {"warnings": [], "tables": {}, "first_divergence": None, "introducing_ops": [],
-                           "divergence_table": None, "op_trace": None}
+                           "divergence_table": None, "op_trace": None, "first_nonfinite": None}
     for i, pair in enumerate(pairs):
         record = found.get((pair["train"], pair["infer"]))
         if record is None:
@@ -248,6 +279,8 @@ def _localize(pairs: list[dict[str, Any]], probes: Any, progress: Progress) -> d
         pair["introducing_ops"] = loc.introducing_ops
         pair["boundaries"] = loc.boundaries
         out["warnings"] += [w for w in loc.warnings if w not in out["warnings"]]
+        if out["first_nonfinite"] is None:
+            out["first_nonfinite"] = loc.first_nonfinite
         stem = "divergence_table" if i == 0 else f"divergence_table_{pair['infer']}"
         out["tables"][stem] = loc.table
         if i == 0:
@@ -259,6 +292,21 @@ def _localize(pairs: list[dict[str, Any]], probes: Any, progress: Progress) -> d
         if w not in out["warnings"]:
             out["warnings"].append(w)
     return out
+
+
+def _non_finite(result: dict[str, Any], cfg: ScanConfig, scores: list[PathScores], weights: dict[str, list[str]],
+                first: dict[str, Any] | None) -> None:  # fmt: skip
+    """Record NaN/inf as a finding: ``non_finite``, a first warning and a ``non_finite`` cause."""
+    from logdiff import classify, nonfinite
+
+    recorded = [p for p in scores if p.mode != "recorded"]  # validated input, finite by construction
+    found = nonfinite.finding(nonfinite.path_counts(recorded), weights, first, cfg.dtype)
+    result["non_finite"] = found
+    if found is None:
+        return
+    result["warnings"].insert(0, found["summary"])
+    result["causes"] = [nonfinite.cause(found, localized=cfg.depth != "logprobs")]
+    result["verdict"] = classify.verdict(result["causes"], consistent=False)
 
 
 def scan(
@@ -279,7 +327,7 @@ def scan(
     pairs = [_pair(train, p, seqs, tok) for p in infers]
     consistent = all(p["metrics"]["bitwise_equal_fraction"] == 1.0 for p in pairs)
     located: dict[str, Any] = {"warnings": [], "first_divergence": None, "introducing_ops": [],
-                               "divergence_table": None, "op_trace": None, "tables": {}}
+                               "divergence_table": None, "op_trace": None, "tables": {}, "first_nonfinite": None}
     if meta.get("probes") is not None:
         try:
             located = _localize(pairs, meta["probes"], progress)
@@ -304,6 +352,7 @@ def scan(
             "consistent": cfg.consistent,
             "overrides": {"train": cfg.train_set, "infer": cfg.infer_set},
             "sequence_source": source,
+            "trust_remote_code": cfg.trust_remote_code,
         },
         "environment": environment(),
         "paths": meta["paths"],
@@ -319,6 +368,7 @@ def scan(
         "introducing_ops": located["introducing_ops"],
         "causes": [],
         "verdict": "consistent" if consistent else "divergent",
+        "non_finite": None,
         "divergence_table": located["divergence_table"],
         "contracts": None,
         "moe": None,
@@ -326,6 +376,7 @@ def scan(
     }
     if located["op_trace"] is not None:
         result["op_trace"] = located["op_trace"]
+    _non_finite(result, cfg, [train, *infers], meta["nonfinite_weights"], located["first_nonfinite"])
     if classify and cfg.depth != "logprobs":
         from logdiff.diagnose import diagnose
 

@@ -17,6 +17,7 @@ Validation against the model (vocabulary, context length) happens in
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,25 @@ def _int_list(value: Any, what: str, where: str) -> list[int]:
     return value
 
 
+#: how far above 0 a recorded logprob may be (rounding in the engine's log_softmax), in nats
+LOGPROB_SLACK = 1e-4
+
+
+def _logprobs(values: list[Any], where: str) -> list[float]:
+    """Recorded logprobs as floats: JSON numbers, finite, at most ``LOGPROB_SLACK`` above 0."""
+    for i, x in enumerate(values):
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            problem = f"is {type(x).__name__} {x!r}, not a number"
+        elif not math.isfinite(x):
+            problem = f"is {x}, not a finite number"
+        elif x > LOGPROB_SLACK:
+            problem = f"is {x}, but a logprob is <= 0"
+        else:
+            continue
+        raise InputError(f"{where}: rollout_logprobs at response position {i} {problem}")
+    return [float(x) for x in values]
+
+
 def load_jsonl(path: Path) -> list[Sequence]:
     """Read ``{"prompt_ids": [...], "response_ids": [...], "rollout_logprobs": [...]}`` lines."""
     path = Path(path)
@@ -87,17 +107,14 @@ def load_jsonl(path: Path) -> list[Sequence]:
         if lps is not None:
             if not isinstance(lps, list) or len(lps) != len(response):
                 raise InputError(f"{where}: 'rollout_logprobs' needs one number per response token")
-            try:
-                lps = [float(x) for x in lps]
-            except (TypeError, ValueError):
-                raise InputError(f"{where}: 'rollout_logprobs' must be numbers") from None
+            lps = _logprobs(lps, f"{where} (sequence {len(seqs)})")
         seqs.append(Sequence(prompt, response, lps))
     if not seqs:
         raise InputError(f"{path}: no sequences in file")
     return seqs
 
 
-def load_text_prompts(path: Path, model_dir: Path) -> list[Sequence]:
+def load_text_prompts(path: Path, model_dir: Path, trust_remote_code: bool = False) -> list[Sequence]:
     """Tokenize prompts (plain text lines, or JSONL with ``prompt`` or chat ``messages``)."""
     path = Path(path)
     if not path.is_file():
@@ -105,7 +122,7 @@ def load_text_prompts(path: Path, model_dir: Path) -> list[Sequence]:
     try:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001 - any tokenizer failure is the user's model dir
         raise InputError(f"--prompts needs a tokenizer in {model_dir}: {type(e).__name__}: {e}") from None
     seqs = []
@@ -121,9 +138,7 @@ def load_text_prompts(path: Path, model_dir: Path) -> list[Sequence]:
         if isinstance(obj, dict) and "messages" in obj:
             if not getattr(tok, "chat_template", None):
                 raise InputError(f"{path}:{lineno}: chat 'messages' need a chat template in {model_dir}")
-            ids = tok.apply_chat_template(obj["messages"], add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
-                ids = ids["input_ids"]
+            ids = _chat_ids(tok, obj["messages"], f"{path}:{lineno}")
         else:
             text = obj["prompt"] if isinstance(obj, dict) and "prompt" in obj else obj
             if not isinstance(text, str):
@@ -135,7 +150,27 @@ def load_text_prompts(path: Path, model_dir: Path) -> list[Sequence]:
     return seqs
 
 
-def validate(seqs: list[Sequence], vocab_size: int, max_len: int, response_len: int = 0) -> None:
+def _chat_ids(tok: Any, messages: Any, where: str) -> list[int]:
+    """Token ids of chat ``messages`` (a list of ``{"role": str, "content": str | list}``)."""
+    if not isinstance(messages, list) or not messages:
+        raise InputError(f"{where}: 'messages' must be a non-empty list of role/content objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise InputError(f"{where}: messages[{i}] needs a string 'role' and a 'content'")
+        if not isinstance(m["content"], (str, list)):
+            raise InputError(f"{where}: messages[{i}].content must be a string or a list of parts")
+    try:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # noqa: BLE001 - the template is the model's code: any error is about this input
+        raise InputError(f"{where}: the chat template cannot render these messages ({type(e).__name__}: {e})") from None
+    if hasattr(ids, "keys"):  # BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def validate(
+    seqs: list[Sequence], vocab_size: int, max_len: int, response_len: int = 0, limit: str = "max_position_embeddings"
+) -> None:
     """One-line errors for ids outside the vocabulary and sequences longer than the context."""
     for i, s in enumerate(seqs):
         bad = [t for t in s.ids if t < 0 or t >= vocab_size]
@@ -146,6 +181,5 @@ def validate(seqs: list[Sequence], vocab_size: int, max_len: int, response_len: 
         total = len(s) + (0 if s.response_ids else response_len)
         if total > max_len:
             raise InputError(
-                f"sequence {i}: {total} tokens exceed the model's context of {max_len} "
-                "(max_position_embeddings)"
+                f"sequence {i}: {total} tokens exceed the model's context of {max_len} ({limit})"
             )

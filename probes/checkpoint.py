@@ -46,6 +46,7 @@ class StagedModel:
     path: Path
     architecture: str
     config: dict[str, Any]
+    trust_remote_code: bool = False
 
     @property
     def vocab_size(self) -> int:
@@ -56,8 +57,12 @@ class StagedModel:
         return int(self.config.get("max_position_embeddings", 2048))
 
 
-def read_config(model_dir: Path) -> dict[str, Any]:
-    """MODEL's ``config.json``, with one-line errors for the usual mistakes."""
+def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, Any]:
+    """MODEL's ``config.json``, with one-line errors for the usual mistakes.
+
+    A model that needs its own Python code (an ``auto_map``, or a ``model_type``
+    transformers does not know) is refused unless ``trust_remote_code``.
+    """
     model_dir = Path(model_dir)
     if not model_dir.exists():
         raise InputError(f"model directory not found: {model_dir}")
@@ -73,30 +78,48 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
         raise InputError(f"unsupported architecture {arch!r} in {cfg_path}; supported: {supported}")
+    why = remote_code_reason(cfg)
+    if why and not trust_remote_code:
+        raise InputError(f"{model_dir} needs custom code ({why}); pass --trust-remote-code to run it")
     return cfg
 
 
-def stage(model_dir: Path, ckpt: Path | None = None) -> StagedModel:
-    """Return a staged HF directory with MODEL's config and CKPT's (or MODEL's) weights."""
+def remote_code_reason(cfg: dict[str, Any]) -> str | None:
+    """Why loading this config would run code shipped with the model, or None."""
+    if cfg.get("auto_map"):
+        return "auto_map in config.json"
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = cfg.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        return f"model_type {model_type!r} is not one transformers knows"
+    return None
+
+
+def stage(model_dir: Path, ckpt: Path | None = None, trust_remote_code: bool = False) -> StagedModel:
+    """Return a staged HF directory with MODEL's config and CKPT's (or MODEL's) weights.
+
+    With ``trust_remote_code`` the model's ``*.py`` files are staged too, so its own code loads.
+    """
     model_dir = Path(model_dir).resolve()
-    cfg = read_config(model_dir)
+    cfg = read_config(model_dir, trust_remote_code)
     source = Path(ckpt).resolve() if ckpt is not None else model_dir
     if not source.exists():
         raise InputError(f"checkpoint not found: {source}")
-    out = _stage_dir(model_dir, source)
+    out = _stage_dir(model_dir, source, trust_remote_code)
     if not (out / ".complete").exists():
-        _build(out, model_dir, source)
-    staged = StagedModel(out, cfg["architectures"][0], cfg)
+        _build(out, model_dir, source, trust_remote_code)
+    staged = StagedModel(out, cfg["architectures"][0], cfg, trust_remote_code)
     check_weights(staged)
     return staged
 
 
-def _stage_dir(model_dir: Path, source: Path) -> Path:
+def _stage_dir(model_dir: Path, source: Path, trust_remote_code: bool = False) -> Path:
     global _STAGE_ROOT
     if _STAGE_ROOT is None:
         _STAGE_ROOT = Path(tempfile.mkdtemp(prefix="logdiff-stage-"))
         atexit.register(shutil.rmtree, _STAGE_ROOT, ignore_errors=True)
-    h = hashlib.sha256()
+    h = hashlib.sha256(b"code" if trust_remote_code else b"")
     for p in (model_dir, source):
         h.update(str(p).encode())
         for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
@@ -106,11 +129,12 @@ def _stage_dir(model_dir: Path, source: Path) -> Path:
     return _STAGE_ROOT / h.hexdigest()[:16]
 
 
-def _build(out: Path, model_dir: Path, source: Path) -> None:
+def _build(out: Path, model_dir: Path, source: Path, trust_remote_code: bool = False) -> None:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    for name in ("config.json", "generation_config.json"):
+    code = sorted(f.name for f in model_dir.glob("*.py")) if trust_remote_code else []
+    for name in ("config.json", "generation_config.json", *code):
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out / name)
     if source.is_dir() and (source / ".metadata").is_file():
@@ -174,13 +198,14 @@ def _save(sd: dict, out: Path) -> None:
     save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
 
 
-def _expected_shapes(cfg_dir: Path) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(cfg_dir: Path, config: Any = None, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(cfg_dir))
+    if config is None:
+        config = AutoConfig.from_pretrained(str(cfg_dir), trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
@@ -202,15 +227,15 @@ def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(staged: StagedModel) -> None:
-    """Refuse weights whose names or shapes do not fit the config.
+def check_weights(staged: StagedModel, config: Any = None) -> None:
+    """Refuse weights whose names or shapes do not fit the config (``config``: an overridden one).
 
     transformers 5 fuses MoE experts in memory (``experts.gate_up_proj``) but
     saves and loads per-expert tensors (``experts.0.gate_proj.weight``); its
     loader converts, so a fused expert tensor counts as present when its
     per-expert tensors are.
     """
-    expected = _expected_shapes(staged.path)
+    expected = _expected_shapes(staged.path, config, staged.trust_remote_code)
     stored = stored_shapes(staged.path)
     missing = sorted(n for n in set(expected) - set(stored) if not _stored_per_expert(n, stored))
     if missing:

@@ -84,7 +84,10 @@ class DiffSummary:
     max_abs_ref: float = 0.0  # largest |value| on the reference side, for relative errors
     worst_sequence: int | None = None
     worst_position: int | None = None
-    nonfinite: int = 0
+    nonfinite: int = 0  # elements whose difference is not finite (NaN on both sides counts as equal)
+    nonfinite_ref: int = 0  # NaN/inf elements on each side, however they compare
+    nonfinite_other: int = 0
+    nonfinite_at: tuple[int, int] | None = None  # (sequence, position) of the first row holding one
     per_position: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -110,6 +113,7 @@ class DiffSummary:
             if not math.isfinite(top):
                 finite = ref[torch.isfinite(ref)]
                 top = float(finite.abs().amax()) if finite.numel() else 0.0
+                self._count_nonfinite(ref, other, seq, pos)
             self.max_abs_ref = max(self.max_abs_ref, top)
             if self.worst_position is None:
                 self.worst_sequence, self.worst_position = int(seq[0]), int(pos[0])
@@ -126,6 +130,7 @@ class DiffSummary:
         if finite:
             ref_abs = float(a.abs().amax())
         else:  # NaN/inf somewhere: NaN on both sides counts as equal, anything else as a divergence
+            self._count_nonfinite(a, b, seq, pos)
             both_nan = torch.isnan(a) & torch.isnan(b)
             diff = torch.where(both_nan, torch.zeros_like(diff), diff)
             bad = ~torch.isfinite(diff)
@@ -162,6 +167,17 @@ class DiffSummary:
             # fmax treats the NaN "never seen" marker as missing
             np.fmax.at(self.per_position, pos[keep], row_max[keep].astype(np.float32))
 
+    def _count_nonfinite(self, ref: Any, other: Any, seq: np.ndarray, pos: np.ndarray) -> None:
+        import torch
+
+        bad_ref, bad_other = ~torch.isfinite(ref), ~torch.isfinite(other)
+        self.nonfinite_ref += int(bad_ref.sum())
+        self.nonfinite_other += int(bad_other.sum())
+        rows = (bad_ref | bad_other).reshape(ref.shape[0], -1).any(dim=1)
+        if self.nonfinite_at is None and bool(rows.any()):
+            first = int(rows.nonzero()[0, 0])
+            self.nonfinite_at = (int(seq[first]), int(pos[first]))
+
     @staticmethod
     def _narrow(ref: Any, other: Any) -> bool:
         return all(dtype_name(t.dtype) in ("bfloat16", "float16") for t in (ref, other))
@@ -194,6 +210,8 @@ class DiffSummary:
             "worst_position": self.worst_position,
             "dtype": self.dtype,
             "nonfinite": self.nonfinite,
+            "nonfinite_ref": self.nonfinite_ref,
+            "nonfinite_other": self.nonfinite_other,
         }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 # (key in the metrics dict, label, the name RL frameworks log it under, what it means)
@@ -52,6 +53,35 @@ VERDICT_TEXT = {
     "framework_difference": "framework difference: the paths compute different things",
     "mixed": "mixed: operator-path and framework differences",
 }
+
+
+# Characters a terminal (or a CI log) acts on: C0/C1 controls and DEL (ESC starts ANSI and OSC-8
+# sequences, CR rewrites a line, LF starts one), line/paragraph separators and bidi overrides.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+MAX_DEPTH = 64
+
+
+def safe_text(value: Any) -> str:
+    """``str(value)`` with every control character shown as an escape (``\\x1b``, ``\\n``): one inert line."""
+    text = str(value)
+    if not _UNSAFE.search(text):
+        return text
+    return _UNSAFE.sub(lambda m: _NAMED.get(m.group(), f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                                          else f"\\u{ord(m.group()):04x}"), text)
+
+
+def terminal_safe(value: Any, depth: int = 0) -> Any:
+    """A copy of a result (or any JSON value) whose strings, keys included, are ``safe_text``."""
+    if depth > MAX_DEPTH:
+        return "…"
+    if isinstance(value, str):
+        return safe_text(value)
+    if isinstance(value, dict):
+        return {safe_text(k) if isinstance(k, str) else k: terminal_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [terminal_safe(v, depth + 1) for v in value]
+    return value
 
 
 def is_number(value: Any) -> bool:

@@ -17,9 +17,12 @@ Gates are plain dicts (``name``, ``passed``, ``value``, ``threshold``,
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from .format import safe_text
 
 MAX_ROWS = 50
 MAX_ANNOTATIONS = 10  # GitHub shows at most 10 error annotations per step
@@ -27,9 +30,14 @@ MAX_SUMMARY_BYTES = 64 * 1024
 _MAX_CELL = 200
 
 
+_CONTROL = re.compile("[\x00-\x09\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
 def escape_data(text: str) -> str:
-    """Escape a workflow command's message."""
-    return str(text).replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    """Escape a workflow command's message: ``%``, CR and LF as GitHub documents (``%25``, ``%0D``,
+    ``%0A``); any other control character (ESC...) as ``%XX`` too, which the runner shows as typed."""
+    text = str(text).replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+    return _CONTROL.sub(lambda m: f"%{ord(m.group()):02X}", text)
 
 
 def escape_property(text: str) -> str:
@@ -70,7 +78,7 @@ def _cell(value: Any) -> str:
         text = text[: _MAX_CELL - 1] + "…"
     for old, new in (("&", "&amp;"), ("<", "&lt;"), (">", "&gt;"), ("|", "\\|"), ("\r", " "), ("\n", " ")):
         text = text.replace(old, new)
-    return text
+    return safe_text(text)
 
 
 def step_summary(gates: list[dict[str, Any]], notes: Sequence[str] = (), *, title: str = "logdiff check") -> str:

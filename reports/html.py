@@ -110,7 +110,8 @@ def build_view(result: dict) -> dict:
         "verdict": verdict,
         "verdict_text": verdict_text(verdict),
         "complete": r.get("complete") is not False,
-        "warnings": [str(w) for w in _list(r.get("warnings"))],
+        "non_finite": _non_finite(r.get("non_finite")),
+        "warnings": [str(w) for w in _list(r.get("warnings")) if w != _dict(r.get("non_finite")).get("summary")],
         "model": _text(r.get("model")),
         "checkpoint": _text(r.get("checkpoint"), "(the model's own weights)"),
         "infer_checkpoint": _text(r.get("infer_checkpoint"), "(same as training)"),
@@ -139,6 +140,13 @@ def build_view(result: dict) -> dict:
         "moe": _moe(r.get("moe")),
         "batch_invariance": _pretty(r.get("batch_invariance")),
     }
+
+
+def _non_finite(found: Any) -> str | None:
+    """The one-line summary of NaN/inf on a path, for the banner at the top."""
+    if not found:
+        return None
+    return str(_dict(found).get("summary") or "NaN/inf found on a path (see non_finite in result.json)")
 
 
 def _uniform_prompt_len(sequences: Any) -> int | None:

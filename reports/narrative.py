@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .format import terminal_safe
+
 VERDICT_LINE = {
     "consistent": "The training and inference paths agree bit for bit on every scored token.",
     "divergent": "The paths disagree, and the scan did not classify why (run with --depth modules).",
@@ -113,9 +115,19 @@ def _next(result: dict[str, Any]) -> list[str]:
     return ["Next: " + "; ".join(steps) + "."]
 
 
+def _non_finite(result: dict[str, Any]) -> list[str]:
+    found = result.get("non_finite")
+    if not isinstance(found, dict):
+        return []
+    return [f"Warning: non-finite values (NaN/inf) on a path. {found.get('summary', '')}".rstrip(),
+            "The metrics that read them are not numbers; fix the cause below before reading anything else."]
+
+
 def explain(result: dict[str, Any]) -> str:
-    """The account as plain text (one paragraph per part)."""
+    """The account as plain text (one paragraph per part); control characters in the result are escaped."""
+    result = terminal_safe(result)
     parts = [
+        _non_finite(result),
         [f"Verdict: {result['verdict']}. {VERDICT_LINE.get(result['verdict'], '')}"],
         _impact(result),
         _where(result),

@@ -40,9 +40,30 @@ def load_result(path: str | Path) -> dict:
         result = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise ValueError(f"{path} is nested too deeply to be a logdiff result") from None
     if not isinstance(result, dict):
         raise ValueError(f"{path} does not hold a JSON object (found {type(result).__name__})")
+    if _depth(result) > MAX_NESTING:
+        raise ValueError(f"{path} is nested more than {MAX_NESTING} levels deep; not a logdiff result")
     return result
+
+
+#: a result is a few levels deep; anything far deeper is not one (and would exhaust recursion downstream)
+MAX_NESTING = 32
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in ``value`` (iteratively: any depth is safe)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_NESTING:
+                return depth
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def validate_result(result: dict) -> list[str]:
@@ -110,7 +131,26 @@ def _cross_field_errors(result: dict) -> list[str]:
     table = result.get("divergence_table")
     if isinstance(table, dict):
         errors.extend(_table_errors(table))
+    errors.extend(_null_metric_errors(result))
     return errors
+
+
+# Metrics that are null by design (a constant path; a path without top-1 tokens), not from NaN/inf.
+_NULL_BY_DESIGN = {"probs_pearson", "argmax_flip_fraction"}
+
+
+def _null_metric_errors(result: dict) -> list[str]:
+    """A metric that is null because it is not a number must come with the ``non_finite`` finding."""
+    if result.get("non_finite"):
+        return []
+    pairs = result.get("pairs")
+    for i, pair in enumerate(pairs if isinstance(pairs, list) else []):
+        metrics = pair.get("metrics") if isinstance(pair, dict) else None
+        if isinstance(metrics, dict):
+            for key, value in metrics.items():
+                if value is None and key not in _NULL_BY_DESIGN:
+                    return [f"$.pairs[{i}].metrics.{key}: null (not a finite number) without a non_finite finding"]
+    return []
 
 
 def _pair_errors(where: str, pair: dict, roles: dict) -> list[str]:

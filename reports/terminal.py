@@ -5,6 +5,10 @@ redirection); this module only prints to it. Every string from the result is
 wrapped in ``rich.text.Text``, so a model path such as ``[bold]x`` is shown as
 typed rather than read as rich markup, and styles are named (``"bold red"``)
 so rich drops them when colour is off: nothing here writes escape codes.
+Control characters inside the result's strings (ESC, OSC-8, CR, LF) are
+escaped first (``format.terminal_safe``), so a hostile result.json can neither
+drive the terminal nor start a line of its own (a CI log's ``::error::``).
+NaN/inf on a path (``non_finite``) is the first line printed, even when quiet.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .format import KEY_METRICS, METRICS, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label
+from .format import KEY_METRICS, METRICS, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label, terminal_safe
 
 VERDICT_STYLE = {"consistent": "bold green", "divergent": "bold yellow", "operator_path": "bold blue",
                  "framework_difference": "bold red", "mixed": "bold magenta"}
@@ -23,7 +27,7 @@ MAX_CAUSES = 5
 
 
 def verdict_line(result: dict) -> Text:
-    """One line: verdict, the size of the gap, and where it starts."""
+    """One line: verdict, the size of the gap, and where it starts (``result`` already terminal-safe)."""
     verdict = str(result.get("verdict", "unknown"))
     line = Text("logdiff: ")
     line.append(verdict, style=VERDICT_STYLE.get(verdict, "bold"))
@@ -46,6 +50,11 @@ def verdict_line(result: dict) -> Text:
 
 def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
     """Print the verdict line, then (unless quiet) warnings, top causes and key metrics."""
+    result = terminal_safe(result)
+    non_finite = result.get("non_finite") if isinstance(result.get("non_finite"), dict) else None
+    if non_finite:
+        head = Text("warning: non-finite values (NaN/inf) on a path: ", style="bold red")
+        console.print(head + Text(str(non_finite.get("summary") or "see non_finite in result.json")), soft_wrap=True)
     console.print(verdict_line(result), soft_wrap=True)
     if quiet:
         return
@@ -53,6 +62,8 @@ def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
     if result.get("complete") is False:
         console.print(Text("The scan stopped early: this result is incomplete.", style="bold red"))
     for warning in result.get("warnings") or []:
+        if non_finite and warning == non_finite.get("summary"):
+            continue  # already the first line
         console.print(Text("warning: ", style="yellow") + Text(str(warning)), soft_wrap=True)
 
     fd = result.get("first_divergence")

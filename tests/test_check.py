@@ -167,7 +167,7 @@ def test_usage_errors_exit_2_before_any_scan(tmp_path: Path) -> None:
 def test_thresholds_pass_and_fail_with_the_numbers(qwen3: Path, tmp_path: Path) -> None:
     code, out = invoke(qwen3, *IDENTITY, "--max-abs-diff", "0", "--fail-on", "divergent")
     assert code == 0, out
-    assert "PASS abs_diff_max (hf vs hf) = 0 <= 0 (--max-abs-diff)" in out and "all 3 gates passed" in out
+    assert "PASS abs_diff_max (hf vs hf) = 0 <= 0 (--max-abs-diff)" in out and "all 4 gates passed" in out
 
     loose = ["--max-abs-diff", "5", "--max-mean-diff", "5", "--max-kl", "5", "--max-clip-fraction", "1"]
     code, out = invoke(qwen3, *DECODE, *loose, "--json", tmp_path / "pass.json")
@@ -184,16 +184,17 @@ def test_thresholds_pass_and_fail_with_the_numbers(qwen3: Path, tmp_path: Path) 
         f"FAIL abs_diff_max (hf vs hf-decode) = {gating.fmt(m['abs_diff_max'])} > 1e-09 (--max-abs-diff)",
         f"FAIL kl_k3 (hf vs hf-decode) = {gating.fmt(m['kl_k3'])} > 0 (--max-kl)",
     ]
-    assert "logdiff check: 2 of 5 gates failed" in out
+    assert "logdiff check: 2 of 6 gates failed" in out
     assert f"verdict: {result['verdict']} (max |Δ logprob| {gating.fmt(m['abs_diff_max'])}" in out
     assert "top cause: " in out
     assert (tmp_path / "art" / "result.json").is_file() and (tmp_path / "art" / "report.html").is_file()
 
     suite = ET.parse(junit).getroot().find("testsuite")
-    assert suite is not None and (suite.get("tests"), suite.get("failures")) == ("5", "2")
+    assert suite is not None and (suite.get("tests"), suite.get("failures")) == ("6", "2")
     cases = {c.get("name"): c for c in suite.iter("testcase")}
-    assert set(cases) == {"scan complete", "abs_diff_max (hf vs hf-decode)", "abs_diff_mean (hf vs hf-decode)",
-                          "kl_k3 (hf vs hf-decode)", "clip_fraction_0.2 (hf vs hf-decode)"}  # fmt: skip
+    assert set(cases) == {"scan complete", "finite values", "abs_diff_max (hf vs hf-decode)",
+                          "abs_diff_mean (hf vs hf-decode)", "kl_k3 (hf vs hf-decode)",
+                          "clip_fraction_0.2 (hf vs hf-decode)"}  # fmt: skip
     failure = cases["abs_diff_max (hf vs hf-decode)"].find("failure")
     assert failure is not None and "> 1e-09" in failure.get("message", "")
     assert f"value: {gating.fmt(m['abs_diff_max'])}" in (failure.text or "") and "threshold: 1e-09" in failure.text
@@ -269,7 +270,7 @@ def test_github_actions_annotations_and_step_summary(qwen3: Path, tmp_path: Path
     assert len(errors) == 1 and errors[0].startswith("::error title=logdiff check%3A abs_diff_max (hf vs hf-decode)::")
     assert "> 1e-09 (--max-abs-diff)%0Averdict: " in errors[0] and "%0Atop cause: " in errors[0]
     text = summary.read_text()
-    assert text.startswith("earlier step\n### logdiff check: ❌ 1 of 3 gates failed")
+    assert text.startswith("earlier step\n### logdiff check: ❌ 1 of 4 gates failed")
     assert "| abs_diff_max (hf vs hf-decode) |" in text and "| **FAIL** |" in text and "| pass |" in text
     assert len(text.encode()) < 64 * 1024
 

@@ -40,6 +40,7 @@ class EngineSpec:
     overrides: tuple[tuple[str, Any], ...] = ()  # config keys changed on this side only
     options: tuple[tuple[str, Any], ...] = ()  # engine settings (temperature, attn_implementation, ...)
     seed: int = 0
+    trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
 
     def option(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
@@ -119,6 +120,14 @@ class Engine(ABC):
 
     def fingerprints(self) -> dict[str, str]:
         """Hashes of the loaded weights under HF tensor names."""
+        raise NotImplementedError
+
+    def loaded_config(self) -> Any:
+        """The model config object the loaded engine computes with (``--set`` read-back)."""
+        raise NotImplementedError
+
+    def effective_options(self) -> dict[str, Any]:
+        """Each engine option as the loaded engine uses it (``--set`` read-back)."""
         raise NotImplementedError
 
     def close(self) -> None:

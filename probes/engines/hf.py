@@ -39,7 +39,7 @@ def load_model(spec: EngineSpec) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    config = AutoConfig.from_pretrained(spec.model_dir)
+    config = AutoConfig.from_pretrained(spec.model_dir, trust_remote_code=spec.trust_remote_code)
     for key, value in spec.overrides:
         apply_override(config, key, value)
     model = AutoModelForCausalLM.from_pretrained(
@@ -47,6 +47,7 @@ def load_model(spec: EngineSpec) -> Any:
         config=config,
         dtype=getattr(torch, spec.dtype),
         attn_implementation=spec.option("attn_implementation", "sdpa"),
+        trust_remote_code=spec.trust_remote_code,
     )
     return model.eval()
 
@@ -119,6 +120,17 @@ class _HFEngine(Engine):
 
         return hf_fingerprints(self.model)
 
+    def loaded_config(self) -> Any:
+        return self.model.config
+
+    def effective_options(self) -> dict[str, Any]:
+        return {
+            "temperature": float(self.spec.option("temperature", 1.0)),
+            "attn_implementation": self.model.config._attn_implementation,
+            "batch_size": int(self.spec.option("batch_size", 8)),
+            "padding_side": self.spec.option("padding_side", "right"),
+        }
+
     def info(self) -> dict[str, Any]:
         import transformers
 
@@ -143,7 +155,10 @@ class _HFEngine(Engine):
             chosen: list[list[int]] = [[] for _ in batch]
 
             def pick(step_logprobs: Any, t: int) -> Any:
-                probs = step_logprobs.exp()
+                # NaN/inf logprobs are a finding, reported from the scores: sample around them, a row with
+                # no finite probability takes the pad token (as vLLM does), so the scan completes.
+                probs = torch.nan_to_num(step_logprobs.exp(), nan=0.0, posinf=0.0, neginf=0.0)
+                probs[probs.sum(-1) <= 0, self.pad_id] = 1.0
                 nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
                 for row, tok in enumerate(nxt.tolist()):
                     chosen[row].append(tok)
@@ -228,6 +243,9 @@ class HFDecode(_HFEngine):
 
     name = "hf-decode"
     mode = "decode"
+
+    def effective_options(self) -> dict[str, Any]:
+        return {**super().effective_options(), "padding_side": "left"}  # decode always left-pads
 
     def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
         import torch

@@ -36,7 +36,7 @@ from logdiff.probes.engines.base import (
     register,
     unsupported_as_input_error,
 )
-from logdiff.probes.errors import EngineUnavailable
+from logdiff.probes.errors import EngineUnavailable, InputError
 
 INSTALL_HINT = "install it with: pip install 'logdiff[cpu]' (CPU) or pip install 'logdiff[vllm]' (CUDA)"
 
@@ -110,6 +110,7 @@ class VLLMEngine(Engine):
                 seed=spec.seed,
                 logits_processors=[ForcedTokens],
                 use_tqdm_on_load=False,
+                trust_remote_code=spec.trust_remote_code,
                 **kwargs,
             )
         except Exception as e:  # noqa: BLE001 - vLLM reports config problems as many types
@@ -127,7 +128,13 @@ class VLLMEngine(Engine):
         inputs = [{"prompt_token_ids": p} for p in prompts]
         # LLM.generate names the i-th request str(counter + i): probes map requests back by it.
         self._begin_pass(path, list(range(len(prompts))), self.llm.request_counter.counter)
-        return self.llm.generate(inputs, params, use_tqdm=False)
+        try:
+            return self.llm.generate(inputs, params, use_tqdm=False)
+        except Exception as e:
+            # vLLM's request validation (VLLMClientError: a prompt over the context length, ...) is the input's fault
+            if any(type(c).__name__ == "VLLMClientError" for c in type(e).__mro__) or "context length" in str(e):
+                raise InputError(f"vLLM refused a request: {str(e).strip().splitlines()[0]}") from None
+            raise
 
     def sample(self, prompts: list[list[int]], response_len: int, seed: int) -> Sampled:
         import torch
@@ -202,6 +209,20 @@ class VLLMEngine(Engine):
 
         model = self.module()
         return vllm_fingerprints(model, int(model.config.vocab_size))
+
+    def loaded_config(self) -> Any:
+        return self.llm.llm_engine.model_config.hf_config
+
+    def effective_options(self) -> dict[str, Any]:
+        vc = self.llm.llm_engine.vllm_config
+        return {
+            "temperature": float(self._params().temperature),
+            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": vc.scheduler_config.max_num_seqs,
+            "max_model_len": vc.model_config.max_model_len,
+            "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+            "logprobs_mode": str(vc.model_config.logprobs_mode),
+        }
 
     def info(self) -> dict[str, Any]:
         from vllm.platforms import current_platform
