@@ -527,7 +527,8 @@ def test_vllm_override_without_effect_exit_2_and_working_ones_pass(qwen3: Path) 
     assert code == 2 and "infer.tie_word_embeddings=True did not take effect on vllm" in line, out
     # negative control: overrides vLLM does apply, read back at --depth logprobs
     code, out = invoke("scan", qwen3, "--infer", "vllm", *FAST, "--set", "infer.rms_norm_eps=1e-5",
-                       "--set", "infer.rope_theta=10000", "--set", "infer.temperature=0.7")  # fmt: skip
+                       "--set", "infer.rope_theta=10000", "--set", "infer.temperature=0.7",
+                       "--set", "infer.max_model_len=64")  # fmt: skip
     assert code == 0, out
 
 
