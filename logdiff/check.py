@@ -200,7 +200,7 @@ def coverage_gates(gates: list[GateResult], asked: dict[str, int]) -> list[GateR
     for group, wanted in asked.items():
         got = sum(1 for g in gates if g.group == group)
         if got < wanted:
-            msg = f"gates evaluated ({group}): {got} of the {wanted} asked for; a gate that was not evaluated cannot pass"
+            msg = f"gates evaluated ({group}): {got} of the {wanted} asked for; a gate not evaluated cannot pass"
             out.append(GateResult(f"gates evaluated ({group})", False, got, wanted, msg, group))
     return out
 

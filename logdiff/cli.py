@@ -268,7 +268,8 @@ def check(
         notes += gating.check_applicable(result, old, base_path)
         gates += gating.baseline_gates(result, old, tol or gating.baseline_tolerance(old))
         notes += [f"changed since the baseline: {c}" for c in gating.environment_changes(result, old)]
-    gates += gating.coverage_gates(gates, gating.asked_gates(result, thresholds, classes, old if not update_baseline else None))
+    asked = gating.asked_gates(result, thresholds, classes, None if update_baseline else old)
+    gates += gating.coverage_gates(gates, asked)
     if update_baseline:
         _refresh_baseline(result, old, base_path, tol, gates[:2], console)
     if github is None:

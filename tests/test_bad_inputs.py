@@ -110,7 +110,8 @@ def test_nan_weight_is_a_localized_finding_and_fails_check(qwen3: Path, nan_ckpt
 def test_nan_in_replayed_sequences_at_logprobs_depth(qwen3: Path, nan_ckpt: Path, tmp_path: Path) -> None:
     seqs = tmp_path / "s.jsonl"
     seqs.write_text(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9]}) + "\n")
-    code, out = invoke("scan", qwen3, nan_ckpt, "--infer", "hf-decode", "--sequences", seqs, "--json", tmp_path / "r.json")
+    code, out = invoke("scan", qwen3, nan_ckpt, "--infer", "hf-decode", "--sequences", seqs,
+                       "--json", tmp_path / "r.json")  # fmt: skip
     assert code == 0, out
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["non_finite"]["first"] is None  # not probed at --depth logprobs, but still found
@@ -147,13 +148,15 @@ def test_nan_weight_with_vllm_is_a_finding(qwen3: Path, nan_ckpt: Path, tmp_path
 
 @pytest.mark.parametrize("value,problem", [
     (0.5, "is 0.5, but a logprob is <= 0"), (3.0, "is 3.0, but a logprob is <= 0"),
-    ("NaN", "is nan, not a finite number"), ("Infinity", "is inf, not a finite number"), ('"nan"', "is str 'nan', not a number"),
+    ("NaN", "is nan, not a finite number"), ("Infinity", "is inf, not a finite number"),
+    ('"nan"', "is str 'nan', not a number"),
     ('"-inf"', "is str '-inf', not a number"), ("true", "is bool True, not a number"),
 ])  # fmt: skip
 def test_bad_rollout_logprobs_name_sequence_and_position(tmp_path: Path, value: object, problem: str) -> None:
     f = tmp_path / "s.jsonl"
     good = json.dumps({"prompt_ids": [1, 2], "response_ids": [3], "rollout_logprobs": [-0.1]})
-    f.write_text(good + "\n" + f'{{"prompt_ids": [1, 2], "response_ids": [3, 4], "rollout_logprobs": [-0.2, {value}]}}\n')
+    bad = f'{{"prompt_ids": [1, 2], "response_ids": [3, 4], "rollout_logprobs": [-0.2, {value}]}}'
+    f.write_text(good + "\n" + bad + "\n")
     with pytest.raises(InputError) as e:
         load_jsonl(f)
     assert f"{f}:2 (sequence 1): rollout_logprobs at response position 1 {problem}" in str(e.value)
