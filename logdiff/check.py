@@ -221,11 +221,13 @@ def asked_gates(result: dict[str, Any], thresholds: dict[str, float | None], cla
 
 
 def hardware_key(environment: dict[str, Any]) -> str:
-    """``cpu-x86_64-avx512_bf16``, or the accelerator's name as a slug (``cuda-nvidia-h200``)."""
+    """``cpu-x86_64-avx512_bf16`` (``cpu-x86_64-avx2-emulated`` under ``LOGDIFF_EMULATE_ISA``),
+    or the accelerator's name as a slug (``cuda-nvidia-h200``)."""
     device = str(environment.get("device") or "cpu")
     if device == "cpu":
         isa = environment.get("cpu_isa")
-        return f"cpu-{environment.get('machine') or 'unknown'}" + (f"-{isa}" if isa else "")
+        emulated = "-emulated" if environment.get("cpu_isa_emulated") else ""  # logdiff/isa.py
+        return f"cpu-{environment.get('machine') or 'unknown'}" + (f"-{isa}{emulated}" if isa else "")
     return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
 
 
@@ -297,10 +299,11 @@ def make_baseline(result: dict[str, Any], tolerance: Tolerance) -> dict[str, Any
     }
 
 
-def load_baseline(path: Path) -> dict[str, Any]:
+def load_baseline(path: Path, hardware: str | None = None) -> dict[str, Any]:
     """Read and validate a baseline file completely; InputError (exit 2) when missing or malformed."""
     if not path.is_file():
-        raise InputError(f"baseline {path} not found; create it with --update-baseline")
+        hw = f" for hardware key {hardware}" if hardware else ""
+        raise InputError(f"no baseline{hw} at {path}; record one by running the same command with --update-baseline")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:

@@ -156,7 +156,9 @@ def classify_op(ev: OpEvidence, contracts: dict[str, Any] | None, fused_add_norm
         }[kind]
         return _cause(ev, "framework_difference", kind, evidence, fix, c_diff + w_diff)
     evidence.append(local)
-    evidence.append(f"no contract or weight this op reads differs ({', '.join(keys + weights) or 'none'})")
+    unverified = [w for w in weights if w in w_block.get("unverified", [])]
+    checked = [*keys, *(w for w in weights if w not in unverified)]
+    evidence.append(f"no contract or weight this op reads differs ({', '.join(checked) or 'none'})")
     above_noise = ev.ulps is not None and ev.ulps > NOISE_ULPS
     if ev.vanished_under_reference is None:
         evidence.append("the reference-kernel rerun was not available; judged by the noise floor alone")
@@ -170,8 +172,13 @@ def classify_op(ev: OpEvidence, contracts: dict[str, Any] | None, fused_add_norm
             if ev.vanished_under_reference is False
             else f"more than {NOISE_ULPS:g} units of the output dtype's spacing: not reordering noise"
         )
+        if unverified:  # the likeliest different function: a weight nobody could compare
+            evidence.append(f"weight unverified: {', '.join(unverified)} could not be read back from the "
+                            "inference engine, so a stale or mis-loaded copy cannot be ruled out")
+            fix = f"check {', '.join(unverified)} on the inference engine against the checkpoint (stale or mis-loaded weights)"
+            return _cause(ev, "framework_difference", "weights", evidence, fix, unverified)
         fix = "compare this op's implementation on both sides: it computes a different function although its visible contract matches"
-        return _cause(ev, "framework_difference", "config_contract", evidence, fix)
+        return _cause(ev, "framework_difference", "hidden_difference", evidence, fix)
     kind = _operator_kind(ev.kind, fused_add_norm)
     return _cause(ev, "operator_path", kind, evidence, FIX[kind])
 

@@ -46,6 +46,10 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             with warnings.catch_warnings():
                 if not os.environ.get("LOGDIFF_DEBUG"):
                     warnings.simplefilter("ignore")  # engines' deprecation chatter is not ours to show
+                if os.environ.get("LOGDIFF_EMULATE_ISA"):  # run as a smaller CPU (logdiff/isa.py)
+                    from logdiff.isa import apply_emulation
+
+                    apply_emulation()
                 return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, SystemExit):
             raise
@@ -248,10 +252,14 @@ def check(
             "check needs a gate: --max-abs-diff, --max-mean-diff, --max-kl, --max-clip-fraction, --fail-on "
             "or --baseline"
         )
-    base_path = gating.resolve_baseline_path(baseline) if baseline is not None else None
+    hardware = gating.current_hardware() if baseline is not None and "{hw}" in str(baseline) else None
+    base_path = gating.resolve_baseline_path(baseline, hardware) if baseline is not None else None
+    if hardware is not None:  # say which per-hardware baseline this machine reads (docs/portability.md)
+        _stderr().print(f"baseline for hardware key {hardware}: {base_path}", markup=False, highlight=False,
+                        soft_wrap=True)
     old = None
     if base_path is not None:
-        old = gating.load_baseline(base_path) if not update_baseline else gating.try_load_baseline(base_path)
+        old = gating.load_baseline(base_path, hardware) if not update_baseline else gating.try_load_baseline(base_path)
     out, json_path = scan_options.get("out"), scan_options.get("json_path")
     outputs.prepare(out, json_path, junit, base_path if update_baseline else None)
 

@@ -15,12 +15,11 @@ import platform
 import sys
 from collections.abc import Callable
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from logdiff import compare, sequences
+from logdiff import compare, isa, sequences
 from logdiff.config import ScanConfig
 from logdiff.errors import InputError
 from logdiff.options import is_option
@@ -220,20 +219,6 @@ def _tokenizer(cfg: ScanConfig) -> Any:
         return None
 
 
-def cpu_isa() -> str:
-    """The widest vector/matrix extension this CPU has: CPU numerics differ between them."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
-    for isa in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "asimd", "sve"):
-        if isa in flags:
-            return isa
-    import torch
-
-    return str(torch.backends.cpu.get_cpu_capability()).lower()
-
-
 def environment() -> dict[str, Any]:
     """Versions and the device, for the report."""
 
@@ -249,7 +234,8 @@ def environment() -> dict[str, Any]:
 
     device = "cuda:" + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {
-        "cpu_isa": cpu_isa(),
+        "cpu_isa": isa.cpu_isa(),
+        "cpu_isa_emulated": isa.emulated_isa() is not None,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "transformers": version("transformers"),

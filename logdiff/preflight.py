@@ -30,14 +30,25 @@ def preflight(train: Engine, infer: Engine, *, weights: bool = True) -> dict[str
         "weights": None,
     }
     if weights:
-        ft, fi = train.fingerprints(), infer.fingerprints()
-        out["weights"] = {
-            "fingerprint_train": _combined(ft),
-            "fingerprint_infer": _combined(fi),
-            "differs": [k for k in ft if _differs(ft[k], fi.get(k))],
-            "unverified": [k for k in ft if fi.get(k) is None],
-        }
+        out["weights"] = compare_fingerprints(train.fingerprints(), infer.fingerprints())
     return out
+
+
+def compare_fingerprints(ft: dict[str, str | None], fi: dict[str, str | None]) -> dict[str, Any]:
+    """The ``contracts.weights`` block: which tensors differ, which could not be read back.
+
+    The two combined fingerprints cover exactly the tensors verified on both
+    sides, so they differ if and only if ``differs`` names a tensor; what could
+    not be compared is listed in ``unverified`` instead of hiding in a hash.
+    """
+    verified = [k for k in ft if ft[k] is not None and fi.get(k) is not None]
+    return {
+        "fingerprint_train": _combined({k: ft[k] for k in verified}),
+        "fingerprint_infer": _combined({k: fi[k] for k in verified}),
+        "verified": len(verified),
+        "differs": [k for k in verified if ft[k] != fi[k]],
+        "unverified": [k for k in ft if k not in verified],
+    }
 
 
 def _combined(prints: dict[str, str | None]) -> str:

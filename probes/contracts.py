@@ -10,6 +10,12 @@ back into their HF parts first (``qkv_proj`` -> ``q_proj``/``k_proj``/``v_proj``
 by the layer's ``output_sizes``, ``gate_up_proj`` -> ``gate_proj``/``up_proj``,
 FusedMoE's ``w13_weight``/``w2_weight`` -> the experts' ``gate_up_proj``/
 ``down_proj``), so a difference names the logical tensor.
+
+What vLLM's CPU build keeps depends on the ISA (logdiff/isa.py): a oneDNN or
+SGL GEMM drops the plain weight, the torch fallback keeps it; the MoE kernels
+prepack the experts in place. Every weight is read back through the layer's
+own kernels (``vllm_weights``), so the fingerprints are the same on every
+machine; a tensor that cannot be read back maps to ``None`` (unverified).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 # vLLM packed parameter -> HF parts (split along dim 0 by the layer's output_sizes).
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # vLLM FusedMoE parameters -> HF fused-expert parameters (vLLM's CPU build prepacks them).
-RENAMED = {"experts.w13_weight": "experts.gate_up_proj", "experts.w2_weight": "experts.down_proj"}
+MOE_PARAMS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
 
 
 def fingerprint(tensor: Any) -> str:
@@ -66,8 +72,7 @@ def vllm_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     attn = layer.self_attn
     rotary = getattr(attn, "rotary_emb", None)
     core = getattr(attn, "attn", None)
-    mlp = layer.mlp
-    experts = getattr(mlp, "experts", None)
+    experts = _moe_experts(model)
     lm_head = getattr(model, "lm_head", None)
     embed = model.model.embed_tokens
     mode = options.get("logprobs_mode", "raw_logprobs")
@@ -103,15 +108,20 @@ def hf_fingerprints(model: Any) -> dict[str, str]:
     return {name: fingerprint(p) for name, p in model.state_dict().items()}
 
 
+def _moe_experts(model: Any) -> Any:
+    """The first module holding routed experts (``FusedMoE``, or ``MoERunner.routed_experts``)."""
+    return next((m for m in model.modules() if hasattr(m, "w13_weight") and hasattr(m, "top_k")), None)
+
+
 def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
     """Fingerprints under HF names, packed parameters split into their parts.
 
-    vLLM's CPU linear layers hand their weight to a oneDNN GEMM and keep an
-    empty tensor; ``vllm_weights.dense_weight`` recovers the exact matrix. MoE
-    experts are prepacked into a grouped-GEMM tiling; they map to ``None``
-    (not verified) rather than to a hash of a layout HF does not have.
+    Weights a CPU GEMM packed away are recovered bit-exactly by
+    ``vllm_weights.dense_weight``, prepacked MoE experts by
+    ``vllm_weights.moe_runner_weights``. A tensor that cannot be recovered
+    maps to ``None``: unverified, never a guess.
     """
-    from logdiff.probes.vllm_weights import dense_weight
+    from logdiff.probes.vllm_weights import dense_weight, moe_runner_weights
 
     out: dict[str, str | None] = {}
     modules = dict(model.named_modules())
@@ -119,17 +129,33 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
         owner, _, leaf = name.rpartition(".")
         prefix, _, short = owner.rpartition(".")
         layer = modules[owner]
+        if leaf in MOE_PARAMS and hasattr(layer, "top_k"):
+            # FusedMoE at mlp.experts, or MoERunner at mlp.experts holding routed_experts.
+            runner_name = prefix if short == "routed_experts" else owner
+            hf_name = f"{runner_name}.{MOE_PARAMS[leaf]}"
+            out[hf_name] = _recovered(lambda: moe_runner_weights(modules[runner_name])[leaf == "w2_weight"])
+            continue
         if leaf == "weight" and param.numel() == 0 and hasattr(layer, "cpu_linear"):
-            param = dense_weight(layer)
+            recovered = _recovered(lambda: dense_weight(layer), raw=True)
+            if recovered is None:
+                parts = PACKED.get(short, (short,))
+                out.update({f"{prefix}.{part}.weight": None for part in parts})
+                continue
+            param = recovered
         if short in PACKED and leaf == "weight":
             for part, chunk in zip(PACKED[short], param.split(list(layer.output_sizes), dim=0)):
                 out[f"{prefix}.{part}.weight"] = fingerprint(chunk)
             continue
-        for old, new in RENAMED.items():
-            if name.endswith(old):
-                name = name[: -len(old)] + new
-                param = None
         if name in ("lm_head.weight", "model.embed_tokens.weight") and param.shape[0] > vocab_size:
             param = param[:vocab_size]  # vLLM pads the vocabulary dimension
-        out[name] = fingerprint(param) if param is not None else None
+        out[name] = fingerprint(param)
     return out
+
+
+def _recovered(read: Any, raw: bool = False) -> Any:
+    """``read()``'s tensor (or its fingerprint), or None when the engine's layout defeats recovery."""
+    try:
+        tensor = read()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return None
+    return tensor if raw else fingerprint(tensor)

@@ -69,6 +69,18 @@ def _input_size(layer: Any) -> int:
     raise NotImplementedError(f"cannot tell the input size of {type(layer).__name__}")
 
 
+def moe_runner_weights(runner: Any) -> tuple[Any, Any]:
+    """Plain ``w13``/``w2`` of a vLLM MoE block's experts, whichever CPU MoE kernel packed them.
+
+    ``runner`` is the module at the HF ``mlp.experts`` position: vLLM 0.32's
+    ``MoERunner`` (experts under ``routed_experts``) or an older ``FusedMoE``
+    that holds ``w13_weight`` itself.
+    """
+    experts = getattr(runner, "routed_experts", runner)
+    fused = experts.quant_method.moe_kernel.fused_experts
+    return moe_expert_weights(experts, fused, runner.moe_config.intermediate_size_per_partition_unpadded)
+
+
 def moe_expert_weights(routed_experts: Any, fused_experts: Any, intermediate_size: int) -> tuple[Any, Any]:
     """Plain ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]`` of a CPU MoE layer."""
     import torch

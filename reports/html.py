@@ -341,8 +341,10 @@ def _contracts(contracts: Any) -> dict | None:
     if isinstance(weights, dict):
         ft, fi = weights.get("fingerprint_train"), weights.get("fingerprint_infer")
         differing = [str(w) for w in _list(weights.get("differs"))]
+        unverified = [str(w) for w in _list(weights.get("unverified"))]
         weights_view = {"train": _text(ft), "infer": _text(fi), "differs": differing[:200],
                         "more": max(0, len(differing) - 200),
+                        "unverified": unverified[:50], "unverified_more": max(0, len(unverified) - 50),
                         "mismatch": bool(differing) or (ft is not None and fi is not None and ft != fi)}
     return {"rows": rows, "differ_count": sum(r["differs"] for r in rows), "weights": weights_view}
 

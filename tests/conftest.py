@@ -23,6 +23,10 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
+from logdiff.isa import apply_emulation, cpu_isa, emulated_isa  # noqa: E402 - after the engine environment
+
+apply_emulation()  # LOGDIFF_EMULATE_ISA=avx2 runs the suite as an AVX2-only CPU (docs/portability.md)
+
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 # Steps of demo training for test models: enough for peaked distributions, seconds per model.
 TEST_TRAIN_STEPS = int(os.environ.get("LOGDIFF_TEST_TRAIN_STEPS", "60"))
@@ -38,11 +42,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _cache_key(arch: str) -> str:
-    """Changes whenever the demo builder's code or the numeric stack changes."""
+    """Changes whenever the demo builder's code or the numeric stack changes.
+
+    Training runs the CPU's own kernels, so a model built under ISA emulation is
+    kept apart, unless ``LOGDIFF_TEST_MODELS_NATIVE=1`` asks to reuse this
+    machine's native builds (tests/test_portability.py builds them first).
+    """
     import torch
     import transformers
 
-    h = hashlib.sha256(f"{arch}|{TEST_TRAIN_STEPS}|{torch.__version__}|{transformers.__version__}".encode())
+    built_as = "" if os.environ.get("LOGDIFF_TEST_MODELS_NATIVE") else (emulated_isa() or "")
+    suffix = f"|built-as-{built_as}" if built_as else ""
+    h = hashlib.sha256(f"{arch}|{TEST_TRAIN_STEPS}|{torch.__version__}|{transformers.__version__}{suffix}".encode())
     for f in sorted((Path(__file__).parents[1] / "logdiff" / "demo").glob("*.py")):
         h.update(f.read_bytes())
     return f"{arch}-{h.hexdigest()[:12]}"
@@ -72,6 +83,22 @@ def demo_model() -> Callable[[str], Path]:
         return path
 
     return get
+
+
+@pytest.fixture(scope="session")
+def stock_varies() -> Callable[[bool, str], None]:
+    """``stock_varies(equal, what)``: a negative control needs a stock op that really varies here.
+
+    Whether it does is a property of the CPU's kernels, not of logdiff: where the
+    stock results came out equal, the control cannot be built, so the test is
+    skipped with a reason naming the ISA (never passed, never failed).
+    """
+
+    def check(equal: bool, what: str) -> None:
+        if equal:
+            pytest.skip(f"negative control not buildable on this CPU ({cpu_isa()}): {what}")
+
+    return check
 
 
 @pytest.fixture(scope="session")

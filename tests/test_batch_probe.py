@@ -2,29 +2,76 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 import logdiff
+from logdiff.isa import cpu_isa
+from logdiff.probes import checkpoint
+from logdiff.probes.engines import base
 
 SIZES = (1, 4, 8)
 
 
+@contextlib.contextmanager
+def batch_dependent(module: torch.nn.Module) -> Iterator[list[int]]:
+    """Plant batch-dependent tiling: with more than one row in the batch, split K and round each half.
+
+    Whether a *stock* op varies with the batch size depends on the CPU's kernels
+    (fp32 SDPA decode does on some, not on others), so the probe's negative
+    control is planted, and checked to change this CPU's output bits first.
+    """
+    weight = module.weight
+    batch_sizes: list[int] = []  # what the engine ran through the plant
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        batch_sizes.append(x.shape[0])
+        if x.shape[0] == 1:
+            return F.linear(x, weight)
+        k = x.shape[-1] // 2
+        halves = (F.linear(x[..., :k], weight[:, :k]), F.linear(x[..., k:], weight[:, k:]))
+        return sum(h.to(torch.bfloat16) for h in halves).to(x.dtype)
+
+    probe = torch.randn(4, 1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    with torch.no_grad():
+        if torch.equal(forward(probe)[:1], forward(probe[:1])):
+            pytest.skip(f"the planted batch dependence changes no bits on this CPU ({cpu_isa()})")
+    batch_sizes.clear()
+    module.forward = forward
+    try:
+        yield batch_sizes
+    finally:
+        del module.forward
+
+
+@pytest.mark.isa_sensitive
 def test_probe_detects_batch_dependence_and_consistent_mode_removes_it(qwen3: Path) -> None:
-    # fp32 SDPA decode differs between batch 1 and batch 8 here (../shared/notes/cpu-numerics.md).
     common = {"infer": ["hf-decode"], "dtype": "float32", "num_sequences": 8, "prompt_len": 16, "response_len": 8}
     stock = logdiff.scan(qwen3, batch_sizes=SIZES, **common)["batch_invariance"]
     assert stock["engine"] == "hf-decode" and stock["reference_batch_size"] == 1
     assert [c["batch_size"] for c in stock["comparisons"]] == [4, 8]
-    assert stock["invariant"] is False
-    assert any(c["bitwise_equal_fraction"] < 1.0 for c in stock["comparisons"])
+    # Whether stock fp32 decode is batch-invariant is this CPU's business; the report must say which.
+    assert stock["invariant"] == all(c["bitwise_equal_fraction"] == 1.0 for c in stock["comparisons"])
+
+    engine = base.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path), "float32"))
+    with batch_dependent(engine.model.get_submodule("model.layers.1.mlp.down_proj")) as ran:
+        planted = logdiff.scan(qwen3, batch_sizes=SIZES, **common)["batch_invariance"]
+    assert {1, 8} <= set(ran), "the scan did not run through the planted module"
+    assert planted["invariant"] is False
+    assert all(c["bitwise_equal_fraction"] < 1.0 for c in planted["comparisons"])
+
     fixed = logdiff.scan(qwen3, batch_sizes=SIZES, consistent=True, **common)["batch_invariance"]
     assert fixed["invariant"] is True
     assert all(c["abs_diff_max"] == 0.0 for c in fixed["comparisons"])
 
 
 @pytest.mark.vllm
+@pytest.mark.isa_sensitive
 def test_vllm_on_long_sequences(qwen3: Path) -> None:
     """Reports the real engine's behaviour per path; under consistent mode it must be invariant."""
     common = {"infer": ["vllm"], "num_sequences": 8, "prompt_len": 200, "response_len": 16}

@@ -77,6 +77,9 @@ class Engine(ABC):
     fuses_add_norm: ClassVar[bool] = False
 
     def __init__(self, spec: EngineSpec):
+        from logdiff.isa import apply_emulation
+
+        apply_emulation()  # before the engine picks its CPU kernels (no-op unless LOGDIFF_EMULATE_ISA)
         self.spec = spec
 
     @abstractmethod

@@ -54,10 +54,11 @@ def test_error_against_fp64_is_within_the_stated_bound(gen):
     assert (silu_and_mul(gate, up).double() - ref).abs().max() / ref.abs().max() <= BOUND
 
 
-def test_negative_control_stock_silu_depends_on_position(gen):
+@pytest.mark.isa_sensitive
+def test_negative_control_stock_silu_depends_on_position(gen, stock_varies):
     gate, up = _gate_up(gen)
     alone = torch.cat([F.silu(gate[i : i + 1]) * up[i : i + 1] for i in range(len(gate))])
-    assert not torch.equal(alone, F.silu(gate) * up), "stock F.silu became position-independent on this CPU"
     assert torch.equal(
         torch.cat([silu_and_mul(gate[i : i + 1], up[i : i + 1]) for i in range(len(gate))]), silu_and_mul(gate, up)
     )
+    stock_varies(torch.equal(alone, F.silu(gate) * up), "stock F.silu is position-independent here")

@@ -97,11 +97,12 @@ def test_error_against_fp64_is_within_the_stated_bound(gen, hq, hkv):
     assert (attention(q, k, v, pos, 0.125).double() - ref).abs().max() / ref.abs().max() <= BOUND
 
 
+@pytest.mark.isa_sensitive
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_negative_control_stock_sdpa_prefill_differs_from_decode(gen, dtype):
+def test_negative_control_stock_sdpa_prefill_differs_from_decode(gen, dtype, stock_varies):
     q, k, v = (t.transpose(0, 1)[None] for t in _qkv(gen, s=40, hq=4, hkv=4, dtype=dtype))
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     steps = torch.cat(
         [F.scaled_dot_product_attention(q[:, :, i : i + 1], k[:, :, : i + 1], v[:, :, : i + 1]) for i in range(40)], 2
     )
-    assert not torch.equal(full, steps), "stock SDPA became prefill/decode-invariant on this CPU"
+    stock_varies(torch.equal(full, steps), "stock SDPA is prefill/decode-invariant here")

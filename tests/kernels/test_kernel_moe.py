@@ -85,7 +85,8 @@ def test_combine_error_against_fp64_is_within_the_stated_bound(gen):
     assert (moe_combine(x, weights, ids, expert).double() - ref).abs().max() / ref.abs().max() <= BOUND_COMBINE
 
 
-def test_negative_control_stock_hf_experts_depend_on_expert_group_size(gen):
+@pytest.mark.isa_sensitive
+def test_negative_control_stock_hf_experts_depend_on_expert_group_size(gen, stock_varies):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -99,5 +100,5 @@ def test_negative_control_stock_hf_experts_depend_on_expert_group_size(gen):
     weights = torch.full((8, 2), 0.5)
     with torch.no_grad():
         alone, in_group = experts(x[:1], ids[:1], weights[:1]), experts(x, ids, weights)[:1]
-    assert not torch.equal(alone, in_group), "stock HF experts became group-size invariant on this CPU"
     assert torch.equal(moe_experts(x[:1], weights[:1], ids[:1], w13, w2), moe_experts(x, weights, ids, w13, w2)[:1])
+    stock_varies(torch.equal(alone, in_group), "stock HF experts are group-size invariant here")
