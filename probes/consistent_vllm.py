@@ -42,6 +42,8 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from logdiff.probes.patching import Patches
+
 
 _ACTIVE: weakref.WeakSet[Any] = weakref.WeakSet()  # models currently in consistent mode
 
@@ -54,32 +56,6 @@ class ConsistentVLLM:
 
     def add(self, kind: str, name: str) -> None:
         self.replaced.setdefault(kind, []).append(name)
-
-
-class _Patches:
-    """Instance-attribute patches that can all be undone, newest first."""
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[Any, str, bool, Any]] = []
-
-    def set(self, obj: Any, name: str, value: Any) -> None:
-        own = vars(obj)
-        self._undo.append((obj, name, name in own, own.get(name)))
-        setattr(obj, name, value)
-
-    def restore(self) -> None:
-        first_error: BaseException | None = None
-        while self._undo:
-            obj, name, had_own, old = self._undo.pop()
-            try:
-                if had_own:
-                    setattr(obj, name, old)
-                else:
-                    delattr(obj, name)
-            except Exception as e:  # noqa: BLE001 - restore everything, then report
-                first_error = first_error or e
-        if first_error is not None:
-            raise first_error
 
 
 @contextlib.contextmanager
@@ -98,21 +74,19 @@ def consistent_vllm(llm: Any, only: Collection[str] | None = None) -> Iterator[C
     plan, summary = _plan(llm, model, runner)
     if only is not None:
         summary.replaced = {k: v for k, v in summary.replaced.items() if k in only}
-    patches = _Patches()
     _ACTIVE.add(model)
     try:
-        _reset_prefix_cache(llm)
-        for kind, obj, name, value in plan:
-            if only is None or kind in only:
-                patches.set(obj, name, value)
-        with kernels.fp32_weight_cache():
-            yield summary
-    finally:
-        try:
-            patches.restore()
+        with Patches() as patches:
+            # Registered first, so it runs last: once every original is back.
+            patches.on_exit(lambda: _reset_prefix_cache(llm))
             _reset_prefix_cache(llm)
-        finally:
-            _ACTIVE.discard(model)
+            for kind, obj, name, value in plan:
+                if only is None or kind in only:
+                    patches.set(obj, name, value)
+            with kernels.weight_cache():
+                yield summary
+    finally:
+        _ACTIVE.discard(model)
 
 
 def _engine_objects(llm: Any) -> tuple[Any, Any]:
@@ -257,10 +231,8 @@ def _moe_problem(runner: Any) -> str | None:
 
 def _moe_replacement(runner: Any) -> Any:
     from logdiff.probes import vllm_consistent_ops as ops
-    from logdiff.probes.vllm_weights import dense_weight, moe_expert_weights
+    from logdiff.probes.vllm_weights import dense_weight, moe_runner_weights
 
-    experts = runner.routed_experts
-    fused = experts.quant_method.moe_kernel.fused_experts
-    w13, w2 = moe_expert_weights(experts, fused, runner.moe_config.intermediate_size_per_partition_unpadded)
+    w13, w2 = moe_runner_weights(runner)
     gate_weight = dense_weight(runner.gate) if runner.gate is not None else None
     return ops.moe_forward(runner, gate_weight, w13, w2)
