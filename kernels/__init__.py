@@ -14,6 +14,7 @@ and ``rope`` are both a function and a submodule, and only an eager
 """
 
 from .activation import silu_and_mul, silu_and_mul_reference
+from .caches import KernelCaches, kernel_caches
 from .attention import KV_BLOCK, Q_TILE, attention, attention_batched, attention_heads_first, attention_reference
 from .fixed_order import exp, halving_sum, log, pairwise_sum
 from .logsoftmax import log_softmax, log_softmax_reference, token_log_probs
@@ -26,6 +27,7 @@ from .rope import rope, rope_apply, rope_cos_sin, rope_reference
 __all__ = [
     "KERNELS",
     "KV_BLOCK",
+    "KernelCaches",
     "M_TILE",
     "N_TILE",
     "N_TILED_MAX",
@@ -40,6 +42,7 @@ __all__ = [
     "exp",
     "fp32_weight_cache",
     "halving_sum",
+    "kernel_caches",
     "linear",
     "linear_reference",
     "log",

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from .caches import active
 from .fixed_order import exp, pairwise_sum
 
 Q_TILE = 16
@@ -176,9 +177,6 @@ class _Layout:
             self.groups.append((q0, q1, n_blocks, ~visible.unsqueeze(1)))
 
 
-_last_layout: tuple[tuple, _Layout] | None = None
-
-
 def _version(t: torch.Tensor) -> int:
     try:
         return t._version
@@ -189,16 +187,17 @@ def _version(t: torch.Tensor) -> int:
 def _layout(
     q_positions: torch.Tensor, kv_lens: torch.Tensor, g: int, hkv: int, d: int, device: torch.device
 ) -> _Layout:
-    global _last_layout
     key = (q_positions, _version(q_positions), kv_lens, _version(kv_lens), g, hkv, d, device)
-    if _last_layout is not None and len(key) == len(_last_layout[0]):
-        old = _last_layout[0]
-        if all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, old, strict=True)):
-            return _last_layout[1]
+    caches = active()
+    last = caches.attention_layout if caches is not None else None
+    if last is not None and len(key) == len(last[0]):
+        if all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, last[0], strict=True)):
+            return last[1]
     layout = _Layout(
         q_positions.to(device=device, dtype=torch.int64), kv_lens.to(device=device, dtype=torch.int64), g, hkv, d
     )
-    _last_layout = (key, layout)
+    if caches is not None:
+        caches.attention_layout = (key, layout)
     return layout
 
 

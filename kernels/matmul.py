@@ -41,12 +41,13 @@ on every call; weights that need neither are used in place.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+from .caches import active, kernel_caches
 
 M_TILE = 64
 """Rows per GEMM. Trades decode padding (a 1-row step computes 64 rows) against
@@ -54,9 +55,6 @@ prefill cost (the weight is streamed once per 64 rows)."""
 N_TILE = 128
 """Output columns per GEMM (for weights up to N_TILED_MAX columns)."""
 N_TILED_MAX = 16384
-
-_cache: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] | None = None
-
 
 @functools.cache
 def _gemm_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
@@ -71,22 +69,8 @@ def _gemm_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
     return torch.float32
 
 
-@contextlib.contextmanager
-def weight_cache() -> Iterator[None]:
-    """Keep prepared weights (widened, column-padded) while open; re-entrant."""
-    global _cache
-    if _cache is not None:
-        yield
-        return
-    _cache = {}
-    try:
-        yield
-    finally:
-        _cache = None
-
-
-fp32_weight_cache = weight_cache
-"""Former name of :func:`weight_cache` (kept for callers that use it)."""
+weight_cache = fp32_weight_cache = kernel_caches
+"""Former names of :func:`kernel_caches` (prepared weights are cached inside it)."""
 
 
 def _version(t: torch.Tensor) -> int:
@@ -103,23 +87,23 @@ def _prepare(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if weight.dtype == dtype and not pad:
         return weight
     key = (_version(weight), dtype)
-    if _cache is not None:
-        hit = _cache.get(id(weight))
+    caches = active()
+    if caches is not None:
+        hit = caches.weights.get(id(weight))
         if hit is not None and hit[0]() is weight and hit[1] == key:
             return hit[2]
     prepared = torch.zeros(n + pad, weight.shape[1], dtype=dtype, device=weight.device)
     prepared[:n] = weight
-    if _cache is not None:
-        _cache[id(weight)] = (weakref.ref(weight, _forget(id(weight))), key, prepared)
+    if caches is not None:
+        caches.weights[id(weight)] = (weakref.ref(weight, _forget(caches.weights, id(weight))), key, prepared)
     return prepared
 
 
-def _forget(weight_id: int) -> Callable[[weakref.ref], None]:
-    """Weakref callback: drop a dead weight's prepared copy while the cache is open."""
+def _forget(cache: dict, weight_id: int) -> Callable[[weakref.ref], None]:
+    """Weakref callback: drop a dead weight's prepared copy from the cache that held it."""
 
     def callback(_: weakref.ref) -> None:
-        if _cache is not None:
-            _cache.pop(weight_id, None)
+        cache.pop(weight_id, None)
 
     return callback
 

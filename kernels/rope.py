@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import torch
 
+from .caches import active
+
 TABLE_BLOCK_ELEMENTS = 1024
 """Upper bound on the elements of one table-block call (below every serial threshold)."""
-
-_tables: dict[tuple[float, int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-
 
 def _block_positions(half: int) -> int:
     return max(1, TABLE_BLOCK_ELEMENTS // half)
@@ -49,7 +48,9 @@ def _table_block(block: int, theta: float, rotary_dim: int, device: torch.device
 
 def _table(theta: float, rotary_dim: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     key = (float(theta), int(rotary_dim), str(device))
-    cos, sin = _tables.get(key, (None, None))
+    caches = active()
+    tables = caches.rope_tables if caches is not None else {}
+    cos, sin = tables.get(key, (None, None))
     have = 0 if cos is None else cos.shape[0]
     if have < length:
         rows = _block_positions(rotary_dim // 2)
@@ -58,7 +59,7 @@ def _table(theta: float, rotary_dim: int, length: int, device: torch.device) -> 
         new_sin = [s for _, s in blocks]
         cos = torch.cat(([cos] if cos is not None else []) + new_cos)
         sin = torch.cat(([sin] if sin is not None else []) + new_sin)
-        _tables[key] = (cos, sin)
+        tables[key] = (cos, sin)
     return cos, sin
 
 

@@ -1,0 +1,53 @@
+"""What the kernels may remember between calls, owned by the block that asked for it.
+
+The kernels are pure functions: called alone, they keep nothing. Repeated work
+between calls (a weight widened and column-padded for the fixed-tile GEMM, the
+RoPE cos/sin table, the attention mask layout that every layer of one forward
+shares) is cached only inside ``kernel_caches()``, in a ``KernelCaches`` object
+that the block creates and drops on exit. The block is found through a
+``ContextVar``, the way ``torch.no_grad()`` is: nested blocks share the outer
+one's caches, and code outside every block (or on another thread) sees none.
+
+Caching never changes a result: every cached value is a pure function of its
+key, and every kernel computes the same bits with or without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class KernelCaches:
+    """The caches of one ``kernel_caches()`` block."""
+
+    weights: dict[int, tuple[Any, tuple, Any]] = field(default_factory=dict)  # id -> (weakref, key, prepared)
+    rope_tables: dict[tuple[float, int, str], tuple[Any, Any]] = field(default_factory=dict)
+    attention_layout: tuple[tuple, Any] | None = None  # (key, layout) of the last call
+
+
+_ACTIVE: ContextVar[KernelCaches | None] = ContextVar("logdiff_kernel_caches", default=None)
+
+
+@contextlib.contextmanager
+def kernel_caches() -> Iterator[KernelCaches]:
+    """Let the kernels cache prepared weights, RoPE tables and attention layouts inside the block."""
+    outer = _ACTIVE.get()
+    if outer is not None:
+        yield outer
+        return
+    caches = KernelCaches()
+    token = _ACTIVE.set(caches)
+    try:
+        yield caches
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> KernelCaches | None:
+    """The caches of the innermost open block, or None (then nothing is cached)."""
+    return _ACTIVE.get()
