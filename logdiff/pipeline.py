@@ -24,6 +24,7 @@ from logdiff.config import ScanConfig
 from logdiff.errors import InputError
 from logdiff.options import is_option
 from logdiff.probes import checkpoint
+from logdiff.reports.groups import group_causes
 from logdiff.probes.engines.base import Engine, EngineSpec, PathScores, acquire, get_engine
 
 SCHEMA_VERSION = 1
@@ -370,4 +371,5 @@ def scan(
         engine_name = next(p["engine"] for p in result["paths"][1:] if p["name"] == pairs[0]["infer"])
         owner = next((e for e in infer_engines if e.name == engine_name), infer_engines[0])
         diagnose(result, cfg, train_engine, owner, lambda c: scan(c, classify=False), progress)
+    result["cause_groups"] = group_causes(result["causes"])
     return result

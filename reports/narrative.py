@@ -2,8 +2,9 @@
 
 It reads only the result dict (docs/result-schema.md) and says, in order:
 what diverged and by how much in the terms an RL run feels (importance ratio,
-clip fraction), where the two engines first part, why (each cause with its
-class, evidence and share), how sure the tool is, and what to do next.
+clip fraction), where the two engines first part, why (each group of causes, ``groups.py``,
+with its class, sites, evidence and share), how sure the tool is, and what to
+do next, in commands an installed logdiff can run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from .format import terminal_safe
+from .groups import cause_groups
 
 VERDICT_LINE = {
     "consistent": "The training and inference paths agree bit for bit on every scored token.",
@@ -56,25 +58,23 @@ def _where(result: dict[str, Any]) -> list[str]:
 
 
 def _why(result: dict[str, Any]) -> list[str]:
-    causes = result.get("causes") or []
-    if not causes:
+    groups = cause_groups(result)
+    if not groups:
         return []
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for c in causes:
-        groups.setdefault((c["class"], c["kind"]), []).append(c)
     lines = ["Why:"]
-    for (cls, kind), members in sorted(groups.items(), key=lambda kv: kv[0][0] != "framework_difference"):
-        names = ", ".join(c["boundary"] for c in members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
-        share = members[0].get("share")
+    for g in groups:
+        share = g.get("share")
         share_text = ""
-        if share is not None:
+        if isinstance(share, (int, float)) and not isinstance(share, bool):
             share_text = (f"; neutralising it alone removes {100 * share:.0f}% of the gap" if share >= 0 else
                           f"; neutralising it alone makes the gap {-100 * share:.0f}% larger (the causes interact)")
-        necessary = " It must be fixed to reach logdiff = 0." if members[0].get("necessity") else ""
-        lines.append(f"  - {cls.replace('_', ' ')} ({kind.replace('_', ' ')}) at {names}{share_text}.{necessary}")
-        evidence = [e for e in members[0].get("evidence", []) if e][:2]
-        lines += [f"      evidence: {e}" for e in evidence]
-        lines.append(f"      fix: {members[0]['fix']}")
+        necessary = " It must be fixed to reach logdiff = 0." if g.get("necessity") else ""
+        count = g.get("count") or len(g.get("sites") or [])
+        sites = f"{count} sites, " if count > 1 else ""
+        lines.append(f"  - {str(g['class']).replace('_', ' ')} ({str(g['kind']).replace('_', ' ')}, "
+                     f"{g.get('family')}) at {sites}{g.get('layers')}{share_text}.{necessary}")
+        lines += [f"      evidence: {e}" for e in (g.get("evidence") or [])[:2]]
+        lines.append(f"      fix: {g.get('fix')}")
     return lines
 
 
@@ -109,8 +109,10 @@ def _next(result: dict[str, Any]) -> list[str]:
     if v in ("framework_difference", "mixed"):
         steps.append("fix the framework differences first (they change the function, not just its rounding)")
     if v in ("operator_path", "mixed"):
-        steps.append(("then " if steps else "") + "decide whether the operator-path gap matters: `--consistent` shows logdiff = 0 is reachable "
-                     "and `bench/bench_consistent.py` what it costs; otherwise importance-sampling correction absorbs it")
+        steps.append(("then " if steps else "") + "decide whether the operator-path gap matters: `logdiff scan MODEL "
+                     "--consistent` shows logdiff = 0 is reachable, `--consistent-kernels FAMILY` which kernel family "
+                     "buys what, and `logdiff kernels --self-test` checks the reference kernels on this machine; "
+                     "otherwise importance-sampling correction absorbs it")
     steps.append("keep it fixed with `logdiff check` and a baseline")
     return ["Next: " + "; ".join(steps) + "."]
 

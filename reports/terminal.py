@@ -1,5 +1,10 @@
 """The terminal summary of a result: the verdict first, then causes and key metrics.
 
+It fits one screen at any model size: causes are shown as their groups (one row
+per class, kind and op family, ``groups.py``), every table cell is at most two
+lines, and the layout follows the console's width (the fix texts and verl names
+get columns of their own from ``WIDE`` columns on).
+
 The CLI owns the ``rich.console.Console`` (and so NO_COLOR, width and
 redirection); this module only prints to it. Every string from the result is
 wrapped in ``rich.text.Text``, so a model path such as ``[bold]x`` is shown as
@@ -13,17 +18,22 @@ NaN/inf on a path (``non_finite``) is the first line printed, even when quiet.
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .groups import cause_groups
 from .format import KEY_METRICS, METRICS, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label, terminal_safe
 
 VERDICT_STYLE = {"consistent": "bold green", "divergent": "bold yellow", "operator_path": "bold blue",
                  "framework_difference": "bold red", "mixed": "bold magenta"}
-MAX_CAUSES = 5
+CLASS_STYLE = {"operator_path": "blue", "framework_difference": "red"}
+MAX_GROUPS = 8
+WIDE = 120  # from this many columns on, the causes table has a fix column and the metrics their verl names
 
 
 def verdict_line(result: dict) -> Text:
@@ -74,10 +84,12 @@ def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
                       + Text(f"{fd.get('boundary')} (layer {fd.get('layer')}, position {fd.get('position')}), "
                              f"max |Δ| {fmt_num(fd.get('max_abs_diff'))}, {how}"), soft_wrap=True)
 
-    causes = [c for c in result.get("causes") or [] if isinstance(c, dict)]
-    if causes:
-        console.print(_causes_table(causes))
-    metrics = _metrics_table(result)
+    if cause_groups(result):
+        table, fixes = _causes_table(result, console.width)
+        console.print(table)
+        for line in fixes:
+            console.print(line, soft_wrap=True)
+    metrics = _metrics_table(result, wide=console.width >= WIDE)
     if metrics is not None:
         console.print(metrics)
 
@@ -94,26 +106,72 @@ def _context_line(result: dict) -> Text:
     return line
 
 
-def _causes_table(causes: list[dict]) -> Table:
-    ranked = sorted(causes, key=lambda c: -(c["share"] if is_number(c.get("share")) else -1.0))
-    shown = ranked[:MAX_CAUSES]
-    title = "Top causes" if len(ranked) > MAX_CAUSES else "Causes"
-    table = Table(title=title, title_justify="left", show_lines=False)
-    for name, kwargs in (("class", {}), ("kind", {}), ("boundary", {"overflow": "fold"}),
-                         ("share", {"justify": "right"}), ("necessary", {}), ("fix", {"overflow": "fold"})):
-        table.add_column(name, **kwargs)
-    for c in shown:
-        share = c.get("share")
-        necessity = {True: "yes", False: "no"}.get(c.get("necessity"), "—")
-        table.add_row(Text(str(c.get("class"))), Text(str(c.get("kind"))), Text(str(c.get("boundary"))),
-                      Text(fmt_fraction(share) if is_number(share) else "—"), Text(necessity),
-                      Text(str(c.get("fix") or "")))
-    if len(ranked) > MAX_CAUSES:
-        table.caption = f"{len(ranked) - MAX_CAUSES} more in result.json / report.html"
-    return table
+def clip(text: str, width: int, lines: int = 2) -> str:
+    """``text`` wrapped at ``width`` into at most ``lines`` lines, the last cut with '…' when it overflows."""
+    width = max(2, width)
+    wrapped = textwrap.wrap(text, width, break_on_hyphens=False) or [""]
+    if len(wrapped) <= lines:
+        return "\n".join(wrapped)
+    rest = " ".join(wrapped[lines - 1:])
+    return "\n".join(wrapped[:lines - 1] + [rest[:width - 1].rstrip() + "…"])
 
 
-def _metrics_table(result: dict) -> Table | None:
+def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:
+    """The causes, one row per (class, kind, family) group, laid out to fit ``width`` columns.
+
+    Every cell is at most two lines. Narrow terminals get the fixes as lines under
+    the table (two lines each); from ``WIDE`` columns on they are a column of their own.
+    """
+    groups = cause_groups(result)
+    shown = groups[:MAX_GROUPS]
+    n_ops = sum(g.get("count") or len(g.get("sites") or []) or 1 for g in groups)
+    wide = width >= WIDE
+    shares = [fmt_fraction(g.get("share")) if is_number(g.get("share")) else "—" for g in shown]
+    necessity = [{True: "yes", False: "no"}.get(g.get("necessity"), "—") for g in shown]
+    cause_w = min(25, max(5, *(len(str(g.get(k))) for g in shown for k in ("family", "kind"))))
+    classes = {str(g.get("class")) for g in groups}
+    class_w = 20 if wide else 0 if len(classes) == 1 else 10   # narrow: one class goes in the title
+    share_w = max(5, *(len(x) for x in shares))
+    nec_w = 9 if wide else 4
+    fixed = cause_w + class_w + share_w + nec_w
+    n_cols = 6 if wide else 5 if class_w else 4
+    free = max(12, width - fixed - 3 * n_cols)           # each column costs its padding and a rule
+    longest = max(len(str(g.get("layers"))) for g in shown)
+    where_w = min(max(24, longest // 2 + 2), free // 2) if wide else free
+    fix_w = max(12, free - where_w)
+    title = f"Causes: {n_ops} op{'s' if n_ops != 1 else ''} in {len(groups)} group{'s' if len(groups) != 1 else ''}"
+    if not class_w:
+        title += f", all {classes.pop()}"
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                  padding=(0, 1))
+    table.add_column("family / kind", width=cause_w, no_wrap=True)
+    if class_w:
+        table.add_column("class", width=class_w, no_wrap=True)
+    table.add_column("where", width=where_w, no_wrap=True)
+    table.add_column("share", width=share_w, justify="right", no_wrap=True)
+    table.add_column("necessary" if wide else "nec.", width=nec_w, no_wrap=True)
+    if wide:
+        table.add_column("fix", width=fix_w, no_wrap=True)
+    fixes: list[Text] = []
+    for g, share, nec in zip(shown, shares, necessity):
+        cls = str(g.get("class"))
+        cells = [Text(clip(str(g.get("family")), cause_w, 1) + "\n" + clip(str(g.get("kind")), cause_w, 1))]
+        if class_w:
+            cells.append(Text(clip(cls if wide else cls.replace("_", " "), class_w), style=CLASS_STYLE.get(cls, "")))
+        cells += [Text(clip(str(g.get("layers")), where_w)), Text(share), Text(nec)]
+        if wide:
+            cells.append(Text(clip(str(g.get("fix") or ""), fix_w)))
+        else:
+            head = f"fix {g.get('family')}: "
+            body = clip(head + str(g.get("fix") or ""), width - 2)
+            fixes.append(Text(body.replace("\n", "\n  "), style=""))
+        table.add_row(*cells)
+    if len(groups) > MAX_GROUPS:
+        table.caption = f"{len(groups) - MAX_GROUPS} more groups: logdiff explain RESULT.json, or report.html"
+    return table, fixes
+
+
+def _metrics_table(result: dict, wide: bool = True) -> Table | None:
     pairs = [p for p in result.get("pairs") or [] if isinstance(p, dict)]
     columns = [(pair_label(p), p.get("metrics") if isinstance(p.get("metrics"), dict) else {}) for p in pairs]
     if not columns and isinstance(result.get("logprobs"), dict):
@@ -123,15 +181,16 @@ def _metrics_table(result: dict) -> Table | None:
     labels = {key: (label, verl) for key, label, verl, _ in METRICS}
     table = Table(title="Key metrics", title_justify="left")
     table.add_column("metric")
-    table.add_column("verl name", style="dim")
+    if wide:
+        table.add_column("verl name", style="dim")
     for name, _ in columns:
         table.add_column(Text(name), justify="right")
     for key in KEY_METRICS:
         if not any(key in m for _, m in columns):
             continue
         label, verl = labels[key]
-        table.add_row(Text(label), Text(verl or ""),
-                      *[Text(fmt_metric(key, m[key]) if key in m else "—") for _, m in columns])
+        names = [Text(label), Text(verl or "")] if wide else [Text(label)]
+        table.add_row(*names, *[Text(fmt_metric(key, m[key]) if key in m else "—") for _, m in columns])
     return table
 
 

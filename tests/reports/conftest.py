@@ -170,3 +170,71 @@ def save_screenshots(screenshot_dir):
         return top, full
 
     return save
+
+
+LAYER_OPS = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm",
+             "self_attn.k_norm", "self_attn.rope_q", "self_attn.rope_k", "self_attn.attn_core", "self_attn.o_proj",
+             "residual_attn", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.act_mul",
+             "mlp.down_proj", "residual_mlp"]
+
+# (op, class, kind, family, share): the three families of the demo scan (README), at every layer
+LAYERED_CAUSES = [("self_attn.rope_q", "intermediate_precision", "rope", -0.08),
+                  ("self_attn.rope_k", "intermediate_precision", "rope", -0.08),
+                  ("self_attn.attn_core", "online_softmax_block_size", "attention", -0.85),
+                  ("input_layernorm", "fused_vs_unfused", "rms_norm", -0.06),
+                  ("post_attention_layernorm", "fused_vs_unfused", "rms_norm", -0.06)]
+
+
+def layered_result(sample: dict, layers: int) -> dict:
+    """A schema-valid dense Qwen3-like result with ``layers`` decoder layers: the demo scan's three
+    operator-path families (RoPE, attention core, fused add+norm) at every layer, first divergence at
+    layer 0's rope_q, and a boundary x position table that grows through the layers."""
+    from logdiff.reports.groups import group_causes
+
+    r = copy.deepcopy(sample)
+    names = ["model.embed_tokens"] + [f"model.layers.{n}.{op}" for n in range(layers) for op in LAYER_OPS]
+    names += ["model.norm", "logits", "log_softmax"]
+    positions = r["divergence_table"]["positions"]
+    values, err = [], 0.0
+    for name in names:
+        if name.endswith(("rope_q", "rope_k", "attn_core", "layernorm")) or name == "model.norm":
+            err = max(err * 1.05, 3.9e-3)
+        values.append([0.0 if (name == "model.embed_tokens" or (err < 4e-3 and p < 6)) else
+                       float(f"{err * (1 + (p % 7) / 7):.4g}") for p in positions])
+    r["divergence_table"] = {"boundaries": names, "positions": positions, "max_abs_diff": values,
+                             "metric": "max_abs_diff"}
+    r["first_divergence"] = {"boundary": "model.layers.0.self_attn.rope_q", "layer": 0, "position": 6,
+                             "max_abs_diff": 0.0156, "inputs_equal": True, "input_max_abs_diff": 0.0}
+    causes, ops = [], []
+    for n in range(layers):
+        for op, kind, family, share in LAYERED_CAUSES:
+            boundary = f"model.layers.{n}.{op}"
+            causes.append({"boundary": boundary, "layer": n, "class": "operator_path", "kind": kind,
+                           "family": family, "op_kind": family, "share": share, "necessity": True,
+                           "evidence": [f"inputs bitwise equal (replay); {family} differs locally",
+                                        f"the difference vanishes with the reference {family} kernel"],
+                           "fix": f"use one {family} kernel on both sides (logdiff.kernels.{family})",
+                           "differs": []})
+            ops.append({"boundary": boundary, "layer": n, "local_max_abs_diff": 3.9e-3,
+                        "propagated_max_abs_diff": 3.9e-3 * (n + 1), "method": "replay", "inputs_equal": n == 0})
+    r["causes"], r["introducing_ops"] = causes, ops
+    r["cause_groups"] = group_causes(causes)
+    r["verdict"] = "operator_path"
+    r["architecture"] = "Qwen3ForCausalLM"
+    r["model"] = f"/models/qwen3-{layers}-layers"
+    r["warnings"] = []
+    r["contracts"]["differs"] = []
+    r["contracts"]["train"]["rms_norm_eps"] = r["contracts"]["infer"]["rms_norm_eps"]
+    return r
+
+
+@pytest.fixture
+def layered(sample_json):
+    """layered(n) -> a fresh ``layered_result`` with n decoder layers."""
+    return lambda layers: layered_result(sample_json, layers)
+
+
+@pytest.fixture
+def demo_result() -> dict:
+    """A real demo-style scan (data/demo_scan_result.json), written before ``cause_groups`` existed."""
+    return json.loads((DATA / "demo_scan_result.json").read_text(encoding="utf-8"))

@@ -59,7 +59,7 @@ def test_strings_are_not_read_as_rich_markup(sample_result):
     sample_result["causes"][0]["kind"] = "[link=file:///etc]kind[/link]"
     text = _record(sample_result)
     assert "/m/[bold red]x[/bold red]" in text
-    assert "[link=file:///etc]kind[/link]" in text
+    assert "[link=file:///etc]kind" in text                      # literal (cut to the column's width)
 
 
 def test_no_colour_codes_when_no_color(sample_result):
