@@ -51,7 +51,7 @@ def bench_model(name: str, model_dir: Path, repeats: int) -> list[tuple[str, str
     import torch
 
     from logdiff.probes import checkpoint
-    from logdiff.probes.engines.base import EngineSpec, acquire, release_all
+    from logdiff.engines.base import EngineSpec, acquire, release_all
 
     staged = checkpoint.stage(model_dir)
     spec = EngineSpec(str(staged.path))

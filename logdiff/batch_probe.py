@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from logdiff import compare
-from logdiff.probes.engines.base import Engine, TokenSequence
+from logdiff.engines.base import Engine, TokenSequence
 
 
 def score_in_chunks(engine: Engine, seqs: list[TokenSequence], size: int) -> dict[str, list[np.ndarray]]:

@@ -21,8 +21,9 @@ from typing import Any
 
 from logdiff import attribute, classify
 from logdiff.config import ScanConfig
+from logdiff.phases import Phases, silent
 from logdiff.preflight import preflight
-from logdiff.probes.engines.base import Engine
+from logdiff.engines.base import Engine
 
 # Relative spacing of each dtype (its machine epsilon): local_rel / EPS = ulps at the output's magnitude.
 EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
@@ -64,10 +65,11 @@ def diagnose(
     train: Engine,
     infer: Engine,
     scan: Scan,
-    progress: Callable[[str], None] = lambda _m: None,
+    progress: Callable[..., None] = silent,
 ) -> None:
     """Fill ``contracts``, ``causes``, ``attribution`` and ``verdict`` of ``result`` in place."""
-    progress("semantic preflight: contracts and weight fingerprints")
+    progress = Phases.of(progress)
+    progress("semantic preflight: contracts and weight fingerprints", phase="preflight")
     held = any(((result.get("non_finite") or {}).get("weights") or {}).values())
     if held:  # hashes of NaN-holding tensors say nothing (and vLLM's CPU weights cannot be recovered)
         result["warnings"].append("weight fingerprints skipped: the weights hold NaN/inf (see non_finite)")
@@ -87,8 +89,9 @@ def diagnose(
         return
     if not ops:
         result["warnings"].append("the logprobs differ but no op was found to introduce the error")
-    progress("rerunning both paths with the reference kernels")
+    progress("rerunning both paths with the reference kernels", phase="reference_rerun")
     reference = _reference_rerun(cfg, scan, result["warnings"]) if ops else None
+    progress(f"classifying {len(ops)} ops that introduce error", phase="classify")
     causes = []
     for op in ops:
         rel = op.get("local_rel")
@@ -104,7 +107,7 @@ def diagnose(
         causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm))
     causes = classify.merge_fused(causes)
     causes += classify.preflight_only_causes(contracts, causes)
-    progress("attributing the logdiff to its causes")
+    progress("attributing the logdiff to its causes", phase="attribute")
     baseline = float(pair["metrics"]["abs_diff_max"])
     measure_cache: dict[Any, float] = {}
 
@@ -116,7 +119,7 @@ def diagnose(
 
     try:
         if cfg.attribute:
-            result["attribution"] = attribute.attribute(causes, cfg, baseline, measure)
+            result["attribution"] = attribute.attribute(causes, cfg, baseline, measure, progress)
     except Exception as e:  # noqa: BLE001 - classification stands without attribution
         result["warnings"].append(f"attribution skipped ({type(e).__name__}: {e})")
     causes.sort(key=lambda c: (-(c["share"] if c["share"] is not None else -1.0), c["boundary"]))

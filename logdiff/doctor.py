@@ -23,7 +23,7 @@ def collect() -> dict[str, Any]:
     """Versions, engines, device and the vLLM platform, as a plain dict."""
     import torch
 
-    from logdiff.probes.engines.base import engine_names
+    from logdiff.engines.base import engine_names
 
     info: dict[str, Any] = {
         "logdiff": _version("logdiff"),

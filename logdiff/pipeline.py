@@ -24,8 +24,9 @@ from logdiff.config import ScanConfig
 from logdiff.errors import InputError
 from logdiff.options import is_option
 from logdiff.probes import checkpoint
+from logdiff.phases import Phases, peak_rss_bytes, silent
 from logdiff.reports.groups import group_causes
-from logdiff.probes.engines.base import Engine, EngineSpec, PathScores, acquire, get_engine
+from logdiff.engines.base import Engine, EngineSpec, PathScores, acquire, get_engine
 
 SCHEMA_VERSION = 1
 Progress = Callable[[str], None]
@@ -75,7 +76,7 @@ def _sampler(engines: list[Engine]) -> Engine:
 
 
 def run_paths(
-    cfg: ScanConfig, progress: Progress = lambda _msg: None
+    cfg: ScanConfig, progress: Progress = silent
 ) -> tuple[list[sequences.Sequence], str, PathScores, list[PathScores], dict[str, Any]]:
     """Run the training path and every inference path over the same ids.
 
@@ -86,6 +87,8 @@ def run_paths(
     from logdiff import overrides
     from logdiff.probes import nonfinite
 
+    progress = Phases.of(progress)
+    progress("staging the checkpoint and the sequences", phase="stage")
     staged = checkpoint.stage(cfg.model, cfg.ckpt, cfg.trust_remote_code)
     staged_infer = checkpoint.stage(cfg.model, cfg.infer_ckpt, cfg.trust_remote_code) if cfg.infer_ckpt else staged
     seqs, source = _load_sequences(cfg, staged)
@@ -93,7 +96,7 @@ def run_paths(
         config_keys = {k: v for k, v in settings.items() if not is_option(k)}
         overrides.check_before_load(where, side, config_keys, cfg.trust_remote_code)
         settings.update(config_keys)  # ints given for float fields become floats
-    progress("checking the weights for NaN/inf")
+    progress("checking the weights for NaN/inf", phase="check_weights")
     weights = {"train": nonfinite.checkpoint_nonfinite(staged.path, cfg.dtype)}
     weights["infer"] = nonfinite.checkpoint_nonfinite(staged_infer.path, cfg.dtype)
     probes = None
@@ -135,15 +138,16 @@ def _run(
     """Load the engines and run every path (recording where ``recording`` says)."""
     from logdiff.overrides import check_applied
 
-    progress(f"loading {cfg.train} (training path)")
+    progress(f"loading {cfg.train} (training path)", phase="load")
     train = acquire(cfg.train, _spec(cfg.train, staged, cfg, cfg.train_set))
     check_applied(train, "train", cfg.train_set)
     infers = []
     for name in dict.fromkeys(cfg.infer):
-        progress(f"loading {name} (inference path)")
+        progress(f"loading {name} (inference path)", phase="load")
         infers.append(acquire(name, _spec(name, staged_infer, cfg, cfg.infer_set)))
         check_applied(infers[-1], "infer", cfg.infer_set)
 
+    rec = ", recording its modules" if probes is not None else ""
     owners: dict[str, Engine | None] = {}  # path name -> the engine that produced it
     infer_scores: list[PathScores] = []
 
@@ -158,7 +162,7 @@ def _run(
                 stack.enter_context(engine.consistent(cfg.consistent_kernels))
         if not all(s.response_ids for s in seqs):
             sampler = _sampler(infers)
-            progress(f"sampling {cfg.response_len} response tokens per sequence with {sampler.name}")
+            progress(f"sampling {cfg.response_len} response tokens per sequence with {sampler.name}{rec}", phase="sample")
             with recording(sampler, "infer"):
                 sampled = sampler.sample([s.prompt_ids for s in seqs], cfg.response_len, cfg.seed)
                 for s, r in zip(seqs, sampled.response_ids):
@@ -169,17 +173,17 @@ def _run(
         for engine in infers:
             if engine in owners.values():
                 continue
-            progress(f"scoring with {engine.name}")
+            progress(f"scoring with {engine.name}{rec}", phase=f"score:{engine.name}")
             with recording(engine, "infer"):
                 add(engine, engine.score(seqs))
-        progress(f"scoring with {train.name} (training path)")
+        progress(f"scoring with {train.name} (training path){rec}", phase=f"score:{train.name}")
         with recording(train, "train"):
             train_scores = train.score(seqs)[0]
         batch_invariance = None
         if cfg.batch_sizes:
             from logdiff import batch_probe
 
-            progress(f"batch-invariance probe: {infers[0].name} at batch sizes {cfg.batch_sizes}")
+            progress(f"batch-invariance probe: {infers[0].name} at batch sizes {cfg.batch_sizes}", phase="batch_probe")
             batch_invariance = batch_probe.probe(infers[0], seqs, cfg.batch_sizes)
     if all(s.rollout_logprobs is not None for s in seqs):
         add(None, [PathScores("rollout", "recorded", [np.asarray(s.rollout_logprobs, np.float32) for s in seqs])])
@@ -260,7 +264,7 @@ def _localize(pairs: list[dict[str, Any]], probes: Any, progress: Progress) -> d
             if i == 0:
                 out["warnings"].append(f"no operator probes for path {pair['infer']}; nothing to localize")
             continue
-        progress(f"locating the divergence between {pair['train']} and {pair['infer']}")
+        progress(f"locating the divergence between {pair['train']} and {pair['infer']}", phase="locate")
         loc = locate.locate(record)
         pair["first_divergence"] = loc.first_divergence
         pair["introducing_ops"] = loc.introducing_ops
@@ -298,7 +302,7 @@ def _non_finite(result: dict[str, Any], cfg: ScanConfig, scores: list[PathScores
 
 def scan(
     cfg: ScanConfig,
-    progress: Progress = lambda _msg: None,
+    progress: Progress = silent,
     tables: dict[str, Any] | None = None,
     classify: bool = True,
 ) -> dict[str, Any]:
@@ -309,7 +313,9 @@ def scan(
     pair, ``"divergence_table_<infer path>"`` for the others); write them with
     ``logdiff.locate.write_tables(tables, out_dir)``.
     """
+    progress = Phases.of(progress)  # times each phase: result["timings"]
     seqs, source, train, infers, meta = run_paths(cfg, progress)
+    progress("comparing the logprobs", phase="compare")
     tok = _tokenizer(cfg)
     pairs = [_pair(train, p, seqs, tok) for p in infers]
     consistent = all(p["metrics"]["bitwise_equal_fraction"] == 1.0 for p in pairs)
@@ -372,4 +378,5 @@ def scan(
         owner = next((e for e in infer_engines if e.name == engine_name), infer_engines[0])
         diagnose(result, cfg, train_engine, owner, lambda c: scan(c, classify=False), progress)
     result["cause_groups"] = group_causes(result["causes"])
+    result["timings"], result["peak_rss_bytes"] = progress.close(), peak_rss_bytes()
     return result

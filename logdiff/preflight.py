@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from logdiff.probes.engines.base import Engine
+from logdiff.engines.base import Engine
 
 
 def _differs(a: Any, b: Any) -> bool:

@@ -68,7 +68,7 @@ def consistent_vllm(llm: Any, only: Collection[str] | None = None) -> Iterator[C
     """
     from logdiff import kernels
 
-    model, runner = _engine_objects(llm)
+    model, runner = engine_objects(llm)
     if model in _ACTIVE:
         raise RuntimeError("consistent mode is already active on this engine")
     plan, summary = _plan(llm, model, runner)
@@ -89,7 +89,7 @@ def consistent_vllm(llm: Any, only: Collection[str] | None = None) -> Iterator[C
         _ACTIVE.discard(model)
 
 
-def _engine_objects(llm: Any) -> tuple[Any, Any]:
+def engine_objects(llm: Any) -> tuple[Any, Any]:
     """The live model and model runner; both exist only for an in-process engine."""
     holder: list[Any] = []
     llm.apply_model(holder.append)

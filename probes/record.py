@@ -56,15 +56,11 @@ _DECODER_LAYER = re.compile(r"^model\.layers\.\d+$")
 
 
 def family_of(engine: Any) -> str:
-    """``hf`` or ``vllm``: which set of taps fits this engine."""
-    from logdiff.probes.engines.hf import _HFEngine
-    from logdiff.probes.engines.vllm import VLLMEngine
-
-    if isinstance(engine, VLLMEngine):
-        return "vllm"
-    if isinstance(engine, _HFEngine):
-        return "hf"
-    raise NotImplementedError(f"no probes for engine {type(engine).__name__}")
+    """``hf`` or ``vllm``: which set of taps fits this engine (the engine says: ``probe_family``)."""
+    family = getattr(engine, "probe_family", None)
+    if family not in ("hf", "vllm"):
+        raise NotImplementedError(f"no probes for engine {type(engine).__name__}")
+    return family
 
 
 @dataclass

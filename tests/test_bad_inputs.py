@@ -238,7 +238,7 @@ def test_context_length_of_vllm_exit_2_before_loading(qwen3: Path, monkeypatch) 
 def test_vllm_request_errors_are_input_errors() -> None:
     from vllm.exceptions import VLLMValidationError
 
-    from logdiff.probes.engines.vllm import VLLMEngine
+    from logdiff.engines.vllm import VLLMEngine
 
     class FakeLLM:
         class request_counter:  # noqa: N801 - mirrors vLLM's attribute
@@ -540,7 +540,7 @@ def test_nan_summary_math_is_not_nan() -> None:
     import numpy as np
 
     from logdiff import nonfinite
-    from logdiff.probes.engines.base import PathScores
+    from logdiff.engines.base import PathScores
 
     counts = nonfinite.path_counts([PathScores("a", "forward", [np.array([0.0, math.nan])]),
                                     PathScores("b", "forward", [np.array([0.0, -1.0])])])  # fmt: skip

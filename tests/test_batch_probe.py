@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import logdiff
 from logdiff.isa import cpu_isa
 from logdiff.probes import checkpoint
-from logdiff.probes.engines import base
+from logdiff.engines import base
 
 SIZES = (1, 4, 8)
 

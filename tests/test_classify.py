@@ -19,7 +19,7 @@ import torch
 import logdiff
 from logdiff.isa import cpu_isa
 from logdiff.probes import checkpoint
-from logdiff.probes.engines import base
+from logdiff.engines import base
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 

@@ -92,9 +92,9 @@ def _record_steps(llm: Any) -> Any:
 
 def _snapshot(llm: Any) -> dict[str, Any]:
     """Identity of every instance attribute consistent mode may replace."""
-    from logdiff.probes.consistent_vllm import _engine_objects
+    from logdiff.probes.consistent_vllm import engine_objects
 
-    model, runner = _engine_objects(llm)
+    model, runner = engine_objects(llm)
     snap: dict[str, Any] = {"sampler": vars(runner.sampler).get("compute_logprobs")}
     for name, module in model.named_modules():
         for attr in ("forward", "cpu_linear"):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from logdiff.probes.engines.base import EngineSpec
-from logdiff.probes.engines.hf import HFDecode, HFForward
+from logdiff.engines.base import EngineSpec
+from logdiff.engines.hf import HFDecode, HFForward
 from logdiff.probes.record import ProbeSession
 from logdiff.sequences import Sequence
 from logdiff.locate import locate

@@ -7,7 +7,7 @@ computed from the unprocessed logits (the sampler computes them before any
 logits processor runs), so they are the decode path's real logprobs of the
 recorded tokens. Requests without ``forced_tokens`` are left alone.
 
-This module imports vLLM at import time; ``logdiff.probes.engines.vllm`` loads
+This module imports vLLM at import time; ``logdiff.engines.vllm`` loads
 it only when an engine starts. It must stay importable by module path so that
 an engine running in another process can load it as ``"module:Class"``.
 """

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.probes.engines.base import (
+from logdiff.engines.base import (
     Engine,
     EngineSpec,
     PathScores,
@@ -63,8 +63,11 @@ def apply_override(config: Any, key: str, value: Any) -> None:
         setattr(config, key, value)
 
 
-class _HFEngine(Engine):
+class HFEngine(Engine):
+    """A transformers model on one device: the base of ``hf`` and ``hf-decode``."""
+
     options = frozenset({"temperature", "attn_implementation", "batch_size", "padding_side"})
+    probe_family = "hf"
 
     def __init__(self, spec: EngineSpec):
         super().__init__(spec)
@@ -200,7 +203,7 @@ class _HFEngine(Engine):
 
 
 @register
-class HFForward(_HFEngine):
+class HFForward(HFEngine):
     """Teacher-forced full forward: the training path."""
 
     name = "hf"
@@ -238,7 +241,7 @@ class HFForward(_HFEngine):
 
 
 @register
-class HFDecode(_HFEngine):
+class HFDecode(HFEngine):
     """Prefill the prompt, then teacher-forced token-by-token decode through the KV cache."""
 
     name = "hf-decode"

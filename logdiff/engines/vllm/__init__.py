@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.probes.engines.base import (
+from logdiff.engines.base import (
     Engine,
     EngineSpec,
     PathScores,
@@ -82,14 +82,19 @@ class VLLMEngine(Engine):
     mode = "decode"
     exclusive = True
     fuses_add_norm = True
+    probe_family = "vllm"
     options = frozenset(
         {"temperature", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "logprobs_mode", "enable_prefix_caching"}
     )
 
+    @classmethod
+    def check_available(cls) -> None:
+        _import_vllm()
+
     def __init__(self, spec: EngineSpec):
         super().__init__(spec)
         vllm = _import_vllm()
-        from logdiff.probes.engines.vllm_forced import ForcedTokens
+        from logdiff.engines.vllm.forced import ForcedTokens
 
         kwargs: dict[str, Any] = {
             "max_num_seqs": int(spec.option("max_num_seqs", 16)),

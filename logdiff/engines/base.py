@@ -14,8 +14,10 @@ and need only subclass ``Engine``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -75,6 +77,12 @@ class Engine(ABC):
     exclusive: ClassVar[bool] = False
     #: the residual add runs inside the norm kernel (one rounding fewer than HF's add, then norm).
     fuses_add_norm: ClassVar[bool] = False
+    #: which module layout the probes tap (``hf`` or ``vllm``); None: this engine cannot be probed.
+    probe_family: ClassVar[str | None] = None
+
+    @classmethod
+    def check_available(cls) -> None:
+        """Raise ``EngineUnavailable`` (exit 3) when this engine cannot load here; cheap, loads no model."""
 
     def __init__(self, spec: EngineSpec):
         from logdiff.isa import apply_emulation
@@ -147,7 +155,6 @@ def unsupported_as_input_error() -> Iterator[None]:
 
 
 ENGINES: dict[str, type[Engine]] = {}
-_POOL: dict[tuple[str, EngineSpec], Engine] = {}
 
 
 def register(cls: type[Engine]) -> type[Engine]:
@@ -156,7 +163,7 @@ def register(cls: type[Engine]) -> type[Engine]:
 
 
 def _load_builtin() -> None:
-    from logdiff.probes.engines import hf, vllm  # noqa: F401 - registration side effect
+    from logdiff.engines import hf, vllm  # noqa: F401 - registration side effect
 
 
 def get_engine(name: str) -> type[Engine]:
@@ -178,25 +185,75 @@ def engine_names() -> list[str]:
     return sorted(ENGINES)
 
 
-def acquire(name: str, spec: EngineSpec) -> Engine:
-    """A loaded engine for (name, spec), reused across scans in this process.
+class EnginePool:
+    """Loaded engines by (name, spec): loading is the slow part, so scans reuse them.
 
-    Loading is the slow part (vLLM takes seconds to tens of seconds), so engines
-    stay loaded until ``release_all``; an exclusive engine evicts its siblings.
+    One pool is current at a time (``engine_pool`` scopes another, e.g. for a
+    test). An exclusive engine (vLLM holds process-wide state) evicts every
+    other instance of its class first, in whichever pool it lives.
     """
-    key = (name, spec)
-    if key in _POOL:
-        return _POOL[key]
-    cls = get_engine(name)
-    if cls.exclusive:
-        for other in [k for k, e in _POOL.items() if type(e) is cls]:
-            _POOL.pop(other).close()
-    engine = cls(spec)
-    _POOL[key] = engine
-    return engine
+
+    def __init__(self) -> None:
+        self._engines: dict[tuple[str, EngineSpec], Engine] = {}
+        _POOLS.add(self)
+
+    def __contains__(self, key: tuple[str, EngineSpec]) -> bool:
+        return key in self._engines
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def acquire(self, name: str, spec: EngineSpec) -> Engine:
+        """The loaded engine for (name, spec), loading it on first use."""
+        key = (name, spec)
+        if key in self._engines:
+            return self._engines[key]
+        cls = get_engine(name)
+        cls.check_available()  # before evicting a working sibling for an engine that cannot load
+        if cls.exclusive:
+            for pool in list(_POOLS):
+                pool._evict(cls)
+        engine = cls(spec)
+        self._engines[key] = engine
+        return engine
+
+    def release(self) -> None:
+        """Close every engine of this pool."""
+        while self._engines:
+            self._engines.popitem()[1].close()
+
+    def _evict(self, cls: type[Engine]) -> None:
+        for key in [k for k, e in self._engines.items() if type(e) is cls]:
+            self._engines.pop(key).close()
+
+
+_POOLS: weakref.WeakSet[EnginePool] = weakref.WeakSet()
+_CURRENT: ContextVar[EnginePool] = ContextVar("logdiff_engine_pool", default=EnginePool())
+
+
+def current_pool() -> EnginePool:
+    """The pool scans load engines into: the process-wide one, unless ``engine_pool`` scoped another."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def engine_pool(pool: EnginePool | None = None) -> Iterator[EnginePool]:
+    """Scans inside the block use ``pool`` (a fresh one by default), released on exit if fresh."""
+    scoped = pool if pool is not None else EnginePool()
+    token = _CURRENT.set(scoped)
+    try:
+        yield scoped
+    finally:
+        _CURRENT.reset(token)
+        if pool is None:
+            scoped.release()
+
+
+def acquire(name: str, spec: EngineSpec) -> Engine:
+    """A loaded engine for (name, spec) from the current pool, reused across scans in this process."""
+    return current_pool().acquire(name, spec)
 
 
 def release_all() -> None:
-    """Close every pooled engine."""
-    while _POOL:
-        _POOL.popitem()[1].close()
+    """Close every engine of the current pool."""
+    current_pool().release()

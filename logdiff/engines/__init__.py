@@ -1,0 +1,10 @@
+"""The paths: one folder per engine, behind the one interface of ``base.Engine``.
+
+``hf`` (the training path: one teacher-forced forward, and ``hf-decode``, HF's
+own KV-cache decode) and ``vllm`` (the inference path, decode and prefill) each
+live in their own folder with what only they know: how to load on a device,
+how to score and sample, their contract reader and their consistent-mode
+installer. Adding an engine (SGLang, Megatron, vllm-ascend) is one folder plus
+a ``register`` call, or a third-party package registering through the
+``logdiff.engines`` entry-point group.
+"""

@@ -1,1 +1,0 @@
-"""Engine adapters: one module per path, registered by name."""
