@@ -32,7 +32,7 @@ SCHEMA_VERSION = 1
 Progress = Callable[[str], None]
 
 
-def _split_settings(engine: str, settings: dict[str, Any]) -> tuple[tuple, tuple]:
+def split_settings(engine: str, settings: dict[str, Any]) -> tuple[tuple, tuple]:
     """(config overrides, engine options) for one side's ``--set`` items.
 
     An option of another engine on the same side (``max_model_len`` with both
@@ -45,7 +45,7 @@ def _split_settings(engine: str, settings: dict[str, Any]) -> tuple[tuple, tuple
 
 
 def _spec(engine: str, staged: checkpoint.StagedModel, cfg: ScanConfig, settings: dict[str, Any]) -> EngineSpec:
-    overrides, options = _split_settings(engine, settings)
+    overrides, options = split_settings(engine, settings)
     return EngineSpec(str(staged.path), cfg.dtype, overrides, options, cfg.seed, cfg.trust_remote_code)
 
 

@@ -195,11 +195,11 @@ def test_valid_engine_options_pass_negative_control(tmp_path: Path) -> None:
     ScanConfig(model=tmp_path, infer=["hf-decode"], infer_set={"temperature": 0.7, "batch_size": 2,
                "attn_implementation": "eager"})  # fmt: skip
     # an option of one engine on the side is never a config override for another
-    from logdiff.pipeline import _split_settings
+    from logdiff.pipeline import split_settings
 
     cfg = ScanConfig(model=tmp_path, infer=["vllm", "hf-decode"], infer_set={"max_model_len": 64, "rms_norm_eps": 1e-5})
-    assert _split_settings("hf-decode", cfg.infer_set) == ((("rms_norm_eps", 1e-5),), ())
-    assert _split_settings("vllm", cfg.infer_set) == ((("rms_norm_eps", 1e-5),), (("max_model_len", 64),))
+    assert split_settings("hf-decode", cfg.infer_set) == ((("rms_norm_eps", 1e-5),), ())
+    assert split_settings("vllm", cfg.infer_set) == ((("rms_norm_eps", 1e-5),), (("max_model_len", 64),))
 
 
 # --- 4. config overrides: typed against the config class, fitted to the weights -----------------
@@ -253,10 +253,10 @@ def test_vllm_request_errors_are_input_errors() -> None:
     engine = object.__new__(VLLMEngine)
     engine.llm = FakeLLM(VLLMValidationError("This model's maximum context length is 6 tokens."))
     with pytest.raises(InputError, match="maximum context length"):
-        engine._generate([[1, 2]], [None])
+        engine.generate([[1, 2]], [None])
     engine.llm = FakeLLM(RuntimeError("kernel crashed"))  # negative control: not the input's fault
     with pytest.raises(RuntimeError):
-        engine._generate([[1, 2]], [None])
+        engine.generate([[1, 2]], [None])
 
 
 # --- chat messages -------------------------------------------------------------------------------

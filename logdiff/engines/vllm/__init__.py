@@ -129,7 +129,7 @@ class VLLMEngine(Engine):
 
         return SamplingParams(temperature=float(self.spec.option("temperature", 1.0)), **kw)
 
-    def _generate(self, prompts: list[list[int]], params: list[Any], path: str = "vllm") -> list[Any]:
+    def generate(self, prompts: list[list[int]], params: list[Any], path: str = "vllm") -> list[Any]:
         inputs = [{"prompt_token_ids": p} for p in prompts]
         # LLM.generate names the i-th request str(counter + i): probes map requests back by it.
         self._begin_pass(path, list(range(len(prompts))), self.llm.request_counter.counter)
@@ -146,7 +146,7 @@ class VLLMEngine(Engine):
 
         torch.manual_seed(seed)
         params = self._params(max_tokens=response_len, logprobs=1, ignore_eos=True)
-        outs = self._generate(prompts, [params] * len(prompts))
+        outs = self.generate(prompts, [params] * len(prompts))
         responses = [list(o.outputs[0].token_ids) for o in outs]
         return Sampled(responses, [self._decode_scores(outs, responses)])
 
@@ -157,7 +157,7 @@ class VLLMEngine(Engine):
             self._params(max_tokens=len(r), logprobs=1, ignore_eos=True, extra_args={"forced_tokens": r})
             for r in responses
         ]
-        outs = self._generate(prompts, forced)
+        outs = self.generate(prompts, forced)
         for o, r in zip(outs, responses):
             if list(o.outputs[0].token_ids) != r:
                 raise RuntimeError("vLLM did not follow the forced tokens; the replay is not valid")
@@ -166,7 +166,7 @@ class VLLMEngine(Engine):
     def prefill_scores(self, seqs: list[TokenSequence]) -> PathScores:
         """``prompt_logprobs`` of the response tokens, with prompt + response as one prompt."""
         full = [list(s.prompt_ids) + list(s.response_ids) for s in seqs]
-        outs = self._generate(full, [self._params(max_tokens=1, prompt_logprobs=1)] * len(full), "vllm-prefill")
+        outs = self.generate(full, [self._params(max_tokens=1, prompt_logprobs=1)] * len(full), "vllm-prefill")
         logprobs, top1 = [], []
         for o, s in zip(outs, seqs):
             p = len(s.prompt_ids)
