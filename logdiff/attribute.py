@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from logdiff.config import KERNEL_FAMILIES, ScanConfig
+from logdiff.phases import silent
 
 Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key)
 
@@ -73,16 +74,28 @@ def attribute(
     cfg: ScanConfig,
     baseline: float,
     measure: Callable[[ScanConfig], float],
+    progress: Callable[..., None] = silent,
 ) -> dict[str, Any]:
-    """Fill each cause's ``share`` and ``necessity``; return the attribution summary."""
+    """Fill each cause's ``share`` and ``necessity``; return the attribution summary.
+
+    ``progress`` hears of each rescan as step k of n (logdiff/phases.py).
+    """
     levers = {id(c): lever_of(c, cfg) for c in causes}
     distinct = sorted({lv for lv in levers.values() if lv is not None})
-    alone = {lv: measure(apply_levers(cfg, {lv})) for lv in distinct}
+    total, done = 2 * len(distinct) + bool(distinct), [0]
+
+    def rescan(c: ScanConfig, what: str) -> float:
+        done[0] += 1
+        progress(f"attribution rescan {done[0]} of {total}: {what}", phase="attribute", step=(done[0], total))
+        return measure(c)
+
+    alone = {lv: rescan(apply_levers(cfg, {lv}), f"only {':'.join(lv).rstrip(':')} fixed") for lv in distinct}
     # A framework cause's op may also compute differently (a norm with another eps *and* a fused
     # add): "everything neutralised" also swaps in the kernels of those ops' families.
     everything = set(distinct) | {("kernel", c["family"]) for c in causes if c.get("family")}
-    others = {lv: measure(apply_levers(cfg, everything - {lv})) for lv in distinct}
-    residual = measure(apply_levers(cfg, everything)) if distinct else baseline
+    others = {lv: rescan(apply_levers(cfg, everything - {lv}), f"all but {':'.join(lv).rstrip(':')} fixed")
+              for lv in distinct}
+    residual = rescan(apply_levers(cfg, everything), "everything fixed") if distinct else baseline
     for c in causes:
         lv = levers[id(c)]
         if lv is None:

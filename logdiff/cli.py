@@ -81,6 +81,9 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+# `scan` answers where and why by default; `check` gates CI on the logprobs alone unless asked (docs/ci.md).
+SCAN_DEPTH, CHECK_DEPTH = "modules", "logprobs"
+
 # Options shared by `scan` and `check`.
 ModelArg = typer.Argument(..., help="Local HF model directory (config, tokenizer; weights unless CKPT is given).")
 CkptArg = typer.Argument(None, help="Weights both paths load: HF dir, .safetensors/.pt state dict, or DCP dir.")
@@ -104,13 +107,16 @@ def _build_config(**kw: Any) -> Any:
 
 
 def _run_scan(cfg: Any, quiet: bool, tables: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Run the scan, with a progress row per phase on stderr unless quiet or stderr is not a terminal."""
+    from logdiff.phases import Phases
     from logdiff.pipeline import scan as run
+    from logdiff.reports import PhaseProgress
 
     console = _stderr()
     if quiet or not console.is_terminal:
         return run(cfg, tables=tables)
-    with console.status("starting") as status:
-        return run(cfg, progress=lambda msg: status.update(msg), tables=tables)
+    with PhaseProgress(console) as shown:
+        return run(cfg, progress=Phases(shown), tables=tables)
 
 
 def _say(console: Console, text: str, **kwargs: Any) -> None:
@@ -136,7 +142,10 @@ def scan(
     seed: int = typer.Option(0, help="Seed for the probe prompts and sampling."),
     infer_ckpt: Optional[Path] = typer.Option(None, help="Different weights for the inference side (weight-sync bugs)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="train.KEY=VALUE or infer.KEY=VALUE. Repeatable."),
-    depth: str = typer.Option("logprobs", help="logprobs, modules or ops."),
+    depth: Optional[str] = typer.Option(
+        None, help="logprobs (the quick screen), modules (hooks, first divergence, causes, attribution) or ops "
+        "(plus an aten-op trace). Default: modules for scan, logprobs for check.",
+    ),  # fmt: skip
     consistent: bool = typer.Option(False, help="Install the reference consistent kernels on every path."),
     consistent_kernels: Optional[str] = typer.Option(
         None, metavar="FAMILIES", help="With --consistent, only these op families (comma-separated): "
@@ -157,14 +166,18 @@ def scan(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
 ) -> None:
-    """Replay the same tokens through a training and an inference path and compare logprobs."""
+    """Replay the same tokens through a training and an inference path: where and why their logprobs differ.
+
+    By default (--depth modules) both engines are hooked, the first divergence is located, every
+    op that introduces error is classified and attributed; --depth logprobs only measures the gap.
+    """
     from logdiff import outputs
     from logdiff.reports import print_summary
 
     cfg = _build_config(
         model=model, ckpt=ckpt, train=train, infer=infer, dtype=dtype, sequences=sequences, prompts=prompts,
         num_sequences=num_sequences, prompt_len=prompt_len, response_len=response_len, seed=seed,
-        infer_ckpt=infer_ckpt, set_=set_, depth=depth, consistent=consistent,
+        infer_ckpt=infer_ckpt, set_=set_, depth=depth or SCAN_DEPTH, consistent=consistent,
         consistent_kernels=consistent_kernels, attribute=attribute, drill=drill,
         batch_compositions=batch_compositions, trust_remote_code=trust_remote_code,
     )  # fmt: skip
@@ -239,6 +252,7 @@ def check(
     from logdiff.reports import print_summary
 
     config_keys = {f.name for f in dataclasses.fields(ScanConfig)} | {"set_", "batch_compositions"}
+    scan_options["depth"] = scan_options.get("depth") or CHECK_DEPTH
     cfg = _build_config(**{k: v for k, v in scan_options.items() if k in config_keys})
     quiet = bool(scan_options.get("quiet"))
     thresholds = {"max_abs_diff": max_abs_diff, "max_mean_diff": max_mean_diff, "max_kl": max_kl,
@@ -344,6 +358,7 @@ def _load_valid_result(path: Path) -> dict[str, Any]:
     """A saved result.json, or a one-line InputError saying why it is unusable."""
     from logdiff.errors import InputError
     from logdiff.reports import load_result, validate_result
+    from logdiff.reports.schema import structure_checked
 
     try:
         result = load_result(path)
@@ -352,6 +367,8 @@ def _load_valid_result(path: Path) -> dict[str, Any]:
     problems = validate_result(result)
     if problems:
         raise InputError(f"{path} is not a valid logdiff result: {problems[0]}")
+    if not structure_checked():
+        _say(_stderr(), "note: jsonschema is not installed, so only part of the result's structure was checked")
     return result
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["explain", "render_html", "write_html", "print_summary", "validate_result", "load_result",
-           "scan_progress", "SCHEMA_VERSION"]
+           "PhaseProgress", "SCHEMA_VERSION"]
 
 SCHEMA_VERSION = 1
 
 _WHERE = {"explain": "narrative", "render_html": "html", "write_html": "html", "print_summary": "terminal",
-          "scan_progress": "terminal", "validate_result": "schema", "load_result": "schema"}
+          "PhaseProgress": "terminal", "validate_result": "schema", "load_result": "schema"}
 
 
 def __getattr__(name: str) -> Any:

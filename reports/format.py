@@ -145,6 +145,29 @@ def fmt_lens(lens: Any) -> str:
     return str(lo) if lo == hi else f"{lo}–{hi}"
 
 
+def fmt_duration(seconds: Any) -> str:
+    """A wall time: '0.4 s', '27 s', '2 min 31 s'."""
+    if not is_number(seconds) or not math.isfinite(seconds):
+        return "—"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
+
+
+def fmt_bytes(n: Any) -> str:
+    """A size in binary units: '812 MiB', '3.1 GiB'."""
+    if not is_number(n) or n < 0:
+        return "—"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            value = n / size
+            return f"{value:.1f} {unit}" if value < 10 else f"{value:.0f} {unit}"
+    return f"{int(n)} B"
+
+
 def pair_label(pair: dict) -> str:
     """'hf vs vllm'."""
     return f"{pair.get('train', '?')} vs {pair.get('infer', '?')}"

@@ -27,7 +27,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .groups import cause_groups
-from .format import KEY_METRICS, METRICS, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label, terminal_safe
+from .format import (KEY_METRICS, METRICS, fmt_bytes, fmt_duration, fmt_fraction, fmt_metric, fmt_num, is_number,
+                     pair_label, safe_text, terminal_safe)
 
 VERDICT_STYLE = {"consistent": "bold green", "divergent": "bold yellow", "operator_path": "bold blue",
                  "framework_difference": "bold red", "mixed": "bold magenta"}
@@ -69,6 +70,9 @@ def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
     if quiet:
         return
     console.print(_context_line(result), soft_wrap=True)
+    cost = _cost_line(result)
+    if cost is not None:
+        console.print(cost, soft_wrap=True)
     if result.get("complete") is False:
         console.print(Text("The scan stopped early: this result is incomplete.", style="bold red"))
     for warning in result.get("warnings") or []:
@@ -114,6 +118,23 @@ def clip(text: str, width: int, lines: int = 2) -> str:
         return "\n".join(wrapped)
     rest = " ".join(wrapped[lines - 1:])
     return "\n".join(wrapped[:lines - 1] + [rest[:width - 1].rstrip() + "…"])
+
+
+def _cost_line(result: dict) -> Text | None:
+    """What the scan cost: its wall time, the three longest phases and the peak memory."""
+    timings = result.get("timings")
+    timings = {k: v for k, v in timings.items() if is_number(v)} if isinstance(timings, dict) else {}
+    peak = result.get("peak_rss_bytes")
+    if not timings and not is_number(peak):
+        return None
+    parts = []
+    if timings:
+        longest = sorted(timings.items(), key=lambda kv: -kv[1])[:3]
+        parts.append(f"took {fmt_duration(sum(timings.values()))} ("
+                     + ", ".join(f"{k} {fmt_duration(v)}" for k, v in longest) + ")")
+    if is_number(peak):
+        parts.append(f"peak memory {fmt_bytes(peak)}")
+    return Text(" · ".join(parts), style="dim")
 
 
 def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:
@@ -194,10 +215,45 @@ def _metrics_table(result: dict, wide: bool = True) -> Table | None:
     return table
 
 
-def scan_progress(console: Console, quiet: bool = False) -> Any:
-    """A transient rich Progress for long scans (disabled when quiet or not a terminal)."""
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+class PhaseProgress:
+    """Rich progress on the CLI's stderr console: one row per scan phase, with its elapsed time, and a
+    bar with step k of n and the time remaining in a counted phase (the attribution rescans).
 
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                    console=console, transient=True, disable=quiet or not console.is_terminal)
+    It is the listener of ``logdiff.phases.Phases``: called with each update (an object with
+    ``phase``, ``message``, ``step``, ``total``). Transient: the rows vanish when the scan ends.
+    """
+
+    def __init__(self, console: Console) -> None:
+        from rich.progress import (BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
+
+        self.progress = Progress(SpinnerColumn(finished_text="✓"), TextColumn("{task.fields[phase]:<16}"),
+                                 BarColumn(bar_width=20), TextColumn("{task.fields[count]:>7}"),
+                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.description}"),
+                                 console=console, transient=True)
+        self._task: Any = None
+        self._phase: Any = None
+
+    def __enter__(self) -> "PhaseProgress":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._finish()
+        self.progress.stop()
+
+    def _finish(self) -> None:
+        if self._task is not None:
+            task = self.progress.tasks[-1]
+            self.progress.update(self._task, total=task.total or 1, completed=task.total or 1)
+
+    def __call__(self, update: Any) -> None:
+        if update.phase != self._phase:
+            self._finish()
+            self._phase = update.phase
+            self._task = self.progress.add_task("", total=None, phase=str(update.phase), count="")
+        step, total = update.step, update.total
+        counted = isinstance(step, int) and isinstance(total, int) and total > 0
+        self.progress.update(self._task, description=safe_text(update.message),
+                             total=total if counted else None, completed=step - 1 if counted else 0,
+                             count=f"{step}/{total}" if counted else "")

@@ -25,7 +25,7 @@ from logdiff.reports.format import safe_text
 from logdiff.sequences import load_jsonl, load_text_prompts
 
 runner = CliRunner()
-FAST = ["--num-sequences", "2", "--prompt-len", "4", "--response-len", "4"]
+FAST = ["--num-sequences", "2", "--prompt-len", "4", "--response-len", "4", "--depth", "logprobs"]  # scan defaults to modules
 SAMPLE = Path(__file__).parent / "reports" / "data" / "sample_result.json"
 
 
@@ -110,7 +110,7 @@ def test_nan_weight_is_a_localized_finding_and_fails_check(qwen3: Path, nan_ckpt
 def test_nan_in_replayed_sequences_at_logprobs_depth(qwen3: Path, nan_ckpt: Path, tmp_path: Path) -> None:
     seqs = tmp_path / "s.jsonl"
     seqs.write_text(json.dumps({"prompt_ids": [5, 6, 7], "response_ids": [8, 9]}) + "\n")
-    code, out = invoke("scan", qwen3, nan_ckpt, "--infer", "hf-decode", "--sequences", seqs,
+    code, out = invoke("scan", qwen3, nan_ckpt, "--infer", "hf-decode", "--sequences", seqs, "--depth", "logprobs",
                        "--json", tmp_path / "r.json")  # fmt: skip
     assert code == 0, out
     r = json.loads((tmp_path / "r.json").read_text())

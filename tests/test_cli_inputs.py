@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from logdiff.cli import app
 
 runner = CliRunner()
-FAST = ["--num-sequences", "2", "--prompt-len", "4", "--response-len", "4"]
+FAST = ["--num-sequences", "2", "--prompt-len", "4", "--response-len", "4", "--depth", "logprobs"]  # scan defaults to modules
 
 
 def invoke(*args: str) -> tuple[int, str]:

@@ -107,12 +107,36 @@ def test_not_a_dict():
     assert validate_result([1, 2]) == ["$: expected a JSON object, found list"]
 
 
-def test_missing_jsonschema_gives_a_clear_message(sample_result, monkeypatch):
+def test_missing_jsonschema_is_not_an_invalid_result(sample_result, monkeypatch):
+    from logdiff.reports.schema import structure_checked
+
+    assert structure_checked()
     monkeypatch.setitem(sys.modules, "jsonschema", None)      # makes `import jsonschema` fail
-    errors = validate_result(sample_result)
-    assert len(errors) == 1 and "jsonschema is not installed" in errors[0]
+    assert not structure_checked()
+    assert validate_result(sample_result) == []
     sample_result["sequences"]["count"] = 99                  # the cross-field rules still run
     assert any("count is 99" in e for e in validate_result(sample_result))
+
+
+def test_report_and_explain_run_without_jsonschema(sample_result, monkeypatch, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from logdiff.cli import app
+
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(sample_result), encoding="utf-8")
+    monkeypatch.setitem(sys.modules, "jsonschema", None)
+    for args in (["explain", str(path)], ["report", str(path), "--quiet"]):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 0, res.output
+        assert "not a valid logdiff result" not in res.output
+    assert "jsonschema is not installed" in res.output and (tmp_path / "report.html").is_file()
+    sample_result["sequences"]["count"] = 99                  # negative control: still rejects a broken one
+    path.write_text(json.dumps(sample_result), encoding="utf-8")
+    res = CliRunner().invoke(app, ["explain", str(path)])
+    assert res.exit_code == 2 and "not a valid logdiff result" in res.output
 
 
 def test_load_result_errors_are_one_line(tmp_path):

@@ -1,0 +1,89 @@
+"""Scan progress and per-phase wall time, through the pipeline's one ``progress`` callback.
+
+The pipeline, ``diagnose`` and ``attribute`` report what they do by calling
+``progress(msg)``. A call may also name the phase it starts (``phase="load"``)
+and, in a counted phase, how far it is (``step=(k, n)``: rescan k of n).
+``Phases`` is that callable: it times each phase (``timings``: phase name ->
+seconds, summed when a phase recurs) and passes every update to a listener,
+which is the CLI's rich progress display (logdiff/cli.py), or a plain
+``msg -> None`` function (``Phases.of``). Nothing here knows about terminals.
+
+``peak_rss_bytes`` reads the process's peak resident set size:
+``getrusage(RUSAGE_SELF).ru_maxrss`` is in KiB on Linux and in bytes on macOS.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class Update:
+    """One progress report: the phase, what it does now, how far (step of total) and since when."""
+
+    phase: str
+    message: str
+    step: Optional[int]
+    total: Optional[int]
+    started: float  # the phase's start, on ``time.monotonic``'s clock
+
+
+Listener = Callable[[Update], None]
+
+
+def silent(msg: str, **_: Any) -> None:
+    """A progress callback that shows nothing (the default of every function that reports progress)."""
+
+
+class Phases:
+    """The ``progress`` callable that also times each phase of a scan."""
+
+    def __init__(self, listener: Optional[Listener] = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.timings: dict[str, float] = {}
+        self._listener = listener
+        self._clock = clock
+        self._phase: Optional[str] = None
+        self._started = clock()
+
+    @classmethod
+    def of(cls, progress: Any) -> "Phases":
+        """``progress`` itself when it is a ``Phases``, else one that passes each message to it."""
+        if isinstance(progress, Phases):
+            return progress
+        if progress is None or progress is silent:
+            return cls()
+        return cls(lambda update: progress(update.message))
+
+    def __call__(self, msg: str, phase: Optional[str] = None, step: Optional[tuple[int, int]] = None) -> None:
+        """Report ``msg``; with ``phase``, a new phase starts (unless it is the current one)."""
+        if phase is not None and phase != self._phase:
+            self._stop()
+            self._phase, self._started = phase, self._clock()
+        if self._listener is not None:
+            k, n = step if step is not None else (None, None)
+            self._listener(Update(self._phase or "scan", msg, k, n, self._started))
+
+    def _stop(self) -> None:
+        if self._phase is not None:
+            elapsed = self._clock() - self._started
+            self.timings[self._phase] = round(self.timings.get(self._phase, 0.0) + elapsed, 3)
+        self._phase = None
+
+    def close(self) -> dict[str, float]:
+        """Stop the current phase's clock; the timings so far."""
+        self._stop()
+        return dict(self.timings)
+
+
+def peak_rss_bytes() -> Optional[int]:
+    """This process's peak resident set size in bytes; None where ``resource`` is missing (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
