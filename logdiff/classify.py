@@ -16,12 +16,19 @@ Three kinds of evidence per introducing op (docs/causes.md):
 A fused operator (vLLM's residual add + RMSNorm in one kernel) is one
 operator: its residual-add boundary and its norm boundary form one cause,
 named after the norm.
+
+What an op reads and which norm an add fuses into are architecture facts:
+every function takes the scan's adapter (``logdiff.probes.arch``); without
+one, the plain Llama-like layout that every registered adapter shares.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from logdiff.probes.arch import ArchAdapter
 
 # Ops whose arithmetic the consistent kernels replace, by correspondence kind.
 FAMILY = {
@@ -65,41 +72,16 @@ class OpEvidence:
     vanished_under_reference: bool | None
 
 
-def contract_keys(boundary: str, kind: str) -> tuple[list[str], list[str]]:
-    """(contract keys, weight names) that the op at ``boundary`` reads."""
-    keys: list[str] = []
-    weights: list[str] = []
-    if kind == "norm":
-        if boundary.endswith(("q_norm", "k_norm")):
-            keys.append("qk_norm_eps")
-        elif boundary == "model.norm":
-            keys.append("final_norm_eps")
-        else:
-            keys.append("rms_norm_eps")
-        weights.append(f"{boundary}.weight")
-    elif kind == "add":
-        layer_prefix = boundary.rsplit(".", 1)[0]
-        norm = "post_attention_layernorm" if boundary.endswith("residual_attn") else "input_layernorm"
-        keys.append("rms_norm_eps")
-        weights.append(f"{layer_prefix}.{norm}.weight")
-    elif kind == "linear":
-        weights.append(f"{boundary}.weight")
-    elif kind == "logits":
-        keys.append("tie_word_embeddings")
-        weights.append("lm_head.weight")
-    elif kind == "embed":
-        weights.append("model.embed_tokens.weight")
-    elif kind == "rope":
-        keys += ["rope_theta", "rope_type", "rope_style"]
-    elif kind == "attn":
-        keys += ["attention_scale", "sliding_window"]
-    elif kind == "log_softmax":
-        keys += ["temperature", "logprobs_mode", "vocab_size"]
-    elif kind in ("router", "moe"):
-        keys += ["num_experts_per_tok", "norm_topk_prob"]
-        prefix = boundary if kind == "moe" else boundary.rsplit(".", 1)[0]
-        weights += [f"{prefix}.gate.weight", f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"]
-    return keys, weights
+def _adapter(adapter: ArchAdapter | None) -> ArchAdapter:
+    """The scan's architecture adapter; without one, the plain Llama-like layout every adapter shares."""
+    from logdiff.probes.arch import adapter_for
+
+    return adapter if adapter is not None else adapter_for("LlamaForCausalLM")
+
+
+def contract_keys(boundary: str, kind: str, adapter: ArchAdapter | None = None) -> tuple[list[str], list[str]]:
+    """(contract keys, weight names) that the op at ``boundary`` reads (the adapter knows)."""
+    return _adapter(adapter).contract_keys(boundary, kind)
 
 
 def _framework_kind(keys: list[str], weights: list[str]) -> str:
@@ -124,12 +106,15 @@ def _operator_kind(kind: str, fused_add_norm: bool) -> str:
     return "reduction_order"
 
 
-def classify_op(ev: OpEvidence, contracts: dict[str, Any] | None, fused_add_norm: bool) -> dict[str, Any]:
+def classify_op(
+    ev: OpEvidence, contracts: dict[str, Any] | None, fused_add_norm: bool, adapter: ArchAdapter | None = None
+) -> dict[str, Any]:
     """One cause: class, kind, evidence lines and a fix.
 
     ``fused_add_norm``: the inference engine adds the residual inside its norm kernel.
+    ``adapter``: the scan's architecture (which contract keys and weights each op reads).
     """
-    keys, weights = contract_keys(ev.boundary, ev.kind)
+    keys, weights = contract_keys(ev.boundary, ev.kind, adapter)
     evidence: list[str] = []
     c_diff = [k for k in keys if contracts and k in contracts.get("differs", [])]
     w_block = (contracts or {}).get("weights") or {}
@@ -213,14 +198,14 @@ def verdict(causes: list[dict[str, Any]], consistent: bool) -> str:
     return classes.pop()
 
 
-def merge_fused(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One cause per fused add+norm: a residual add folds into the norm that consumes it."""
+def merge_fused(causes: list[dict[str, Any]], adapter: ArchAdapter | None = None) -> list[dict[str, Any]]:
+    """One cause per fused add+norm: a residual add folds into the norm that consumes it (the adapter's ``fused_norm``)."""
+    arch = _adapter(adapter)
     by_boundary = {c["boundary"]: c for c in causes}
     out = []
     for c in causes:
         if c["op_kind"] == "add":
-            layer_prefix = c["boundary"].rsplit(".", 1)[0]
-            norm = f"{layer_prefix}.post_attention_layernorm" if c["boundary"].endswith("residual_attn") else None
+            norm = arch.fused_norm(c["boundary"])
             target = by_boundary.get(norm) if norm else None
             if target is not None and target["class"] == c["class"]:
                 target["evidence"].append(f"fused with {c['boundary']} (one add+norm kernel in vLLM)")
@@ -229,38 +214,9 @@ def merge_fused(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-# Where a contract key is read first, for a difference no introducing op accounts for.
-KEY_BOUNDARY = {
-    "rms_norm_eps": ("model.layers.0.input_layernorm", "norm"),
-    "qk_norm_eps": ("model.layers.0.self_attn.q_norm", "norm"),
-    "final_norm_eps": ("model.norm", "norm"),
-    "rope_theta": ("model.layers.0.self_attn.rope_q", "rope"),
-    "rope_type": ("model.layers.0.self_attn.rope_q", "rope"),
-    "rope_style": ("model.layers.0.self_attn.rope_q", "rope"),
-    "attention_scale": ("model.layers.0.self_attn.attn_core", "attn"),
-    "sliding_window": ("model.layers.0.self_attn.attn_core", "attn"),
-    "tie_word_embeddings": ("logits", "logits"),
-    "temperature": ("log_softmax", "log_softmax"),
-    "logprobs_mode": ("log_softmax", "log_softmax"),
-    "vocab_size": ("log_softmax", "log_softmax"),
-    "num_experts_per_tok": ("model.layers.0.mlp.gate", "router"),
-    "norm_topk_prob": ("model.layers.0.mlp.gate", "router"),
-}
-
-
-def _weight_boundary(name: str) -> tuple[str, str]:
-    if ".experts." in name:
-        return name.split(".experts.")[0], "moe"
-    if name == "lm_head.weight":
-        return "logits", "logits"
-    if name == "model.embed_tokens.weight":
-        return "model.embed_tokens", "embed"
-    owner = name.rsplit(".", 1)[0]
-    kind = "norm" if owner.endswith("norm") else "router" if owner.endswith("mlp.gate") else "linear"
-    return owner, kind
-
-
-def preflight_only_causes(contracts: dict[str, Any] | None, causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def preflight_only_causes(
+    contracts: dict[str, Any] | None, causes: list[dict[str, Any]], adapter: ArchAdapter | None = None
+) -> list[dict[str, Any]]:
     """Contract or weight differences that no introducing op accounts for.
 
     The preflight alone is enough for a framework verdict: a stale expert that no
@@ -269,6 +225,7 @@ def preflight_only_causes(contracts: dict[str, Any] | None, causes: list[dict[st
     """
     if not contracts:
         return []
+    arch = _adapter(adapter)
     covered = {d for c in causes for d in c.get("differs", [])}
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
@@ -276,7 +233,7 @@ def preflight_only_causes(contracts: dict[str, Any] | None, causes: list[dict[st
         if item in covered or item == "dtype":
             continue
         is_weight = item in weights
-        boundary, kind = _weight_boundary(item) if is_weight else KEY_BOUNDARY.get(item, ("model", "module"))
+        boundary, kind = arch.weight_boundary(item) if is_weight else arch.key_boundary.get(item, ("model", "module"))
         ev = OpEvidence(boundary, kind, None, 0.0, None, None)
         if is_weight:
             evidence = [f"weight differs: {item} has a different fingerprint on the inference side"]
@@ -291,7 +248,9 @@ def preflight_only_causes(contracts: dict[str, Any] | None, causes: list[dict[st
     return out
 
 
-def non_finite_cause(first: dict[str, Any] | None, weights: list[str], evidence: list[str], fix: str) -> dict[str, Any]:
+def non_finite_cause(
+    first: dict[str, Any] | None, weights: list[str], evidence: list[str], fix: str, adapter: ArchAdapter | None = None
+) -> dict[str, Any]:
     """A ``framework_difference``/``non_finite`` cause: NaN or inf on a path (docs/causes.md).
 
     Its boundary is the first one that holds the value (``first``, from locate), else
@@ -300,7 +259,7 @@ def non_finite_cause(first: dict[str, Any] | None, weights: list[str], evidence:
     if first is not None:
         ev = OpEvidence(first["boundary"], first.get("kind") or "module", first.get("layer"), 0.0, None, None)
     elif weights:
-        ev = OpEvidence(*_weight_boundary(weights[0]), None, 0.0, None, None)
+        ev = OpEvidence(*_adapter(adapter).weight_boundary(weights[0]), None, 0.0, None, None)
     else:
         ev = OpEvidence("model", "module", None, 0.0, None, None)
     return _cause(ev, "framework_difference", "non_finite", evidence, fix, list(weights))

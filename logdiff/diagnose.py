@@ -23,6 +23,7 @@ from logdiff import attribute, classify
 from logdiff.config import ScanConfig
 from logdiff.phases import Phases, silent
 from logdiff.preflight import preflight
+from logdiff.probes.arch import find as find_adapter
 from logdiff.engines.base import Engine
 
 # Relative spacing of each dtype (its machine epsilon): local_rel / EPS = ulps at the output's magnitude.
@@ -75,8 +76,9 @@ def diagnose(
         result["warnings"].append("weight fingerprints skipped: the weights hold NaN/inf (see non_finite)")
     contracts = preflight(train, infer, weights=not held)
     result["contracts"] = contracts
+    arch = find_adapter(result.get("architecture"))  # what each op reads (None: the plain decoder layout)
     if result.get("non_finite"):  # no op's arithmetic can be judged on NaN/inf: the finding is the cause
-        result["causes"] += classify.preflight_only_causes(contracts, result["causes"])
+        result["causes"] += classify.preflight_only_causes(contracts, result["causes"], arch)
         result["verdict"] = classify.verdict(result["causes"], consistent=False)
         return
     pair = result["pairs"][0]
@@ -104,9 +106,9 @@ def diagnose(
             ulps=rel / EPS[cfg.dtype] if rel is not None else None,
             vanished_under_reference=vanished,
         )
-        causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm))
-    causes = classify.merge_fused(causes)
-    causes += classify.preflight_only_causes(contracts, causes)
+        causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
+    causes = classify.merge_fused(causes, arch)
+    causes += classify.preflight_only_causes(contracts, causes, arch)
     progress("attributing the logdiff to its causes", phase="attribute")
     baseline = float(pair["metrics"]["abs_diff_max"])
     measure_cache: dict[Any, float] = {}

@@ -26,15 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from logdiff.probes.arch import adapter_for
 from logdiff.probes.errors import InputError
-
-# HF architecture class -> short name. These have correspondence maps; others are refused.
-SUPPORTED_ARCHITECTURES = {
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen2ForCausalLM": "qwen2",
-    "LlamaForCausalLM": "llama",
-    "Qwen3MoeForCausalLM": "qwen3-moe",
-}
 
 _STAGE_ROOT: Path | None = None
 
@@ -74,10 +67,7 @@ def read_config(model_dir: Path, trust_remote_code: bool = False) -> dict[str, A
     except json.JSONDecodeError as e:
         raise InputError(f"{cfg_path}: not valid JSON ({e.msg})") from None
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise InputError(f"unsupported architecture {arch!r} in {cfg_path}; supported: {supported}")
+    adapter_for(archs[0] if archs else None, where=str(cfg_path))  # an adapter, or a one-line error
     why = remote_code_reason(cfg)
     if why and not trust_remote_code:
         raise InputError(f"{model_dir} needs custom code ({why}); pass --trust-remote-code to run it")
@@ -230,14 +220,14 @@ def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def check_weights(staged: StagedModel, config: Any = None) -> None:
     """Refuse weights whose names or shapes do not fit the config (``config``: an overridden one).
 
-    transformers 5 fuses MoE experts in memory (``experts.gate_up_proj``) but
-    saves and loads per-expert tensors (``experts.0.gate_proj.weight``); its
-    loader converts, so a fused expert tensor counts as present when its
-    per-expert tensors are.
+    transformers 5 fuses MoE experts in memory but saves and loads one tensor
+    per expert; its loader converts, so a fused expert tensor counts as present
+    when the adapter finds its per-expert tensors (``per_expert_stored``).
     """
+    adapter = adapter_for(staged.architecture)
     expected = _expected_shapes(staged.path, config, staged.trust_remote_code)
     stored = stored_shapes(staged.path)
-    missing = sorted(n for n in set(expected) - set(stored) if not _stored_per_expert(n, stored))
+    missing = sorted(n for n in set(expected) - set(stored) if not adapter.per_expert_stored(n, stored))
     if missing:
         raise InputError(
             f"config/weights mismatch: {len(missing)} tensors the config needs are missing "
@@ -249,8 +239,3 @@ def check_weights(staged: StagedModel, config: Any = None) -> None:
                 f"config/weights mismatch: {name} has shape {list(stored[name])} in the "
                 f"checkpoint but the config implies {list(shape)}"
             )
-
-
-def _stored_per_expert(fused: str, stored: dict[str, tuple[int, ...]]) -> bool:
-    prefix, sep, _ = fused.rpartition(".experts.")
-    return bool(sep) and any(k.startswith(f"{prefix}.experts.0.") for k in stored)

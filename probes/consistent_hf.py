@@ -1,4 +1,4 @@
-"""Consistent mode for a loaded transformers model (Qwen2, Qwen3, Llama, Qwen3-MoE).
+"""Consistent mode for a loaded transformers model of a supported architecture (probes/arch/).
 
 ``with consistent_hf(model): ...`` routes every operator on the numerical path
 of ``model`` through ``logdiff.kernels`` and restores every original on exit,
@@ -39,9 +39,13 @@ Logprobs: consistent mode covers the model up to the logits. Engines compute
 logprobs from them with ``logdiff.kernels.log_softmax`` (or
 ``token_log_probs`` for the chosen tokens), on every path alike.
 
+Which module classes and attributes count as the norm, the gated MLP, the
+experts and the attention module is the architecture adapter's knowledge
+(``hf_norm_classes``, ``mlp_parts``, ``experts_parts``, ``is_attention``).
 Everything is checked before anything is patched: a module that no replacement
 covers (another norm, a scaled RoPE, a non-SiLU MLP, shared experts, ...)
-raises ``NotImplementedError`` naming it.
+raises ``NotImplementedError`` naming it. Every patch goes through
+``patching.Patches`` and is undone newest first.
 """
 
 from __future__ import annotations
@@ -53,16 +57,10 @@ from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from logdiff.probes.patching import Patches
+
 ATTN_IMPLEMENTATION = "logdiff_consistent"
 _ROPE_TAG = "_logdiff_consistent_rope"
-_HF_RMSNORMS = {
-    "LlamaRMSNorm",
-    "MistralRMSNorm",
-    "Qwen2RMSNorm",
-    "Qwen2MoeRMSNorm",
-    "Qwen3RMSNorm",
-    "Qwen3MoeRMSNorm",
-}
 _SILU = {"silu", "swish"}
 
 
@@ -74,26 +72,6 @@ class ConsistentHF:
 
     def add(self, kind: str, name: str) -> None:
         self.replaced.setdefault(kind, []).append(name)
-
-
-class _Patches:
-    """Instance-attribute patches, undone newest first."""
-
-    def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
-
-    def set(self, obj: Any, attr: str, value: Any) -> None:
-        had_own = attr in vars(obj)
-        old = vars(obj).get(attr)
-        setattr(obj, attr, value)
-        self._undo.append(lambda: setattr(obj, attr, old) if had_own else delattr(obj, attr))
-
-    def call_on_undo(self, fn: Callable[[], None]) -> None:
-        self._undo.append(fn)
-
-    def undo(self) -> None:
-        while self._undo:
-            self._undo.pop()()
 
 
 class _SharedPatch:
@@ -148,9 +126,9 @@ class _Plan:
     linears: list[tuple[str, Any]] = field(default_factory=list)
     norms: list[tuple[str, Any]] = field(default_factory=list)
     rotaries: list[tuple[str, Any, float, int]] = field(default_factory=list)
-    mlps: list[tuple[str, Any]] = field(default_factory=list)
+    mlps: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, mlp_parts)
     routers: list[tuple[str, Any]] = field(default_factory=list)
-    experts: list[tuple[str, Any]] = field(default_factory=list)
+    experts: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, experts_parts)
     modeling_modules: set[str] = field(default_factory=set)
 
 
@@ -177,10 +155,13 @@ def _rope_params(module: Any) -> tuple[float, int]:
 def _plan(model: Any) -> _Plan:
     import torch.nn as nn
 
+    from logdiff.probes.arch import adapter_of
+
     config = getattr(model, "config", None)
     if config is None:
         raise NotImplementedError("consistent_hf: the model has no config")
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
+    arch = adapter_of(model)
+    if arch.sliding_window(config):
         raise NotImplementedError("consistent_hf: sliding-window attention")
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
         raise NotImplementedError("consistent_hf: layers other than full attention (sliding window)")
@@ -190,7 +171,7 @@ def _plan(model: Any) -> _Plan:
         if isinstance(module, nn.Linear):
             plan.linears.append((name, module))
         elif cls.endswith("RMSNorm"):
-            if cls not in _HF_RMSNORMS:
+            if cls not in arch.hf_norm_classes:
                 raise NotImplementedError(f"consistent_hf: {name} is a {cls} (unknown norm formula)")
             plan.norms.append((name, module))
         elif "Norm" in cls:
@@ -201,20 +182,20 @@ def _plan(model: Any) -> _Plan:
             if not all(hasattr(module, a) for a in ("weight", "top_k", "norm_topk_prob")):
                 raise NotImplementedError(f"consistent_hf: router {name} ({cls})")
             plan.routers.append((name, module))
-        elif cls.endswith("Experts") and hasattr(module, "gate_up_proj"):
+        elif cls.endswith("Experts") and hasattr(module, arch.experts_parts[0]):
             flags = (getattr(module, "is_transposed", False), getattr(module, "has_bias", False))
             if flags != (False, False) or not getattr(module, "is_concatenated", True):
                 raise NotImplementedError(f"consistent_hf: experts layout of {name} ({cls})")
             if config.hidden_act not in _SILU:
                 raise NotImplementedError(f"consistent_hf: experts activation {config.hidden_act!r}")
-            plan.experts.append((name, module))
-        elif all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            plan.experts.append((name, module, arch.experts_parts))
+        elif all(hasattr(module, a) for a in arch.mlp_parts):
             if config.hidden_act not in _SILU:
                 raise NotImplementedError(f"consistent_hf: MLP activation {config.hidden_act!r}")
-            plan.mlps.append((name, module))
-        elif hasattr(module, "shared_expert"):
+            plan.mlps.append((name, module, arch.mlp_parts))
+        elif hasattr(module, arch.shared_expert):
             raise NotImplementedError(f"consistent_hf: {name} has a shared expert")
-        if hasattr(module, "q_proj") and hasattr(module, "o_proj"):
+        if arch.is_attention(module):
             plan.modeling_modules.add(type(module).__module__)
     if not plan.rotaries:
         raise NotImplementedError("consistent_hf: no rotary embedding module found")
@@ -284,11 +265,13 @@ def _apply_rotary(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _mlp_forward(module: Any) -> Callable:
+def _mlp_forward(module: Any, parts: tuple[str, ...]) -> Callable:
     from logdiff import kernels
 
+    gate, up, down = (getattr(module, p) for p in parts[:3])
+
     def forward(x: Any) -> Any:
-        return module.down_proj(kernels.silu_and_mul(module.gate_proj(x), module.up_proj(x)))
+        return down(kernels.silu_and_mul(gate(x), up(x)))
 
     return forward
 
@@ -305,11 +288,13 @@ def _router_forward(module: Any) -> Callable:
     return forward
 
 
-def _experts_forward(module: Any) -> Callable:
+def _experts_forward(module: Any, parts: tuple[str, ...]) -> Callable:
     from logdiff import kernels
 
+    gate_up, down = parts
+
     def forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-        return kernels.moe_experts(hidden_states, top_k_weights, top_k_index, module.gate_up_proj, module.down_proj)
+        return kernels.moe_experts(hidden_states, top_k_weights, top_k_index, getattr(module, gate_up), getattr(module, down))
 
     return forward
 
@@ -422,48 +407,44 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
     def want(family: str) -> bool:
         return only is None or family in only
 
-    patches = _Patches()
-    try:
-        with kernels.weight_cache():
-            for name, module in plan.linears if want("linear") else []:
-                patches.set(module, "forward", _linear_forward(module))
-                report.add("linear", name)
-            for name, module in plan.norms if want("rms_norm") else []:
-                patches.set(module, "forward", _norm_forward(module))
-                report.add("rms_norm", name)
-            for name, module, theta, rotary_dim in plan.rotaries if want("rope") else []:
-                patches.set(module, "forward", _rotary_forward(theta, rotary_dim))
-                report.add("rope", name)
-            for mod_name in sorted(plan.modeling_modules) if want("rope") else []:
-                modeling = importlib.import_module(mod_name)
-                original = modeling.apply_rotary_pos_emb
-                patches.call_on_undo(
-                    _SharedPatch.acquire(
-                        modeling, "apply_rotary_pos_emb", _apply_rotary(original), _get_attr, setattr, delattr
-                    )
+    with Patches() as patches, kernels.weight_cache():
+        for name, module in plan.linears if want("linear") else []:
+            patches.set(module, "forward", _linear_forward(module))
+            report.add("linear", name)
+        for name, module in plan.norms if want("rms_norm") else []:
+            patches.set(module, "forward", _norm_forward(module))
+            report.add("rms_norm", name)
+        for name, module, theta, rotary_dim in plan.rotaries if want("rope") else []:
+            patches.set(module, "forward", _rotary_forward(theta, rotary_dim))
+            report.add("rope", name)
+        for mod_name in sorted(plan.modeling_modules) if want("rope") else []:
+            modeling = importlib.import_module(mod_name)
+            original = modeling.apply_rotary_pos_emb
+            patches.on_exit(
+                _SharedPatch.acquire(
+                    modeling, "apply_rotary_pos_emb", _apply_rotary(original), _get_attr, setattr, delattr
                 )
-                report.add("rope", f"{mod_name}.apply_rotary_pos_emb")
-            for name, module in plan.mlps if want("silu_and_mul") else []:
-                patches.set(module, "forward", _mlp_forward(module))
-                report.add("silu_and_mul", name)
-            for name, module in plan.routers if want("moe") else []:
-                patches.set(module, "forward", _router_forward(module))
-                report.add("moe_route", name)
-            for name, module in plan.experts if want("moe") else []:
-                patches.set(module, "forward", _experts_forward(module))
-                report.add("moe_combine", name)
-            if want("attention"):
-                for interface, value in (
-                    (AttentionInterface._global_mapping, _attention_function()),
-                    (AttentionMaskInterface._global_mapping, _consistent_mask),
-                ):
-                    patches.call_on_undo(
-                        _SharedPatch.acquire(interface, ATTN_IMPLEMENTATION, value, _get_item, _put_item, _drop_item)
-                    )
-                previous = model.config._attn_implementation
-                model.config._attn_implementation = ATTN_IMPLEMENTATION
-                patches.call_on_undo(lambda: setattr(model.config, "_attn_implementation", previous))
-                report.add("attention", ATTN_IMPLEMENTATION)
-            yield report
-    finally:
-        patches.undo()
+            )
+            report.add("rope", f"{mod_name}.apply_rotary_pos_emb")
+        for name, module, parts in plan.mlps if want("silu_and_mul") else []:
+            patches.set(module, "forward", _mlp_forward(module, parts))
+            report.add("silu_and_mul", name)
+        for name, module in plan.routers if want("moe") else []:
+            patches.set(module, "forward", _router_forward(module))
+            report.add("moe_route", name)
+        for name, module, parts in plan.experts if want("moe") else []:
+            patches.set(module, "forward", _experts_forward(module, parts))
+            report.add("moe_combine", name)
+        if want("attention"):
+            for interface, value in (
+                (AttentionInterface._global_mapping, _attention_function()),
+                (AttentionMaskInterface._global_mapping, _consistent_mask),
+            ):
+                patches.on_exit(
+                    _SharedPatch.acquire(interface, ATTN_IMPLEMENTATION, value, _get_item, _put_item, _drop_item)
+                )
+            previous = model.config._attn_implementation
+            model.config._attn_implementation = ATTN_IMPLEMENTATION
+            patches.on_exit(lambda: setattr(model.config, "_attn_implementation", previous))
+            report.add("attention", ATTN_IMPLEMENTATION)
+        yield report

@@ -5,11 +5,13 @@ from the loaded modules, not from config files, because the module is what
 runs: an ``hf_overrides`` eps shows up as the norm's ``variance_epsilon``, a
 weight-sync bug as a different hash of the loaded tensor.
 
-Weight fingerprints use HF tensor names. vLLM's packed parameters are split
-back into their HF parts first (``qkv_proj`` -> ``q_proj``/``k_proj``/``v_proj``
-by the layer's ``output_sizes``, ``gate_up_proj`` -> ``gate_proj``/``up_proj``,
-FusedMoE's ``w13_weight``/``w2_weight`` -> the experts' ``gate_up_proj``/
-``down_proj``), so a difference names the logical tensor.
+Where each value sits in an engine's module tree is the architecture
+adapter's knowledge (``logdiff.probes.arch``: layers, attention, norms,
+embeddings). Weight fingerprints use HF tensor names: vLLM's packed parameters
+(weights and biases) are split back into their HF parts by the layer's
+``output_sizes`` and FusedMoE's parameters renamed after the HF fused experts,
+both as the adapter's ``packed`` and ``moe_params`` say, so a difference names
+the logical tensor.
 
 What vLLM's CPU build keeps depends on the ISA (logdiff/isa.py): a oneDNN or
 SGL GEMM drops the plain weight, the torch fallback keeps it; the MoE kernels
@@ -23,10 +25,14 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-# vLLM packed parameter -> HF parts (split along dim 0 by the layer's output_sizes).
-PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# vLLM FusedMoE parameters -> HF fused-expert parameters (vLLM's CPU build prepacks them).
-MOE_PARAMS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
+#: vLLM rotary-embedding class -> the HF ``rope_type`` it implements
+VLLM_ROPE_TYPES = {
+    "RotaryEmbedding": "default",
+    "Llama3RotaryEmbedding": "llama3",
+    "LinearScalingRotaryEmbedding": "linear",
+    "DynamicNTKScalingRotaryEmbedding": "dynamic",
+    "YaRNScalingRotaryEmbedding": "yarn",
+}
 
 
 def fingerprint(tensor: Any) -> str:
@@ -41,24 +47,31 @@ def _first(module: Any, cls_suffix: str) -> Any:
     return next((m for m in module.modules() if type(m).__name__.endswith(cls_suffix)), None)
 
 
+def _eps(norm: Any) -> float | None:
+    return float(norm.variance_epsilon) if norm is not None else None
+
+
 def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     """Effective settings of a transformers model."""
+    from logdiff.probes.arch import adapter_of
+
+    arch = adapter_of(model)
     cfg = model.config
-    layer = model.model.layers[0]
+    layer = arch.layers(model)[0]
     rope = getattr(cfg, "rope_parameters", None) or {}
-    attn = layer.self_attn
+    attn = arch.attention(layer)
     return {
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "vocab_size": int(model.lm_head.weight.shape[0]),
-        "rms_norm_eps": float(layer.input_layernorm.variance_epsilon),
-        "qk_norm_eps": float(attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None,
-        "final_norm_eps": float(model.model.norm.variance_epsilon),
+        "rms_norm_eps": _eps(arch.input_norm(layer)),
+        "qk_norm_eps": _eps(arch.qk_norm_module(attn)),
+        "final_norm_eps": _eps(arch.final_norm(model)),
         "rope_theta": float(rope.get("rope_theta", getattr(cfg, "rope_theta", 0.0))),
         "rope_type": rope.get("rope_type", "default"),
         "rope_style": "neox",  # transformers' Llama/Qwen families rotate halves
         "attention_scale": float(attn.scaling),
-        "sliding_window": getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", False) else None,
-        "tie_word_embeddings": model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(),
+        "sliding_window": arch.sliding_window(cfg),
+        "tie_word_embeddings": model.lm_head.weight.data_ptr() == arch.embed(model).weight.data_ptr(),
         "num_experts_per_tok": getattr(cfg, "num_experts_per_tok", None),
         "norm_topk_prob": getattr(cfg, "norm_topk_prob", None),
         "temperature": float(options.get("temperature", 1.0)),  # logits / T before log_softmax
@@ -68,23 +81,26 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
 
 def vllm_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     """Effective settings of a vLLM model module (reached through ``apply_model``)."""
-    layer = model.model.layers[0]
-    attn = layer.self_attn
+    from logdiff.probes.arch import adapter_of
+
+    arch = adapter_of(model)
+    layer = arch.layers(model)[0]
+    attn = arch.attention(layer)
     rotary = getattr(attn, "rotary_emb", None)
     core = getattr(attn, "attn", None)
     experts = _moe_experts(model)
     lm_head = getattr(model, "lm_head", None)
-    embed = model.model.embed_tokens
+    embed = arch.embed(model)
     mode = options.get("logprobs_mode", "raw_logprobs")
     processed = mode.startswith("processed")
     return {
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "vocab_size": int(getattr(model.config, "vocab_size", embed.weight.shape[0])),
-        "rms_norm_eps": float(layer.input_layernorm.variance_epsilon),
-        "qk_norm_eps": float(attn.q_norm.variance_epsilon) if hasattr(attn, "q_norm") else None,
-        "final_norm_eps": float(model.model.norm.variance_epsilon),
+        "rms_norm_eps": _eps(arch.input_norm(layer)),
+        "qk_norm_eps": _eps(arch.qk_norm_module(attn)),
+        "final_norm_eps": _eps(arch.final_norm(model)),
         "rope_theta": float(getattr(rotary, "base", 0.0)) if rotary is not None else None,
-        "rope_type": "default" if type(rotary).__name__ == "RotaryEmbedding" else type(rotary).__name__,
+        "rope_type": VLLM_ROPE_TYPES.get(type(rotary).__name__, type(rotary).__name__),
         "rope_style": "neox" if getattr(rotary, "is_neox_style", True) else "gptj",
         "attention_scale": float(core.impl.scale) if core is not None and hasattr(core, "impl") else None,
         "sliding_window": _window(getattr(getattr(core, "impl", None), "sliding_window", None)),
@@ -121,30 +137,33 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
     ``vllm_weights.moe_runner_weights``. A tensor that cannot be recovered
     maps to ``None``: unverified, never a guess.
     """
+    from logdiff.probes.arch import adapter_of
     from logdiff.probes.vllm_weights import dense_weight, moe_runner_weights
 
+    arch = adapter_of(model)
+    packed, moe_params = arch.packed, arch.moe_params
     out: dict[str, str | None] = {}
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         owner, _, leaf = name.rpartition(".")
         prefix, _, short = owner.rpartition(".")
         layer = modules[owner]
-        if leaf in MOE_PARAMS and hasattr(layer, "top_k"):
-            # FusedMoE at mlp.experts, or MoERunner at mlp.experts holding routed_experts.
+        if leaf in moe_params and hasattr(layer, "top_k"):
+            # FusedMoE at the experts' HF position, or a MoERunner there holding routed_experts.
             runner_name = prefix if short == "routed_experts" else owner
-            hf_name = f"{runner_name}.{MOE_PARAMS[leaf]}"
+            hf_name = f"{runner_name}.{moe_params[leaf]}"
             out[hf_name] = _recovered(lambda: moe_runner_weights(modules[runner_name])[leaf == "w2_weight"])
             continue
         if leaf == "weight" and param.numel() == 0 and hasattr(layer, "cpu_linear"):
             recovered = _recovered(lambda: dense_weight(layer), raw=True)
             if recovered is None:
-                parts = PACKED.get(short, (short,))
+                parts = packed.get(short, (short,))
                 out.update({f"{prefix}.{part}.weight": None for part in parts})
                 continue
             param = recovered
-        if short in PACKED and leaf == "weight":
-            for part, chunk in zip(PACKED[short], param.split(list(layer.output_sizes), dim=0)):
-                out[f"{prefix}.{part}.weight"] = fingerprint(chunk)
+        if short in packed and leaf in ("weight", "bias"):
+            for part, chunk in zip(packed[short], param.split(list(layer.output_sizes), dim=0)):
+                out[f"{prefix}.{part}.{leaf}"] = fingerprint(chunk)
             continue
         if name in ("lm_head.weight", "model.embed_tokens.weight") and param.shape[0] > vocab_size:
             param = param[:vocab_size]  # vLLM pads the vocabulary dimension

@@ -47,6 +47,7 @@ from logdiff.probes import align, replay
 from logdiff.probes.align import HEADS_FIRST, PLAIN, Layout, RowMap
 from logdiff.probes.correspondence import CorrespondenceMap, Tap, build, fallback
 from logdiff.probes.ops import OpTracer
+from logdiff.probes.patching import Patches
 from logdiff.probes.store import PathStore
 from logdiff.probes.summary import PathComparer
 
@@ -107,7 +108,7 @@ class Recorder:
         self.owners: dict[str, str] = {}  # boundary -> module (call-stack name) that produced it
         self.misaligned_rows = 0
         self.steps = 0
-        self._installed: list[Callable[[], None]] = []
+        self._patches = Patches()  # every hook and patch of this recording, undone on exit
         self._stack: list[tuple[str, Any]] = []
         self._pass: _Pass | None = None
         self._rmap: RowMap | None = None
@@ -132,14 +133,15 @@ class Recorder:
             for _, m in self.model.named_modules():
                 h1 = m.register_forward_pre_hook(self._pre, with_kwargs=True)
                 h2 = m.register_forward_hook(self._post, with_kwargs=True, always_call=True)
-                self._installed += [h1.remove, h2.remove]
+                self._patches.on_exit(h1.remove)
+                self._patches.on_exit(h2.remove)
             if self.tracer is not None:
                 self.tracer.active = lambda: not self._paused
             if self.family == "hf":
                 self._install_hf_functions()
             else:
                 self._install_vllm_functions()
-            self._set_attr(self.engine, "listener", self)
+            self._patches.set(self.engine, "listener", self)
         except BaseException:
             self._uninstall()
             raise
@@ -151,29 +153,13 @@ class Recorder:
             self._warn(f"{self.misaligned_rows} token rows did not carry the expected token ids and were dropped")
 
     def _uninstall(self) -> None:
-        while self._installed:
-            undo = self._installed.pop()
-            with contextlib.suppress(Exception):
-                undo()
+        self._patches.close()
         self._pass = None
         self._rmap = self._last_rmap = None
         self._last_hidden = self._last_logits = None
         self._recent_logits.clear()
         self._ctx.clear()
         self._stack.clear()
-
-    def _set_attr(self, obj: Any, name: str, value: Any) -> None:
-        """Set an instance attribute and register its restoration."""
-        old = obj.__dict__.get(name, _MISSING)
-        setattr(obj, name, value)
-
-        def undo() -> None:
-            if old is _MISSING:
-                obj.__dict__.pop(name, None)
-            else:
-                setattr(obj, name, old)
-
-        self._installed.append(undo)
 
     def _warn(self, msg: str) -> None:
         if msg not in self.warnings:
@@ -438,7 +424,7 @@ class Recorder:
                     self._rope_tap(orig_rope, q, k, cos, sin, a, kw, out, pseudo)
                 return out
 
-            self._set_attr_module(modeling, "apply_rotary_pos_emb", rope)
+            self._patches.set(modeling, "apply_rotary_pos_emb", rope)
         elif self.cmap.mapped:
             self._warn(f"{type(self.model).__name__}: no apply_rotary_pos_emb found; rope_q/rope_k not recorded")
 
@@ -460,14 +446,7 @@ class Recorder:
 
             old = local.get(impl, _MISSING)
             local[impl] = attention
-
-            def undo() -> None:
-                if old is _MISSING:
-                    local.pop(impl, None)
-                else:
-                    local[impl] = old
-
-            self._installed.append(undo)
+            self._patches.on_exit(lambda: local.pop(impl, None) if old is _MISSING else local.__setitem__(impl, old))
 
         orig_lp = self.engine._logprobs
 
@@ -478,7 +457,7 @@ class Recorder:
                 self._hf_log_softmax(orig_lp, logits, out)
             return out
 
-        self._set_attr(self.engine, "_logprobs", logprobs)
+        self._patches.set(self.engine, "_logprobs", logprobs)
 
     @contextlib.contextmanager
     def _traced(self, function: str) -> Iterator[str]:
@@ -493,19 +472,14 @@ class Recorder:
             if on:
                 self.tracer.exit(name)
 
-    def _set_attr_module(self, mod: Any, name: str, value: Any) -> None:
-        old = getattr(mod, name)
-        setattr(mod, name, value)
-        self._installed.append(lambda: setattr(mod, name, old))
-
     def _rope_tap(
         self, fn: Any, q: Any, k: Any, cos: Any, sin: Any, a: tuple, kw: dict, out: Any, owner: str
     ) -> None:
         n = self._layer_from_stack()
         if n is None:
             return
-        names = [f"model.layers.{n}.self_attn.rope_q", f"model.layers.{n}.self_attn.rope_k"]
-        bq, bk = self.cmap.get(names[0]), self.cmap.get(names[1])
+        names = [self.cmap.function_boundary("rope_q", n), self.cmap.function_boundary("rope_k", n)]
+        bq, bk = (self.cmap.get(name) if name else None for name in names)
         if bq is None or bk is None:
             return
         inputs = (bq.inputs[0], bk.inputs[0])
@@ -519,8 +493,8 @@ class Recorder:
         n = self._layer_from_stack()
         if n is None:
             return
-        name = f"model.layers.{n}.self_attn.attn_core"
-        b = self.cmap.get(name)
+        name = self.cmap.function_boundary("attn_core", n)
+        b = self.cmap.get(name) if name else None
         if b is None:
             return
         spec = None
@@ -559,7 +533,7 @@ class Recorder:
                     self._warn(f"{self._pass.path}: vLLM log_softmax rows could not be matched to logits rows")
             return out
 
-        self._set_attr(sampler, "compute_logprobs", compute_logprobs)
+        self._patches.set(sampler, "compute_logprobs", compute_logprobs)
 
     def _vllm_logits(self, args: tuple, kwargs: dict, output: Any) -> None:
         if self._pass is None or self._last_rmap is None or self._last_hidden is None:

@@ -56,6 +56,9 @@ def _cache_key(arch: str) -> str:
     h = hashlib.sha256(f"{arch}|{TEST_TRAIN_STEPS}|{torch.__version__}|{transformers.__version__}{suffix}".encode())
     for f in sorted((Path(__file__).parents[1] / "logdiff" / "demo").glob("*.py")):
         h.update(f.read_bytes())
+    from logdiff.probes.arch import demo  # the architecture's own demo settings live with its adapter
+
+    h.update(repr(demo(arch).settings if demo(arch) else None).encode())
     return f"{arch}-{h.hexdigest()[:12]}"
 
 

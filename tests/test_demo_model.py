@@ -96,7 +96,7 @@ def test_unsupported_arch_names_the_supported_ones(tmp_path):
     with pytest.raises(InputError, match="qwen3, llama, qwen3-moe"):
         tiny_config("gpt2", 4096)
     with pytest.raises(InputError, match="supported"):
-        build(tmp_path / "m", "mistral", max_steps=0)
+        build(tmp_path / "m", "gemma2", max_steps=0)
     assert not (tmp_path / "m").exists()
 
 
@@ -152,7 +152,8 @@ def test_demo_model_loads_in_transformers_as_bf16(built, arch):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(built[arch])
-    expected = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM"}[arch]
+    expected = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "llama3": "LlamaForCausalLM"}[arch]
     assert type(model).__name__ == expected
     assert model.dtype == torch.bfloat16
     assert model.config.tie_word_embeddings is False

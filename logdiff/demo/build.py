@@ -114,6 +114,7 @@ def build_demo_model(
     from logdiff.demo.configs import tiny_config
 
     check_arch(arch)
+    moe = _is_moe(arch)
     if max_steps is not None and max_steps < 0:
         raise ValueError("max_steps must be >= 0")
     if max_steps is None and not train_seconds > 0:
@@ -153,7 +154,7 @@ def build_demo_model(
         result = train(
             model, train_chunks, seed=seed, settings=settings,
             train_seconds=None if max_steps is not None else train_seconds, max_steps=max_steps,
-            moe_aux_loss=arch == "qwen3-moe", progress=say,
+            moe_aux_loss=moe, progress=say,
         )
         model.to(torch.bfloat16)
         # held-out stats of the weights as saved (bf16), computed in fp32
@@ -196,7 +197,7 @@ def build_demo_model(
             "heldout_note": "fp32 compute; 'after' uses the saved bf16 weights",
             "training": {**settings.as_dict(), "optimizer": "AdamW", "schedule": "linear warm-up, then inverse-sqrt",
                          "weights_dtype": "float32", "saved_dtype": "bfloat16",
-                         "router_aux_loss": arch == "qwen3-moe"},
+                         "router_aux_loss": moe},
             "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": tokenizer.get_vocab_size(),
                           "training_files": len(corpus.train), "special_tokens": special},
             "corpus": {"source": "Python standard library source (top-level Lib/*.py)",
@@ -219,6 +220,14 @@ def build_demo_model(
         raise
     say(f"saved {arch} demo model to {path}")
     return path
+
+
+def _is_moe(arch: str) -> bool:
+    """Whether the demo architecture routes tokens to experts (then training adds the router's aux loss)."""
+    from logdiff.probes.arch import demo
+
+    entry = demo(arch)
+    return bool(entry is not None and entry.adapter.moe)
 
 
 def _apply_umask(directory: Path) -> None:

@@ -1,15 +1,19 @@
-"""Tiny transformers configs for the demo models, one per supported architecture.
+"""Tiny transformers configs for the demo models: a common shape plus each architecture's demo entry.
 
-The shapes follow each family's real layout (Qwen3: q/k RMSNorm and untied
-embeddings; Llama: no q/k norm; Qwen3-MoE: Qwen3 attention with a routed
-top-2 mixture of experts in every layer) at a size that trains and runs on
-two CPU cores:
+What is specific to an architecture (q/k norms, biases, MoE, RoPE scaling,
+its transformers config class) lives with its adapter, as a ``Demo`` entry in
+``logdiff/probes/arch/`` (``demos()`` lists them, in registration order); this
+module adds the shape every demo shares, at a size that trains and runs on two
+CPU cores:
 
 | arch      | hidden | layers | heads / kv | head_dim | MLP                               |
 |-----------|--------|--------|------------|----------|-----------------------------------|
 | qwen3     | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768           |
 | llama     | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768           |
 | qwen3-moe | 256    | 4      | 4 / 2      | 64       | 8 experts, top-2, expert size 256 |
+| qwen2     | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768; q/k/v bias |
+| mistral   | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768; no window  |
+| llama3    | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768; llama3 RoPE |
 
 Grouped-query attention (2 kv heads for 4 query heads) is kept on purpose:
 it is where engines differ in how they lay out and repeat K/V.
@@ -21,7 +25,14 @@ from typing import Any
 
 from logdiff.errors import InputError
 
-SUPPORTED_DEMO_ARCHS: tuple[str, ...] = ("qwen3", "llama", "qwen3-moe")
+
+def _demos() -> dict[str, Any]:
+    from logdiff.probes.arch import demos
+
+    return demos()
+
+
+SUPPORTED_DEMO_ARCHS: tuple[str, ...] = tuple(_demos())
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 256,
@@ -36,30 +47,6 @@ _COMMON: dict[str, Any] = {
     "tie_word_embeddings": False,
     "attention_bias": False,
     "use_cache": True,
-}
-
-_PER_ARCH: dict[str, dict[str, Any]] = {
-    "qwen3": {
-        "intermediate_size": 768,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
-    },
-    "llama": {
-        "intermediate_size": 768,
-        "mlp_bias": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0},
-    },
-    "qwen3-moe": {
-        "intermediate_size": 768,  # unused while every layer is sparse; kept for completeness
-        "moe_intermediate_size": 256,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": 0.01,
-        "output_router_logits": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
-    },
 }
 
 
@@ -84,9 +71,12 @@ def tiny_config(arch: str, vocab_size: int, **overrides: Any):
     ``AutoModelForCausalLM.from_config`` to get random weights.
     """
     check_arch(arch)
-    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    import copy
 
-    config_cls = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3-moe": Qwen3MoeConfig}[arch]
-    kwargs: dict[str, Any] = {**_COMMON, **_PER_ARCH[arch], "vocab_size": vocab_size}
+    import transformers
+
+    demo = _demos()[arch]
+    config_cls = getattr(transformers, demo.config_class)
+    kwargs: dict[str, Any] = {**_COMMON, **copy.deepcopy(dict(demo.settings)), "vocab_size": vocab_size}
     kwargs.update(overrides)
     return config_cls(**kwargs)

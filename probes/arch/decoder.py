@@ -1,0 +1,331 @@
+"""The Llama-like decoder layout, shared by every adapter registered today.
+
+A Llama-like model is ``model.embed_tokens``, ``model.layers.N`` (RMSNorm ->
+attention with q/k/v/o projections and RoPE -> residual add -> RMSNorm ->
+gated SiLU MLP or a routed MoE -> residual add), ``model.norm`` and
+``lm_head``, in HF and in vLLM alike, so one ``DecoderAdapter`` describes the
+whole family; a family module sets only what differs (q/k norms, MoE, which
+config key switches the sliding window on) and its demo config.
+
+vLLM's side of the correspondence undoes its fusions: the packed ``qkv_proj``
+output is split into q/k/v with the attention module's ``q_size``/``kv_size``,
+``gate_up_proj`` into halves; its RMSNorm adds the residual and returns
+``(normed, residual)``, so ``input_layernorm`` of layer N also yields layer
+N-1's ``residual_mlp``, ``post_attention_layernorm`` yields ``residual_attn``
+and ``model.norm`` the last layer's ``residual_mlp``. HF's residual adds are
+read from the input of ``post_attention_layernorm`` and the decoder layer's
+output, the gated activation from ``down_proj``'s input, RoPE and the attention
+core through the functions the recorder wraps (``function_boundaries``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from logdiff.probes.arch.base import ArchAdapter
+from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
+
+_L = r"model\.layers\.{N}"
+
+HF_TAPS = (
+    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
+    Tap(_L, "input", "tensor", ("{RES_IN}",), emit=False),
+    Tap(_L + r"\.input_layernorm", "output", "tensor", ("model.layers.{N}.input_layernorm",)),
+    Tap(_L + r"\.self_attn\.q_proj", "output", "tensor", ("model.layers.{N}.self_attn.q_proj",)),
+    Tap(_L + r"\.self_attn\.k_proj", "output", "tensor", ("model.layers.{N}.self_attn.k_proj",)),
+    Tap(_L + r"\.self_attn\.v_proj", "output", "tensor", ("model.layers.{N}.self_attn.v_proj",)),
+    Tap(_L + r"\.self_attn\.q_norm", "output", "tensor", ("model.layers.{N}.self_attn.q_norm",)),
+    Tap(_L + r"\.self_attn\.k_norm", "output", "tensor", ("model.layers.{N}.self_attn.k_norm",)),
+    Tap(_L + r"\.self_attn\.o_proj", "output", "tensor", ("model.layers.{N}.self_attn.o_proj",)),
+    Tap(_L + r"\.post_attention_layernorm", "input", "tensor", ("model.layers.{N}.residual_attn",)),
+    Tap(_L + r"\.post_attention_layernorm", "output", "tensor", ("model.layers.{N}.post_attention_layernorm",)),
+    Tap(_L + r"\.mlp\.gate_proj", "output", "tensor", ("model.layers.{N}.mlp.gate_proj",)),
+    Tap(_L + r"\.mlp\.up_proj", "output", "tensor", ("model.layers.{N}.mlp.up_proj",)),
+    Tap(_L + r"\.mlp\.down_proj", "input", "tensor", ("model.layers.{N}.mlp.act_mul",)),
+    Tap(_L + r"\.mlp\.down_proj", "output", "tensor", ("model.layers.{N}.mlp.down_proj",)),
+    Tap(_L + r"\.mlp\.gate", "output", "first", ("model.layers.{N}.mlp.gate",)),
+    Tap(_L + r"\.mlp", "output", "tensor", ("model.layers.{N}.mlp",)),
+    Tap(_L, "output", "tensor", ("model.layers.{N}.residual_mlp",)),
+    Tap(r"model\.norm", "output", "tensor", ("model.norm",)),
+    Tap(r"lm_head", "output", "tensor", ("logits",)),
+)
+
+VLLM_TAPS = (
+    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
+    Tap(_L + r"\.input_layernorm", "output", "norm_pair", ("model.layers.{N}.input_layernorm", "{PREV_RES}")),
+    Tap(
+        _L + r"\.self_attn\.qkv_proj",
+        "output",
+        "split_qkv",
+        ("model.layers.{N}.self_attn.q_proj", "model.layers.{N}.self_attn.k_proj", "model.layers.{N}.self_attn.v_proj"),
+    ),
+    Tap(_L + r"\.self_attn\.q_norm", "output", "tensor", ("model.layers.{N}.self_attn.q_norm",)),
+    Tap(_L + r"\.self_attn\.k_norm", "output", "tensor", ("model.layers.{N}.self_attn.k_norm",)),
+    Tap(
+        _L + r"\.self_attn\.rotary_emb",
+        "output",
+        "pair",
+        ("model.layers.{N}.self_attn.rope_q", "model.layers.{N}.self_attn.rope_k"),
+    ),
+    Tap(_L + r"\.self_attn\.attn", "output", "tensor", ("model.layers.{N}.self_attn.attn_core",)),
+    Tap(_L + r"\.self_attn\.o_proj", "output", "first", ("model.layers.{N}.self_attn.o_proj",)),
+    Tap(
+        _L + r"\.post_attention_layernorm",
+        "output",
+        "pair",
+        ("model.layers.{N}.post_attention_layernorm", "model.layers.{N}.residual_attn"),
+    ),
+    Tap(
+        _L + r"\.mlp\.gate_up_proj",
+        "output",
+        "split_half",
+        ("model.layers.{N}.mlp.gate_proj", "model.layers.{N}.mlp.up_proj"),
+    ),
+    Tap(_L + r"\.mlp\.act_fn", "output", "tensor", ("model.layers.{N}.mlp.act_mul",)),
+    Tap(_L + r"\.mlp\.down_proj", "output", "first", ("model.layers.{N}.mlp.down_proj",)),
+    # the MoE router: vLLM's fused-MoE runner calls the gate as its own child
+    Tap(_L + r"\.mlp(?:\.experts)?\.gate", "output", "first", ("model.layers.{N}.mlp.gate",)),
+    Tap(_L + r"\.mlp", "output", "tensor", ("model.layers.{N}.mlp",)),
+    Tap(r"model\.norm", "output", "norm_pair", ("model.norm", "{LAST_RES}")),
+)
+
+#: boundaries HF computes in plain functions the recorder wraps (apply_rotary_pos_emb, the attention function)
+FUNCTION_BOUNDARIES = {
+    "rope_q": "model.layers.{N}.self_attn.rope_q",
+    "rope_k": "model.layers.{N}.self_attn.rope_k",
+    "attn_core": "model.layers.{N}.self_attn.attn_core",
+}
+
+#: where a contract key is read first, for a difference no introducing op accounts for
+KEY_BOUNDARY = {
+    "rms_norm_eps": ("model.layers.0.input_layernorm", "norm"),
+    "qk_norm_eps": ("model.layers.0.self_attn.q_norm", "norm"),
+    "final_norm_eps": ("model.norm", "norm"),
+    "rope_theta": ("model.layers.0.self_attn.rope_q", "rope"),
+    "rope_type": ("model.layers.0.self_attn.rope_q", "rope"),
+    "rope_style": ("model.layers.0.self_attn.rope_q", "rope"),
+    "attention_scale": ("model.layers.0.self_attn.attn_core", "attn"),
+    "sliding_window": ("model.layers.0.self_attn.attn_core", "attn"),
+    "tie_word_embeddings": ("logits", "logits"),
+    "temperature": ("log_softmax", "log_softmax"),
+    "logprobs_mode": ("log_softmax", "log_softmax"),
+    "vocab_size": ("log_softmax", "log_softmax"),
+    "num_experts_per_tok": ("model.layers.0.mlp.gate", "router"),
+    "norm_topk_prob": ("model.layers.0.mlp.gate", "router"),
+}
+
+#: vLLM packed parameter -> HF parts (split along dim 0 by the layer's output_sizes)
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: vLLM FusedMoE parameters -> HF fused-expert parameters (vLLM's CPU build prepacks them)
+MOE_PARAMS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
+
+
+def _layer_boundaries(n: int, qk_norm: bool, moe: bool) -> list[Boundary]:
+    p = f"model.layers.{n}"
+    res_in = "model.embed_tokens" if n == 0 else f"model.layers.{n - 1}.residual_mlp"
+    a = f"{p}.self_attn"
+    out = [
+        Boundary(f"{p}.input_layernorm", "norm", n, (res_in,)),
+        Boundary(f"{a}.q_proj", "linear", n, (f"{p}.input_layernorm",)),
+        Boundary(f"{a}.k_proj", "linear", n, (f"{p}.input_layernorm",)),
+        Boundary(f"{a}.v_proj", "linear", n, (f"{p}.input_layernorm",)),
+    ]
+    q_in, k_in = f"{a}.q_proj", f"{a}.k_proj"
+    if qk_norm:
+        out += [Boundary(f"{a}.q_norm", "norm", n, (q_in,)), Boundary(f"{a}.k_norm", "norm", n, (k_in,))]
+        q_in, k_in = f"{a}.q_norm", f"{a}.k_norm"
+    out += [
+        Boundary(f"{a}.rope_q", "rope", n, (q_in,)),
+        Boundary(f"{a}.rope_k", "rope", n, (k_in,)),
+        Boundary(f"{a}.attn_core", "attn", n, (f"{a}.rope_q", f"{a}.rope_k", f"{a}.v_proj"), causal=True),
+        Boundary(f"{a}.o_proj", "linear", n, (f"{a}.attn_core",)),
+        Boundary(f"{p}.residual_attn", "add", n, (res_in, f"{a}.o_proj")),
+        Boundary(f"{p}.post_attention_layernorm", "norm", n, (f"{p}.residual_attn",)),
+    ]
+    ln = f"{p}.post_attention_layernorm"
+    if moe:
+        out += [Boundary(f"{p}.mlp.gate", "router", n, (ln,)), Boundary(f"{p}.mlp", "moe", n, (ln,))]
+        mlp_out = f"{p}.mlp"
+    else:
+        out += [
+            Boundary(f"{p}.mlp.gate_proj", "linear", n, (ln,)),
+            Boundary(f"{p}.mlp.up_proj", "linear", n, (ln,)),
+            Boundary(f"{p}.mlp.act_mul", "act", n, (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj")),
+            Boundary(f"{p}.mlp.down_proj", "linear", n, (f"{p}.mlp.act_mul",)),
+        ]
+        mlp_out = f"{p}.mlp.down_proj"
+    out.append(Boundary(f"{p}.residual_mlp", "add", n, (f"{p}.residual_attn", mlp_out)))
+    return out
+
+
+@dataclass(frozen=True)
+class DecoderAdapter(ArchAdapter):
+    """A Llama-like decoder family. ``hf_prefix`` names its transformers classes (``Qwen3`` ->
+    ``Qwen3ForCausalLM``, ``Qwen3Config``, ``Qwen3RMSNorm``)."""
+
+    hf_prefix: str
+    name: str
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    moe: bool = False  # routed experts (mlp.gate + mlp.experts) in the sparse layers
+    qkv_bias: bool = False  # biases on q/k/v (Qwen2); vLLM packs them like the weights
+    sliding_window_flag: str | None = "use_sliding_window"  # None: config.sliding_window alone switches it on
+    notes: str = ""
+
+    # ---- identity -----------------------------------------------------------------------------
+
+    @property
+    def architecture(self) -> str:  # type: ignore[override]
+        return f"{self.hf_prefix}ForCausalLM"
+
+    @property
+    def config_class(self) -> str:
+        return f"{self.hf_prefix}Config"
+
+    # ---- correspondence ---------------------------------------------------------------------
+
+    def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
+        n_layers = int(config["num_hidden_layers"])
+        dense_layers = set(config.get("mlp_only_layers") or []) if self.moe else set()
+        step = int(config.get("decoder_sparse_step", 1) or 1) if self.moe else 1
+        boundaries = [Boundary("model.embed_tokens", "embed", None)]
+        for n in range(n_layers):
+            sparse = self.moe and n not in dense_layers and (n + 1) % step == 0
+            boundaries += _layer_boundaries(n, self.qk_norm, sparse)
+        last = f"model.layers.{n_layers - 1}.residual_mlp"
+        boundaries += [
+            Boundary("model.norm", "norm", None, (last,)),
+            Boundary("logits", "logits", None, ("model.norm",)),
+            Boundary("log_softmax", "log_softmax", None, ("logits",)),
+        ]
+        taps = {"hf": list(HF_TAPS), "vllm": list(VLLM_TAPS)}
+        return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
+
+    # ---- classification ----------------------------------------------------------------------
+
+    def contract_keys(self, boundary: str, kind: str) -> tuple[list[str], list[str]]:
+        keys: list[str] = []
+        weights: list[str] = []
+        if kind == "norm":
+            if boundary.endswith(("q_norm", "k_norm")):
+                keys.append("qk_norm_eps")
+            elif boundary == "model.norm":
+                keys.append("final_norm_eps")
+            else:
+                keys.append("rms_norm_eps")
+            weights.append(f"{boundary}.weight")
+        elif kind == "add":
+            keys.append("rms_norm_eps")
+            weights.append(f"{self.residual_norm(boundary)}.weight")
+        elif kind == "linear":
+            weights.append(f"{boundary}.weight")
+            if self.qkv_bias and boundary.endswith(("q_proj", "k_proj", "v_proj")):
+                weights.append(f"{boundary}.bias")
+        elif kind == "logits":
+            keys.append("tie_word_embeddings")
+            weights.append("lm_head.weight")
+        elif kind == "embed":
+            weights.append("model.embed_tokens.weight")
+        elif kind == "rope":
+            keys += ["rope_theta", "rope_type", "rope_style"]
+        elif kind == "attn":
+            keys += ["attention_scale", "sliding_window"]
+        elif kind == "log_softmax":
+            keys += ["temperature", "logprobs_mode", "vocab_size"]
+        elif kind in ("router", "moe"):
+            keys += ["num_experts_per_tok", "norm_topk_prob"]
+            prefix = boundary if kind == "moe" else boundary.rsplit(".", 1)[0]
+            weights += [f"{prefix}.gate.weight", f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"]
+        return keys, weights
+
+    def residual_norm(self, boundary: str) -> str:
+        """The norm whose eps and weight a residual-add boundary is judged with (same layer)."""
+        layer_prefix = boundary.rsplit(".", 1)[0]
+        norm = "post_attention_layernorm" if boundary.endswith("residual_attn") else "input_layernorm"
+        return f"{layer_prefix}.{norm}"
+
+    def fused_norm(self, boundary: str) -> str | None:
+        """The norm a residual add is merged into as one cause (vLLM's add + RMSNorm kernel), or None.
+
+        Only the attention add is merged: it fuses into the same layer's norm. The MLP add
+        fuses into the next layer's norm in vLLM and stays a cause of its own.
+        """
+        if boundary.endswith("residual_attn"):
+            return f"{boundary.rsplit('.', 1)[0]}.post_attention_layernorm"
+        return None
+
+    @property
+    def key_boundary(self) -> dict[str, tuple[str, str]]:
+        return dict(KEY_BOUNDARY)
+
+    def weight_boundary(self, name: str) -> tuple[str, str]:
+        """(boundary, kind) of the op that reads weight ``name``."""
+        if ".experts." in name:
+            return name.split(".experts.")[0], "moe"
+        if name == "lm_head.weight":
+            return "logits", "logits"
+        if name == "model.embed_tokens.weight":
+            return "model.embed_tokens", "embed"
+        owner = name.rsplit(".", 1)[0]
+        kind = "norm" if owner.endswith("norm") else "router" if owner.endswith("mlp.gate") else "linear"
+        return owner, kind
+
+    # ---- contract readers (the same attribute paths in HF and vLLM modules) ------------------
+
+    def layers(self, model: Any) -> Any:
+        return model.model.layers
+
+    def attention(self, layer: Any) -> Any:
+        return layer.self_attn
+
+    def input_norm(self, layer: Any) -> Any:
+        return layer.input_layernorm
+
+    def qk_norm_module(self, attention: Any) -> Any:
+        return getattr(attention, "q_norm", None)
+
+    def final_norm(self, model: Any) -> Any:
+        return model.model.norm
+
+    def embed(self, model: Any) -> Any:
+        return model.model.embed_tokens
+
+    def sliding_window(self, config: Any) -> int | None:
+        """The HF model's active sliding window, or None."""
+        window = getattr(config, "sliding_window", None)
+        if self.sliding_window_flag is not None and not getattr(config, self.sliding_window_flag, False):
+            return None
+        return window
+
+    # ---- weights --------------------------------------------------------------------------------
+
+    @property
+    def packed(self) -> dict[str, tuple[str, ...]]:
+        return dict(PACKED)
+
+    @property
+    def moe_params(self) -> dict[str, str]:
+        return dict(MOE_PARAMS)
+
+    def per_expert_stored(self, fused: str, stored: Mapping[str, Any]) -> bool:
+        """transformers 5 fuses experts in memory but saves one tensor per expert: is ``fused`` stored that way?"""
+        prefix, sep, _ = fused.rpartition(".experts.")
+        return bool(sep) and any(k.startswith(f"{prefix}.experts.0.") for k in stored)
+
+    # ---- consistent mode (HF) --------------------------------------------------------------------
+
+    @property
+    def hf_norm_classes(self) -> frozenset[str]:
+        return frozenset({f"{self.hf_prefix}RMSNorm"})
+
+    #: attribute names of a gated MLP module: gate, up, down, activation
+    mlp_parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
+    #: attribute names of a fused-experts module: gate_up, down
+    experts_parts = ("gate_up_proj", "down_proj")
+    #: attribute of an MoE block holding a shared expert (not covered by consistent mode)
+    shared_expert = "shared_expert"
+
+    def is_attention(self, module: Any) -> bool:
+        """An attention module (its modeling module holds ``apply_rotary_pos_emb``)."""
+        return hasattr(module, "q_proj") and hasattr(module, "o_proj")
