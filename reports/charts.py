@@ -6,7 +6,9 @@ autoescaping template writes the markup, so no string from a result can reach
 the page unescaped. The boundary × position heatmap is too large for SVG; it
 is prepared here as compact JSON (values rounded to 3 significant digits,
 max-pooled to at most ``MAX_HEATMAP_CELLS`` cells) and drawn on a canvas by
-the page's script.
+the page's script. Beyond ``COLLAPSE_LAYERS`` decoder layers the page starts
+with every layer folded into one row (the max over its boundaries), except the
+layer of the first divergence; a click on a layer's name unfolds it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ MAX_HEATMAP_ROWS = 2_000
 MIN_HEATMAP_COLS = 64
 MAX_LINE_POINTS = 1_000
 MAX_HOVER_BANDS = 512
+COLLAPSE_LAYERS = 8  # beyond this many decoder layers the heatmap starts with each layer folded into one row
 
 # Plot area of the SVG charts, in SVG user units.
 WIDTH, HEIGHT = 560, 230
@@ -227,6 +230,7 @@ def heatmap_data(table: Any, first_divergence: Any) -> dict | None:
     if notes:
         note = (f"Downsampled for display ({len(rows)} × {len(cols)} shown of {n_rows} × {n_cols}): "
                 + "; ".join(notes) + ". result.json holds the full table.")
+    n_layers = len({layer for layer in layers if layer >= 0})
     return {"labels": labels, "layers": layers, "cols": cols, "values": rows, "first": first_cell,
             "metric": str(table.get("metric") or "max_abs_diff"), "note": note,
-            "shape": [n_rows, n_cols]}
+            "shape": [n_rows, n_cols], "n_layers": n_layers, "collapse": n_layers > COLLAPSE_LAYERS}

@@ -168,6 +168,21 @@ def fmt_bytes(n: Any) -> str:
     return f"{int(n)} B"
 
 
+def cost_text(result: dict) -> str | None:
+    """What a scan cost, in one line: its wall time, its three longest phases and the peak memory."""
+    timings = result.get("timings")
+    timings = {k: v for k, v in timings.items() if is_number(v)} if isinstance(timings, dict) else {}
+    peak = result.get("peak_rss_bytes")
+    parts = []
+    if timings:
+        longest = sorted(timings.items(), key=lambda kv: -kv[1])[:3]
+        parts.append(f"took {fmt_duration(sum(timings.values()))} ("
+                     + ", ".join(f"{k} {fmt_duration(v)}" for k, v in longest) + ")")
+    if is_number(peak):
+        parts.append(f"peak memory {fmt_bytes(peak)}")
+    return " · ".join(parts) or None
+
+
 def pair_label(pair: dict) -> str:
     """'hf vs vllm'."""
     return f"{pair.get('train', '?')} vs {pair.get('infer', '?')}"

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from .charts import heatmap_data, histogram_chart, position_chart
-from .format import (METRICS, fmt_fraction, fmt_lens, fmt_metric, fmt_num, fmt_value, is_number,
+from .groups import cause_groups
+from .format import (METRICS, cost_text, fmt_fraction, fmt_lens, fmt_metric, fmt_num, fmt_value, is_number,
                      pair_label, verdict_text)
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
@@ -121,6 +122,7 @@ def build_view(result: dict) -> dict:
         "tool_version": _text(_dict(r.get("tool")).get("version")),
         "schema_version": _text(r.get("schema_version")),
         "depth": _text(depth),
+        "cost": cost_text(r),
         "headline": _headline(r, pairs),
         "cards": _cards(r),
         "settings": _settings_rows(settings, r.get("sequences")),
@@ -133,6 +135,7 @@ def build_view(result: dict) -> dict:
         "no_divergence_reason": _no_divergence_reason(r, depth),
         "introducing_ops": _introducing(r.get("introducing_ops")),
         "causes": _causes(r.get("causes")),
+        "groups": _groups(r),
         "heatmap": heatmap,
         "heatmap_missing": _heatmap_missing(r, depth),
         "data_json": embed_json({"heatmap": heatmap}),
@@ -181,9 +184,11 @@ def _headline(r: dict, pairs: list[dict]) -> str:
     fd = r.get("first_divergence")
     if isinstance(fd, dict):
         parts.append(f"first divergence at {fd.get('boundary')}, position {fd.get('position')}")
-    causes = _list(r.get("causes"))
+    causes, groups = _list(r.get("causes")), cause_groups(r)
     if causes:
-        parts.append(f"{len(causes)} cause{'s' if len(causes) != 1 else ''} found")
+        parts.append(f"{len(causes)} cause{'s' if len(causes) != 1 else ''} found in {len(groups)} "
+                     f"famil{'ies' if len(groups) != 1 else 'y'}: " + ", ".join(str(g.get("family")) for g in groups[:4])
+                     + (", …" if len(groups) > 4 else ""))
     return "; ".join(parts) + ("." if parts else "")
 
 
@@ -321,6 +326,22 @@ def _causes(causes: Any) -> list[dict]:
                     "share": fmt_fraction(share) if is_number(share) else "not measured",
                     "share_width": f"{width:.1f}", "share_known": is_number(share),
                     "necessity": {True: "necessary", False: "not necessary alone"}.get(necessity, "—")})
+    return out
+
+
+def _groups(r: dict) -> list[dict]:
+    """One row per cause group (``groups.py``): class, kind, family, sites in brief, share, necessity, fix."""
+    out = []
+    for g in cause_groups(r):
+        share = g.get("share")
+        width = min(100.0, max(0.0, 100.0 * share)) if is_number(share) and math.isfinite(share) else 0.0
+        sites = [str(s) for s in _list(g.get("sites"))]
+        out.append({"cls": _text(g.get("class")), "kind": _text(g.get("kind")), "family": _text(g.get("family")),
+                    "layers": _text(g.get("layers"), ""), "sites": sites, "count": g.get("count") or len(sites),
+                    "fix": _text(g.get("fix"), ""), "evidence": [str(e) for e in _list(g.get("evidence"))],
+                    "share": fmt_fraction(share) if is_number(share) else "not measured",
+                    "share_width": f"{width:.1f}", "share_known": is_number(share),
+                    "necessity": {True: "necessary", False: "not necessary alone"}.get(g.get("necessity"), "—")})
     return out
 
 

@@ -27,8 +27,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .groups import cause_groups
-from .format import (KEY_METRICS, METRICS, fmt_bytes, fmt_duration, fmt_fraction, fmt_metric, fmt_num, is_number,
-                     pair_label, safe_text, terminal_safe)
+from .format import (KEY_METRICS, METRICS, cost_text, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label,
+                     safe_text, terminal_safe)
 
 VERDICT_STYLE = {"consistent": "bold green", "divergent": "bold yellow", "operator_path": "bold blue",
                  "framework_difference": "bold red", "mixed": "bold magenta"}
@@ -121,20 +121,8 @@ def clip(text: str, width: int, lines: int = 2) -> str:
 
 
 def _cost_line(result: dict) -> Text | None:
-    """What the scan cost: its wall time, the three longest phases and the peak memory."""
-    timings = result.get("timings")
-    timings = {k: v for k, v in timings.items() if is_number(v)} if isinstance(timings, dict) else {}
-    peak = result.get("peak_rss_bytes")
-    if not timings and not is_number(peak):
-        return None
-    parts = []
-    if timings:
-        longest = sorted(timings.items(), key=lambda kv: -kv[1])[:3]
-        parts.append(f"took {fmt_duration(sum(timings.values()))} ("
-                     + ", ".join(f"{k} {fmt_duration(v)}" for k, v in longest) + ")")
-    if is_number(peak):
-        parts.append(f"peak memory {fmt_bytes(peak)}")
-    return Text(" · ".join(parts), style="dim")
+    text = cost_text(result)
+    return Text(text, style="dim") if text else None
 
 
 def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:

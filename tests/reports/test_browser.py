@@ -75,7 +75,7 @@ def test_negative_control_unescaped_markup_would_run(browser, sample_result, tmp
     browser.implicitly_wait(0)
     pwned = browser.execute_script("return new Promise(r => setTimeout(() => r(typeof window.__pwned), 200))")
     imgs = browser.execute_script("return document.querySelectorAll('img').length")
-    assert pwned == "number" and imgs == 1
+    assert pwned == "number" and imgs >= 1                      # the model is shown in the header and the run section
 
 
 def test_logprobs_depth_page_has_no_errors(browser, check_report_page, logprobs_depth_result, tmp_path):
