@@ -29,6 +29,9 @@ def test_real_scan_report_in_chromium(qwen3: Path, tmp_path: Path, browser, chec
     assert res.exit_code == 0, res.output
     result = json.loads((out / "result.json").read_text())
     assert result["model"] == str(model) and result["causes"] and result["divergence_table"]
+    groups = result["cause_groups"]                          # filled by the pipeline: every cause in one group
+    assert sorted(s for g in groups for s in g["sites"]) == sorted(c["boundary"] for c in result["causes"])
+    assert result["timings"]["attribute"] > 0 and result["peak_rss_bytes"] > 0
     html = (out / "report.html").read_text()
     assert not re.search(r"https?://", html), "the report must not reference remote assets"
     assert INJECTED not in html  # escaped wherever it appears
@@ -36,7 +39,7 @@ def test_real_scan_report_in_chromium(qwen3: Path, tmp_path: Path, browser, chec
     facts = check_report_page(browser, out / "report.html", result["verdict"])
     assert INJECTED in facts["model"]  # shown as text
     assert facts["canvas"]["painted"] > 0 and facts["canvas"]["colours"] > 1  # the heatmap drew
-    assert facts["causes"] >= 1
+    assert facts["causes"] == len(groups)
     severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not severe, severe
     top, full = save_screenshots(browser, "report-real-scan")
