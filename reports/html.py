@@ -134,7 +134,7 @@ def build_view(result: dict) -> dict:
         "first_divergence": _first_divergence(r.get("first_divergence")),
         "no_divergence_reason": _no_divergence_reason(r, depth),
         "introducing_ops": _introducing(r.get("introducing_ops")),
-        "causes": _causes(r.get("causes")),
+        "n_causes": len([c for c in _list(r.get("causes")) if isinstance(c, dict)]),
         "groups": _groups(r),
         "heatmap": heatmap,
         "heatmap_missing": _heatmap_missing(r, depth),
@@ -312,30 +312,20 @@ def _introducing(ops: Any) -> list[dict]:
     return out
 
 
-def _causes(causes: Any) -> list[dict]:
-    out = []
-    for c in _list(causes):
-        if not isinstance(c, dict):
-            continue
-        share = c.get("share")
-        width = min(100.0, max(0.0, 100.0 * share)) if is_number(share) and math.isfinite(share) else 0.0
-        necessity = c.get("necessity")
-        out.append({"boundary": _text(c.get("boundary")), "cls": _text(c.get("class")),
-                    "kind": _text(c.get("kind")), "fix": _text(c.get("fix"), ""),
-                    "evidence": [str(e) for e in _list(c.get("evidence"))],
-                    "share": fmt_fraction(share) if is_number(share) else "not measured",
-                    "share_width": f"{width:.1f}", "share_known": is_number(share),
-                    "necessity": {True: "necessary", False: "not necessary alone"}.get(necessity, "—")})
-    return out
-
-
 def _groups(r: dict) -> list[dict]:
-    """One row per cause group (``groups.py``): class, kind, family, sites in brief, share, necessity, fix."""
+    """One row per cause group (``groups.py``): class, kind, family, sites in brief, share, necessity, fix;
+    each site with its own cause's evidence (folded away on the page)."""
+    evidence: dict[tuple, list[str]] = {}
+    for c in _list(r.get("causes")):
+        if isinstance(c, dict):
+            key = (c.get("class"), c.get("kind"), str(c.get("boundary")))
+            evidence.setdefault(key, [str(e) for e in _list(c.get("evidence"))])
     out = []
     for g in cause_groups(r):
         share = g.get("share")
         width = min(100.0, max(0.0, 100.0 * share)) if is_number(share) and math.isfinite(share) else 0.0
-        sites = [str(s) for s in _list(g.get("sites"))]
+        sites = [{"boundary": str(s), "evidence": evidence.get((g.get("class"), g.get("kind"), str(s)), [])}
+                 for s in _list(g.get("sites"))]
         out.append({"cls": _text(g.get("class")), "kind": _text(g.get("kind")), "family": _text(g.get("family")),
                     "layers": _text(g.get("layers"), ""), "sites": sites, "count": g.get("count") or len(sites),
                     "fix": _text(g.get("fix"), ""), "evidence": [str(e) for e in _list(g.get("evidence"))],

@@ -153,3 +153,17 @@ def test_explain_next_steps_are_installed_commands(demo_result, sample_result):
         nxt = explain(result).split("Next: ", 1)[1]
         assert "bench/" not in nxt and ".py" not in nxt
         assert "logdiff " in nxt
+
+
+def test_html_report_shows_one_row_per_group_with_every_site(layered):
+    from logdiff.reports.html import render_html
+
+    result = layered(24)
+    html = render_html(result)
+    assert html.count('<tr class="cause">') == 3
+    assert "layers 0–23: rope_q, rope_k" in html and "(120 ops in 3 groups)" in html
+    for g in result["cause_groups"]:
+        assert html.count(g["fix"]) == 1                               # one fix per family, not per op
+    sites = html[html.index('id="causes"'):html.index('id="heatmap-section"')]
+    for c in result["causes"]:                                         # every op, folded under its group
+        assert c["boundary"].replace(".", ".<wbr>") in sites
