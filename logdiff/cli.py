@@ -81,7 +81,8 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-# `scan` answers where and why by default; `check` gates CI on the logprobs alone unless asked (docs/ci.md).
+# `scan` answers where and why by default; `check` gates CI on the logprobs alone unless a gate needs the
+# causes (--fail-on operator_path|framework_difference) or --depth says otherwise (docs/ci.md).
 SCAN_DEPTH, CHECK_DEPTH = "modules", "logprobs"
 
 # Options shared by `scan` and `check`.
@@ -252,12 +253,14 @@ def check(
     from logdiff.reports import print_summary
 
     config_keys = {f.name for f in dataclasses.fields(ScanConfig)} | {"set_", "batch_compositions"}
-    scan_options["depth"] = scan_options.get("depth") or CHECK_DEPTH
+    classes = gating.parse_fail_on(fail_on or [])
+    # a --fail-on class other than `divergent` reads the classified causes: only modules depth has them
+    classify = any(c in ("operator_path", "framework_difference") for c in classes)
+    scan_options["depth"] = scan_options.get("depth") or (SCAN_DEPTH if classify else CHECK_DEPTH)
     cfg = _build_config(**{k: v for k, v in scan_options.items() if k in config_keys})
     quiet = bool(scan_options.get("quiet"))
     thresholds = {"max_abs_diff": max_abs_diff, "max_mean_diff": max_mean_diff, "max_kl": max_kl,
                   "max_clip_fraction": max_clip_fraction}  # fmt: skip
-    classes = gating.parse_fail_on(fail_on or [])
     tol = gating.Tolerance.parse(tolerance) if tolerance is not None else None
     if update_baseline and baseline is None:
         raise InputError("--update-baseline needs --baseline FILE")

@@ -70,3 +70,13 @@ def test_progress_rows_on_a_terminal_only_without_quiet(qwen3: Path, tmp_path: P
     else:
         for text in ("stage", "check_weights", "load", "sample", "score:hf", "0:00:"):
             assert text in shown, text
+
+
+def test_check_classifies_when_a_gate_reads_the_causes(qwen3: Path, tmp_path: Path) -> None:
+    """--fail-on framework_difference needs the causes: check then runs at modules depth and the gate fires."""
+    out = tmp_path / "r.json"
+    args = ["check", str(qwen3), *FAST, *EPS, "--fail-on", "framework_difference", "--no-attribute", "--json", str(out)]
+    res = CliRunner().invoke(app, args)
+    result = json.loads(out.read_text())
+    assert result["settings"]["depth"] == "modules" and res.exit_code == 1, res.output
+    assert "FAIL fail-on framework_difference" in res.output
