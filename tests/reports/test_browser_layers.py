@@ -1,4 +1,4 @@
-"""The report of a 24-layer scan in headless Chromium: grouped causes and the first divergence above
+"""The report of a 24- and a 36-layer scan in headless Chromium: grouped causes and the first divergence above
 the fold, the heatmap's layers folded by default (all but the first divergence's), unfolded by a click.
 
 The result is synthetic but schema-valid (``layered`` in conftest.py: the demo scan's three families
@@ -9,6 +9,8 @@ at every layer, 120 causes). docs/img/report-24-layers.png is this test's first-
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from logdiff.reports.html import write_html
 
@@ -43,8 +45,9 @@ def _hover(driver, row: int, col: int) -> str:
         return document.getElementById('heatmap-tip').innerText;""", row, col)
 
 
-def test_24_layer_report(browser, check_report_page, save_screenshots, layered, tmp_path):
-    result = layered(24)
+@pytest.mark.parametrize("layers", [24, 36])
+def test_deep_model_report(browser, check_report_page, save_screenshots, layered, tmp_path, layers):
+    result = layered(layers)
     page = write_html(result, tmp_path / "report.html")
     browser.set_window_size(1360, 900)
     facts = check_report_page(browser, page, "operator_path")
@@ -54,26 +57,26 @@ def test_24_layer_report(browser, check_report_page, save_screenshots, layered, 
     seen = browser.execute_script(ABOVE_FOLD_JS)
     assert seen["fd"] < seen["view"] and max(seen["causes"]) < seen["view"], seen
     assert set(seen["families"]) == {"rope", "attention", "rms_norm"}
-    assert "layers 0–23: rope_q, rope_k" in seen["where"]
+    assert f"layers 0–{layers - 1}: rope_q, rope_k" in seen["where"]
 
-    per_layer = len(result["divergence_table"]["boundaries"]) - 4          # embed, final norm, logits, log_softmax
+    per_layer = (len(result["divergence_table"]["boundaries"]) - 4) // layers   # less embed, norm, logits, log_softmax
     folded = browser.execute_script(FOLD_JS)
-    assert folded["collapsed"] == 23                                      # every layer but the first divergence's
-    assert folded["rows"] == 4 + per_layer // 24 + 23 and folded["firstRow"] >= 0
+    assert folded["collapsed"] == layers - 1                              # every layer but the first divergence's
+    assert folded["rows"] == 4 + per_layer + layers - 1 and folded["firstRow"] >= 0
     assert folded["cellH"] >= 9                                           # few enough rows for names
-    top, _ = save_screenshots(browser, "report-24-layers")
+    top, _ = save_screenshots(browser, f"report-{layers}-layers")
     assert top.stat().st_size > 10_000
-    row_of_layer_5 = 1 + per_layer // 24 + 4                              # embed, layer 0 unfolded, layers 1-4 folded
+    row_of_layer_5 = 1 + per_layer + 4                                    # embed, layer 0 unfolded, layers 1-4 folded
     assert _hover(browser, row_of_layer_5, 0).startswith("layer 5: max over 17 boundaries")
 
     unfolded = _click_label(browser, row_of_layer_5)                      # a click on its name unfolds layer 5
-    assert unfolded["collapsed"] == 22 and unfolded["rows"] == folded["rows"] + 16
+    assert unfolded["collapsed"] == layers - 2 and unfolded["rows"] == folded["rows"] + per_layer - 1
     assert _hover(browser, row_of_layer_5, 0).splitlines()[0] == "model.layers.5.input_layernorm"
-    assert _click_label(browser, row_of_layer_5)["collapsed"] == 23       # and folds it again
+    assert _click_label(browser, row_of_layer_5)["collapsed"] == layers - 1   # and folds it again
     browser.find_element("id", "heatmap-expand").click()
     assert browser.execute_script(FOLD_JS)["rows"] == len(result["divergence_table"]["boundaries"])
     browser.find_element("id", "heatmap-collapse").click()
-    assert browser.execute_script(FOLD_JS)["collapsed"] == 24
+    assert browser.execute_script(FOLD_JS)["collapsed"] == layers
     assert not [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
 
 
