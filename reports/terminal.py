@@ -214,11 +214,20 @@ class PhaseProgress:
     def __init__(self, console: Console) -> None:
         from rich.progress import (BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                                    TimeRemainingColumn)
+        from rich.table import Column
 
-        self.progress = Progress(SpinnerColumn(finished_text="✓"), TextColumn("{task.fields[phase]:<16}"),
-                                 BarColumn(bar_width=20), TextColumn("{task.fields[count]:>7}"),
-                                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.description}"),
-                                 console=console, transient=True)
+        def fixed(width: int) -> Column:
+            return Column(width=width, no_wrap=True, overflow="ellipsis")
+
+        # fixed widths for the phase, its bar and times; the message takes what is left and is cut, never wrapped
+        self.progress = Progress(SpinnerColumn(finished_text="✓", table_column=fixed(1)),
+                                 TextColumn("{task.fields[phase]}", table_column=fixed(15)),
+                                 BarColumn(bar_width=12, table_column=fixed(12)),
+                                 TextColumn("{task.fields[count]}", justify="right", table_column=fixed(5)),
+                                 TimeElapsedColumn(table_column=fixed(7)), TimeRemainingColumn(table_column=fixed(7)),
+                                 TextColumn("{task.description}",
+                                            table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")),
+                                 console=console, transient=True, expand=True)
         self._task: Any = None
         self._phase: Any = None
 
