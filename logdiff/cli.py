@@ -135,6 +135,10 @@ def scan(
     train: str = typer.Option("hf", help="Training path engine."),
     infer: Optional[list[str]] = typer.Option(None, help="Inference path engine(s): vllm, hf-decode, hf. Repeatable."),
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32."),
+    device: str = typer.Option(
+        "auto", help="Where the HF paths compute: auto (the accelerator torch sees, else cpu), cpu, cuda, cuda:1, "
+        "npu. vLLM computes on its own platform's device.",
+    ),  # fmt: skip
     sequences: Optional[Path] = typer.Option(None, help="JSONL of prompt_ids, response_ids[, rollout_logprobs]."),
     prompts: Optional[Path] = typer.Option(None, help="Text prompts (one per line) or JSONL with prompt/messages."),
     num_sequences: int = typer.Option(8, help="Probe set: number of sequences."),
@@ -180,7 +184,7 @@ def scan(
         num_sequences=num_sequences, prompt_len=prompt_len, response_len=response_len, seed=seed,
         infer_ckpt=infer_ckpt, set_=set_, depth=depth or SCAN_DEPTH, consistent=consistent,
         consistent_kernels=consistent_kernels, attribute=attribute, drill=drill,
-        batch_compositions=batch_compositions, trust_remote_code=trust_remote_code,
+        batch_compositions=batch_compositions, trust_remote_code=trust_remote_code, device=device,
     )  # fmt: skip
     outputs.prepare(out, json_path)
     tables: dict[str, Any] = {}

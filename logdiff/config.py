@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,7 @@ class ScanConfig:
     batch_sizes: tuple[int, ...] | None = None
     #: let transformers and vLLM run Python code that ships with the model (auto_map)
     trust_remote_code: bool = False
+    device: str = "auto"  # where the HF paths compute (vLLM uses its own platform's device)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -62,6 +65,8 @@ class ScanConfig:
             raise InputError("--response-len must be at least 1")
         if self.num_sequences < 1 or self.prompt_len < 1:
             raise InputError("--num-sequences and --prompt-len must be at least 1")
+        if not re.fullmatch(r"auto|cpu|mps|(cuda|npu|xpu)(:\d+)?", self.device):
+            raise InputError(f"--device must be auto, cpu, cuda[:N], npu[:N], xpu[:N] or mps, not {self.device!r}")
         if self.drill is not None and self.depth != "ops":
             raise InputError("--drill needs --depth ops (it names the module whose aten ops are traced)")
         if self.consistent_kernels is not None and not self.consistent:

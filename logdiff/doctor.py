@@ -63,8 +63,9 @@ def cpu_kernels(torch: Any) -> dict[str, Any]:
 
 def render(info: dict[str, Any], console: Any) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="logdiff doctor", show_header=False)
     for key, value in info.items():
-        table.add_row(key, ", ".join(value) if isinstance(value, list) else str(value))
+        table.add_row(key, Text(", ".join(value) if isinstance(value, list) else str(value)))  # not markup: "[cpu]"
     console.print(table)

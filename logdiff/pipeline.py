@@ -46,7 +46,7 @@ def split_settings(engine: str, settings: dict[str, Any]) -> tuple[tuple, tuple]
 
 def _spec(engine: str, staged: checkpoint.StagedModel, cfg: ScanConfig, settings: dict[str, Any]) -> EngineSpec:
     overrides, options = split_settings(engine, settings)
-    return EngineSpec(str(staged.path), cfg.dtype, overrides, options, cfg.seed, cfg.trust_remote_code)
+    return EngineSpec(str(staged.path), cfg.dtype, overrides, options, cfg.seed, cfg.trust_remote_code, cfg.device)
 
 
 def _load_sequences(cfg: ScanConfig, staged: checkpoint.StagedModel) -> tuple[list[sequences.Sequence], str]:

@@ -147,7 +147,7 @@ def _rope_params(module: Any) -> tuple[float, int]:
     buffer = getattr(module, "original_inv_freq", module.inv_freq)
     rotary_dim = 2 * buffer.numel()
     ours = 1.0 / float(theta) ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    if not torch.allclose(ours, buffer.double(), rtol=2 * torch.finfo(buffer.dtype).eps, atol=0):
+    if not torch.allclose(ours, buffer.double().cpu(), rtol=2 * torch.finfo(buffer.dtype).eps, atol=0):
         raise NotImplementedError("consistent_hf: the rotary module's inv_freq is not theta ** (-2i/d)")
     return float(theta), rotary_dim
 

@@ -101,6 +101,8 @@ class DiffSummary:
             raise ValueError(f"shape mismatch {tuple(ref.shape)} vs {tuple(other.shape)}")
         if ref.numel() == 0:
             return
+        if other.device != ref.device:  # a stored side (CPU) against a live one on an accelerator
+            other = other.to(ref.device)
         dt = coarser(dtype_name(ref.dtype), dtype_name(other.dtype))
         self.dtype = dt if self.dtype is None else coarser(self.dtype, dt)
         if ref.dtype == other.dtype and torch.equal(ref, other):  # the common case, in two passes
@@ -281,7 +283,7 @@ class PathComparer:
             have = rmap.valid & check(rmap.seq, rmap.pos)
             if have.any():
                 hidx = np.nonzero(have)[0]
-                rows[hidx] = source.read(rmap.seq[hidx], rmap.pos[hidx]).to(rows.dtype)
+                rows[hidx] = source.read(rmap.seq[hidx], rmap.pos[hidx]).to(rows.device, rows.dtype)
             ok &= have
             xs.append(layout.from_rows(rows, like=template))
         if not ok.any():

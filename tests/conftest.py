@@ -99,7 +99,10 @@ def stock_varies() -> Callable[[bool, str], None]:
 
     def check(equal: bool, what: str) -> None:
         if equal:
-            pytest.skip(f"negative control not buildable on this CPU ({cpu_isa()}): {what}")
+            from logdiff.engines.base import resolve_device
+
+            where = f"CPU {cpu_isa()}, default device {resolve_device('auto')}"
+            pytest.skip(f"negative control not buildable on this machine ({where}): {what}")
 
     return check
 

@@ -2,51 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-import torch.nn.functional as F
+from plants import batch_dependent
 
 import logdiff
-from logdiff.isa import cpu_isa
-from logdiff.probes import checkpoint
 from logdiff.engines import base
+from logdiff.probes import checkpoint
 
 SIZES = (1, 4, 8)
 
 
-@contextlib.contextmanager
-def batch_dependent(module: torch.nn.Module) -> Iterator[list[int]]:
-    """Plant batch-dependent tiling: with more than one row in the batch, split K and round each half.
-
-    Whether a *stock* op varies with the batch size depends on the CPU's kernels
-    (fp32 SDPA decode does on some, not on others), so the probe's negative
-    control is planted, and checked to change this CPU's output bits first.
-    """
-    weight = module.weight
-    batch_sizes: list[int] = []  # what the engine ran through the plant
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        batch_sizes.append(x.shape[0])
-        if x.shape[0] == 1:
-            return F.linear(x, weight)
-        k = x.shape[-1] // 2
-        halves = (F.linear(x[..., :k], weight[:, :k]), F.linear(x[..., k:], weight[:, k:]))
-        return sum(h.to(torch.bfloat16) for h in halves).to(x.dtype)
-
-    probe = torch.randn(4, 1, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    with torch.no_grad():
-        if torch.equal(forward(probe)[:1], forward(probe[:1])):
-            pytest.skip(f"the planted batch dependence changes no bits on this CPU ({cpu_isa()})")
-    batch_sizes.clear()
-    module.forward = forward
-    try:
-        yield batch_sizes
-    finally:
-        del module.forward
 
 
 @pytest.mark.isa_sensitive

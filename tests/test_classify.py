@@ -8,18 +8,16 @@ and every operator-path cause vanishes under ``--consistent``.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from plants import split_k
 
 import logdiff
-from logdiff.isa import cpu_isa
-from logdiff.probes import checkpoint
 from logdiff.engines import base
+from logdiff.probes import checkpoint
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 
@@ -113,15 +111,19 @@ def test_framework_difference_hiding_behind_numeric_noise(qwen3: Path) -> None:
     r = logdiff.scan(qwen3, infer=["hf-decode"], infer_set={"rms_norm_eps": 1.5e-6}, **SMALL)
     c = cause_at(r, "model.layers.0.input_layernorm")
     assert (c["class"], c["kind"]) == ("framework_difference", "config_contract")
-    assert any(c2["class"] == "operator_path" for c2 in r["causes"])
-    assert r["verdict"] == "mixed"
+    # Where stock attention adds its own operator-path noise (the CPUs seen so far), the verdict is mixed.
+    noise = any(c2["class"] == "operator_path" for c2 in r["causes"])
+    assert r["verdict"] == ("mixed" if noise else "framework_difference")
 
 
 # --- pure numerics ----------------------------------------------------------------------------
 
 
-def test_hf_vs_hf_decode_is_operator_path_in_attention(qwen3: Path) -> None:
+@pytest.mark.isa_sensitive
+def test_hf_vs_hf_decode_is_operator_path_in_attention(qwen3: Path, stock_varies: Callable) -> None:
     r = logdiff.scan(qwen3, infer=["hf-decode"], **{**SMALL, "attribute": True})
+    # On CUDA, stock SDPA prefill and decode agreed bitwise at these sizes: nothing to find there.
+    stock_varies(r["verdict"] == "consistent", "HF forward and KV-cache decode agree bitwise here")
     assert r["first_divergence"]["boundary"] == "model.layers.0.self_attn.attn_core"
     assert r["first_divergence"]["inputs_equal"] is True
     assert r["verdict"] == "operator_path"
@@ -142,32 +144,6 @@ def test_hf_vs_vllm_is_operator_path_and_vanishes_under_consistent(demo_model: C
     assert fixed["logprobs"]["abs_diff_max"] == 0.0 and fixed["verdict"] == "consistent"
 
 
-@contextlib.contextmanager
-def split_k(module: torch.nn.Module) -> Iterator[None]:
-    """Plant a reduction-order change: split-K with each half's partial sum rounded to the output dtype.
-
-    The same sum in another order, with one more rounding: operator path. (Summing
-    both halves in fp32 and rounding once is not a plant on every CPU: on AVX2,
-    torch's bf16 GEMM accumulates in fp32 too and rounds to the same bits.) The
-    plant is checked to change this CPU's output bits before it is used.
-    """
-    weight = module.weight
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        k = x.shape[-1] // 2
-        lo = torch.nn.functional.linear(x[..., :k], weight[:, :k])
-        hi = torch.nn.functional.linear(x[..., k:], weight[:, k:])
-        return hi + lo
-
-    probe = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    with torch.no_grad():
-        if torch.equal(forward(probe), module(probe)):
-            pytest.skip(f"the split-K plant changes no output bits on this CPU ({cpu_isa()})")
-    module.forward = forward
-    try:
-        yield
-    finally:
-        del module.forward
 
 
 @pytest.mark.isa_sensitive

@@ -12,11 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
+from plants import split_k
 
 from logdiff.config import ScanConfig
+from logdiff.engines.base import EngineSpec, acquire
 from logdiff.locate import write_tables
 from logdiff.pipeline import scan
-from logdiff.probes import correspondence
+from logdiff.probes import checkpoint, correspondence
 from logdiff.reports.schema import validate_result
 
 SMALL = {"num_sequences": 3, "prompt_len": 10, "response_len": 8}
@@ -65,7 +67,10 @@ def test_identical_path_reports_no_divergence(qwen3: Path, tmp_path: Path) -> No
 
 
 def test_hf_decode_ops_depth(qwen3: Path) -> None:
-    r = _scan(qwen3, infer=["hf-decode"], depth="ops")
+    # A planted operator-path fault, so that there is a divergence to trace on every CPU and device.
+    engine = acquire("hf-decode", EngineSpec(str(checkpoint.stage(qwen3).path)))
+    with split_k(engine.model.get_submodule("model.layers.1.self_attn.o_proj")):
+        r = _scan(qwen3, infer=["hf-decode"], depth="ops")
     first = _check_first_divergence(r)
     trace = r["op_trace"]
     assert trace["boundary"] == first["boundary"]

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from logdiff.probes.errors import InputError
+from logdiff.probes.errors import EngineUnavailable, InputError
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -43,6 +43,7 @@ class EngineSpec:
     options: tuple[tuple[str, Any], ...] = ()  # engine settings (temperature, attn_implementation, ...)
     seed: int = 0
     trust_remote_code: bool = False  # let transformers/vLLM run code shipped with the model
+    device: str = "auto"  # where the engine computes: auto, cpu, cuda, cuda:1, npu, ...
 
     def option(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
@@ -152,6 +153,24 @@ def unsupported_as_input_error() -> Iterator[None]:
         yield
     except NotImplementedError as e:
         raise InputError(f"--consistent: {e}") from None
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: the first accelerator torch sees (CUDA, then Ascend NPU, then XPU), else ``cpu``."""
+    import torch
+
+    if device != "auto":
+        backend = getattr(torch, device.split(":")[0], None)
+        if device != "cpu" and not getattr(backend, "is_available", lambda: False)():
+            raise EngineUnavailable(f"--device {device}: torch sees no such device here (torch {torch.__version__})")
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    for backend in ("npu", "xpu"):  # torch_npu registers torch.npu on import
+        module = getattr(torch, backend, None)
+        if module is not None and getattr(module, "is_available", lambda: False)():
+            return backend
+    return "cpu"
 
 
 ENGINES: dict[str, type[Engine]] = {}

@@ -27,6 +27,7 @@ from logdiff.engines.base import (
     Sampled,
     TokenSequence,
     register,
+    resolve_device,
     unsupported_as_input_error,
 )
 from logdiff.probes.errors import InputError
@@ -49,7 +50,7 @@ def load_model(spec: EngineSpec) -> Any:
         attn_implementation=spec.option("attn_implementation", "sdpa"),
         trust_remote_code=spec.trust_remote_code,
     )
-    return model.eval()
+    return model.to(resolve_device(spec.device)).eval()
 
 
 def apply_override(config: Any, key: str, value: Any) -> None:
@@ -93,6 +94,11 @@ class HFEngine(Engine):
 
             return log_softmax(logits)
         return torch.log_softmax(logits, dim=-1)
+
+    @property
+    def device(self) -> Any:
+        """The device the model computes on; inputs go there, results come back to the CPU."""
+        return next(self.model.parameters()).device
 
     def _batches(self, n: int) -> Iterator[range]:
         size = int(self.spec.option("batch_size", 8))
@@ -162,7 +168,7 @@ class HFEngine(Engine):
                 # no finite probability takes the pad token (as vLLM does), so the scan completes.
                 probs = torch.nan_to_num(step_logprobs.exp(), nan=0.0, posinf=0.0, neginf=0.0)
                 probs[probs.sum(-1) <= 0, self.pad_id] = 1.0
-                nxt = torch.multinomial(probs, 1, generator=gen)[:, 0]
+                nxt = torch.multinomial(probs.cpu(), 1, generator=gen)[:, 0]  # the same draws on any device
                 for row, tok in enumerate(nxt.tolist()):
                     chosen[row].append(tok)
                 return nxt
@@ -185,6 +191,7 @@ class HFEngine(Engine):
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
             for t in range(steps):
@@ -194,7 +201,7 @@ class HFEngine(Engine):
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
                 positions = positions[:, -1:] + 1
                 out = self.model(
-                    input_ids=nxt[:, None],
+                    input_ids=nxt[:, None].to(self.device),
                     attention_mask=mask,
                     position_ids=positions,
                     past_key_values=out.past_key_values,
@@ -230,10 +237,12 @@ class HFForward(HFEngine):
                 starts.append(start)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             with torch.no_grad():
-                logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+                logits = self.model(
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device)
+                ).logits
             for r, s in enumerate(rows):
                 p, n = len(s.prompt_ids), len(s.response_ids)
-                lp = self._logprobs(logits[r, starts[r] + p - 1 : starts[r] + p + n - 1])
+                lp = self._logprobs(logits[r, starts[r] + p - 1 : starts[r] + p + n - 1]).cpu()
                 tokens = torch.tensor(s.response_ids)
                 logprobs.append(lp.gather(-1, tokens[:, None])[:, 0].numpy())
                 top1.append(lp.argmax(-1).numpy())
@@ -267,6 +276,7 @@ class HFDecode(HFEngine):
             step_top: list[Any] = []
 
             def feed(lp: Any, t: int) -> Any:
+                lp = lp.cpu()
                 step_lp.append(lp.gather(-1, forced[:, t : t + 1])[:, 0])
                 step_top.append(lp.argmax(-1))
                 return forced[:, t]
