@@ -10,7 +10,9 @@ training path against the first inference path):
 3. ``classify.classify_op`` per introducing op, fused add+norm merged;
 4. ``attribute.attribute``: share and necessity from rescans at logprobs depth.
 
-Rescans reuse the pooled engines, so they cost one forward pass each.
+Every rerun goes through a ``Rescanner``: the one object that knows how to scan
+the same sequences again with other settings (the pooled engines are reused,
+so each costs one pass) and that remembers each configuration's logdiff.
 """
 
 from __future__ import annotations
@@ -29,10 +31,31 @@ from logdiff.engines.base import Engine
 # Relative spacing of each dtype (its machine epsilon): local_rel / EPS = ulps at the output's magnitude.
 EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
 
-Scan = Callable[[ScanConfig], dict[str, Any]]
+class Rescanner:
+    """Reruns of one scan with changed settings, for classification and attribution.
+
+    ``scan(cfg)`` returns a result dict without diagnosing it again (the
+    pipeline passes ``pipeline.scan`` with ``classify=False``).
+    """
+
+    def __init__(self, scan: Callable[[ScanConfig], dict[str, Any]]):
+        self._scan = scan
+        self._logdiffs: dict[tuple, float] = {}
+
+    def rescan(self, cfg: ScanConfig) -> dict[str, Any]:
+        """The full result of ``cfg``."""
+        return self._scan(cfg)
+
+    def logdiff(self, cfg: ScanConfig) -> float:
+        """The primary pair's max |logprob difference| under ``cfg``, each configuration scanned once."""
+        key = (cfg.consistent_kernels, cfg.consistent, cfg.infer_ckpt, tuple(sorted(cfg.train_set.items())),
+               tuple(sorted(cfg.infer_set.items())))  # fmt: skip
+        if key not in self._logdiffs:
+            self._logdiffs[key] = float(self._scan(cfg)["pairs"][0]["metrics"]["abs_diff_max"])
+        return self._logdiffs[key]
 
 
-def _reference_rerun(cfg: ScanConfig, scan: Scan, warnings: list[str]) -> Callable[[str], bool | None] | None:
+def _reference_rerun(cfg: ScanConfig, rescanner: Rescanner, warnings: list[str]) -> Callable[[str], bool | None] | None:
     """Whether each op still introduces error with the reference kernels on both sides.
 
     The rerun keeps every framework difference (overrides, weights), so ops
@@ -41,7 +64,7 @@ def _reference_rerun(cfg: ScanConfig, scan: Scan, warnings: list[str]) -> Callab
     its output is equal.
     """
     try:
-        ref = scan(replace(cfg, depth="modules", consistent=True, consistent_kernels=None, drill=None))
+        ref = rescanner.rescan(replace(cfg, depth="modules", consistent=True, consistent_kernels=None, drill=None))
     except Exception as e:  # noqa: BLE001 - a path without consistent mode still gets classified
         warnings.append(f"reference-kernel rerun unavailable ({type(e).__name__}: {e}); classified by contract and noise floor")
         return None
@@ -65,7 +88,7 @@ def diagnose(
     cfg: ScanConfig,
     train: Engine,
     infer: Engine,
-    scan: Scan,
+    rescanner: Rescanner,
     progress: Callable[..., None] = silent,
 ) -> None:
     """Fill ``contracts``, ``causes``, ``attribution`` and ``verdict`` of ``result`` in place."""
@@ -92,7 +115,7 @@ def diagnose(
     if not ops:
         result["warnings"].append("the logprobs differ but no op was found to introduce the error")
     progress("rerunning both paths with the reference kernels", phase="reference_rerun")
-    reference = _reference_rerun(cfg, scan, result["warnings"]) if ops else None
+    reference = _reference_rerun(cfg, rescanner, result["warnings"]) if ops else None
     progress(f"classifying {len(ops)} ops that introduce error", phase="classify")
     causes = []
     for op in ops:
@@ -111,17 +134,9 @@ def diagnose(
     causes += classify.preflight_only_causes(contracts, causes, arch)
     progress("attributing the logdiff to its causes", phase="attribute")
     baseline = float(pair["metrics"]["abs_diff_max"])
-    measure_cache: dict[Any, float] = {}
-
-    def measure(c: ScanConfig) -> float:
-        key = (c.consistent_kernels, c.consistent, c.infer_ckpt, tuple(sorted(c.train_set.items())), tuple(sorted(c.infer_set.items())))
-        if key not in measure_cache:
-            measure_cache[key] = float(scan(c)["pairs"][0]["metrics"]["abs_diff_max"])
-        return measure_cache[key]
-
     try:
         if cfg.attribute:
-            result["attribution"] = attribute.attribute(causes, cfg, baseline, measure, progress)
+            result["attribution"] = attribute.attribute(causes, cfg, baseline, rescanner.logdiff, progress)
     except Exception as e:  # noqa: BLE001 - classification stands without attribution
         result["warnings"].append(f"attribution skipped ({type(e).__name__}: {e})")
     causes.sort(key=lambda c: (-(c["share"] if c["share"] is not None else -1.0), c["boundary"]))

@@ -14,6 +14,7 @@ import datetime as dt
 import platform
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -21,12 +22,12 @@ import numpy as np
 
 from logdiff import compare, isa, sequences
 from logdiff.config import ScanConfig
+from logdiff.engines.base import Engine, EngineSpec, PathScores, acquire, get_engine
 from logdiff.errors import InputError
 from logdiff.options import is_option
-from logdiff.probes import checkpoint
 from logdiff.phases import Phases, peak_rss_bytes, silent
+from logdiff.probes import checkpoint
 from logdiff.reports.groups import group_causes
-from logdiff.engines.base import Engine, EngineSpec, PathScores, acquire, get_engine
 
 SCHEMA_VERSION = 1
 Progress = Callable[[str], None]
@@ -75,14 +76,34 @@ def _sampler(engines: list[Engine]) -> Engine:
     return next((e for e in engines if e.name == "vllm"), engines[0])
 
 
-def run_paths(
-    cfg: ScanConfig, progress: Progress = silent
-) -> tuple[list[sequences.Sequence], str, PathScores, list[PathScores], dict[str, Any]]:
+@dataclass
+class PathRun:
+    """What running every path over the same ids produced (``run_paths``)."""
+
+    sequences: list[sequences.Sequence]
+    source: str  # probe | jsonl | prompts
+    train: PathScores
+    infers: list[PathScores]
+    paths: list[dict[str, Any]]  # result.json's "paths": one entry per path, with its engine's info
+    architecture: str
+    train_engine: Engine
+    infer_engines: list[Engine]
+    probes: Any = None  # the ProbeSession at --depth modules|ops (the caller closes it)
+    batch_invariance: dict[str, Any] | None = None
+    nonfinite_weights: dict[str, list[str]] = field(default_factory=dict)
+
+    def engine_of(self, path: str) -> Engine:
+        """The inference engine that produced ``path`` (the first one for a recorded path)."""
+        name = next((p["engine"] for p in self.paths[1:] if p["name"] == path), None)
+        return next((e for e in self.infer_engines if e.name == name), self.infer_engines[0])
+
+
+def run_paths(cfg: ScanConfig, progress: Progress = silent) -> PathRun:
     """Run the training path and every inference path over the same ids.
 
     At ``--depth modules|ops`` the inference paths are recorded while they run
     (to disk) and the training path is compared against them as it runs;
-    ``meta["probes"]`` is then the ``ProbeSession`` (the caller closes it).
+    ``PathRun.probes`` is then the ``ProbeSession`` (the caller closes it).
     """
     from logdiff import overrides
     from logdiff.probes import nonfinite
@@ -116,9 +137,9 @@ def run_paths(
         return probes.record(engine, role) if probes is not None else contextlib.nullcontext()
 
     try:
-        out = _run(cfg, progress, staged, staged_infer, seqs, source, recording, probes)
-        out[4]["nonfinite_weights"] = weights
-        return out
+        run = _run(cfg, progress, staged, staged_infer, seqs, source, recording, probes)
+        run.nonfinite_weights = weights
+        return run
     except BaseException:
         if probes is not None:
             probes.close()
@@ -134,7 +155,7 @@ def _run(
     source: str,
     recording: Callable[[Engine, str], Any],
     probes: Any,
-) -> tuple[list[sequences.Sequence], str, PathScores, list[PathScores], dict[str, Any]]:
+) -> PathRun:
     """Load the engines and run every path (recording where ``recording`` says)."""
     from logdiff.overrides import check_applied
 
@@ -189,9 +210,8 @@ def _run(
         add(None, [PathScores("rollout", "recorded", [np.asarray(s.rollout_logprobs, np.float32) for s in seqs])])
     paths = [_path_info(train, train_scores, "train")]
     paths += [_path_info(owners[p.path], p, "infer") for p in infer_scores]
-    meta = {"paths": paths, "architecture": staged.architecture, "probes": probes, "engines": (train, infers),
-            "batch_invariance": batch_invariance}
-    return seqs, source, train_scores, infer_scores, meta
+    return PathRun(seqs, source, train_scores, infer_scores, paths, staged.architecture, train, infers, probes,
+                   batch_invariance)  # fmt: skip
 
 
 def _path_info(engine: Engine | None, scores: PathScores, role: str) -> dict[str, Any]:
@@ -314,18 +334,19 @@ def scan(
     ``logdiff.locate.write_tables(tables, out_dir)``.
     """
     progress = Phases.of(progress)  # times each phase: result["timings"]
-    seqs, source, train, infers, meta = run_paths(cfg, progress)
+    run = run_paths(cfg, progress)
+    seqs, source, train, infers = run.sequences, run.source, run.train, run.infers
     progress("comparing the logprobs", phase="compare")
     tok = _tokenizer(cfg)
     pairs = [_pair(train, p, seqs, tok) for p in infers]
     consistent = all(p["metrics"]["bitwise_equal_fraction"] == 1.0 for p in pairs)
     located: dict[str, Any] = {"warnings": [], "first_divergence": None, "introducing_ops": [],
                                "divergence_table": None, "op_trace": None, "tables": {}, "first_nonfinite": None}
-    if meta.get("probes") is not None:
+    if run.probes is not None:
         try:
-            located = _localize(pairs, meta["probes"], progress)
+            located = _localize(pairs, run.probes, progress)
         finally:
-            meta["probes"].close()
+            run.probes.close()
     if tables is not None:
         tables.update(located["tables"])
     result = {
@@ -337,7 +358,7 @@ def scan(
         "model": str(cfg.model),
         "checkpoint": str(cfg.ckpt) if cfg.ckpt else None,
         "infer_checkpoint": str(cfg.infer_ckpt) if cfg.infer_ckpt else None,
-        "architecture": meta["architecture"],
+        "architecture": run.architecture,
         "dtype": cfg.dtype,
         "settings": {
             "seed": cfg.seed,
@@ -348,7 +369,7 @@ def scan(
             "trust_remote_code": cfg.trust_remote_code,
         },
         "environment": environment(),
-        "paths": meta["paths"],
+        "paths": run.paths,
         "sequences": {
             "count": len(seqs),
             "source": source,
@@ -365,18 +386,16 @@ def scan(
         "divergence_table": located["divergence_table"],
         "contracts": None,
         "moe": None,
-        "batch_invariance": meta["batch_invariance"],
+        "batch_invariance": run.batch_invariance,
     }
     if located["op_trace"] is not None:
         result["op_trace"] = located["op_trace"]
-    _non_finite(result, cfg, [train, *infers], meta["nonfinite_weights"], located["first_nonfinite"])
+    _non_finite(result, cfg, [train, *infers], run.nonfinite_weights, located["first_nonfinite"])
     if classify and cfg.depth != "logprobs":
-        from logdiff.diagnose import diagnose
+        from logdiff.diagnose import Rescanner, diagnose
 
-        train_engine, infer_engines = meta["engines"]
-        engine_name = next(p["engine"] for p in result["paths"][1:] if p["name"] == pairs[0]["infer"])
-        owner = next((e for e in infer_engines if e.name == engine_name), infer_engines[0])
-        diagnose(result, cfg, train_engine, owner, lambda c: scan(c, classify=False), progress)
+        owner = run.engine_of(pairs[0]["infer"])
+        diagnose(result, cfg, run.train_engine, owner, Rescanner(lambda c: scan(c, classify=False)), progress)
     result["cause_groups"] = group_causes(result["causes"])
     result["timings"], result["peak_rss_bytes"] = progress.close(), peak_rss_bytes()
     return result
