@@ -6,7 +6,7 @@ the recorder's module hooks: the mode is pushed when the outermost hooked
 module starts and popped when it ends (``always_call`` hooks, so also on an
 exception), and each op is attributed to the innermost module on the call
 stack that is being traced and to every enclosing traced module (inclusive:
-the trace of ``self_attn`` holds the ops of ``q_proj`` too, each op tagged
+the trace of an attention module holds the ops of its projections too, each op tagged
 with the innermost module that ran it). Ops the probes themselves run
 (comparisons, replays) are not recorded. Each call is tagged with the kind of
 step it ran in (``prefill``: some sequence fed more than one token, or

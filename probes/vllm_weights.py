@@ -72,7 +72,7 @@ def _input_size(layer: Any) -> int:
 def moe_runner_weights(runner: Any) -> tuple[Any, Any]:
     """Plain ``w13``/``w2`` of a vLLM MoE block's experts, whichever CPU MoE kernel packed them.
 
-    ``runner`` is the module at the HF ``mlp.experts`` position: vLLM 0.32's
+    ``runner`` is the module at the HF experts module's position: vLLM 0.32's
     ``MoERunner`` (experts under ``routed_experts``) or an older ``FusedMoE``
     that holds ``w13_weight`` itself.
     """

@@ -1,4 +1,4 @@
-"""The bundled demo models: tiny Qwen3 / Llama / Qwen3-MoE trained briefly on CPU.
+"""The bundled demo models: tiny Qwen3, Llama, Qwen3-MoE, Qwen2, Mistral, Llama 3, trained briefly on CPU.
 
 ``logdiff demo-model PATH --arch ARCH`` calls :func:`build_demo_model`.
 Tests that only need an untrained model use :func:`tiny_config`.
@@ -7,7 +7,8 @@ Importing this package is cheap: torch, transformers and tokenizers are
 imported only when a model or tokenizer is built.
 
 Modules: ``corpus`` (the training text: the Python stdlib's source),
-``tokenizer`` (byte-level BPE + ChatML template), ``configs`` (tiny configs),
+``tokenizer`` (byte-level BPE + ChatML template), ``configs`` (tiny configs; each
+architecture's own settings come from its adapter in ``logdiff.probes.arch``),
 ``train`` (deterministic CPU training loop), ``build`` (the whole pipeline).
 See docs/demo-model.md for the choices and the measured numbers.
 """
