@@ -22,6 +22,7 @@ import typer
 from rich.console import Console
 
 from logdiff.errors import EXIT_INTERNAL, LogdiffError
+from logdiff.probes.arch import demos as demo_archs  # names only: no torch
 
 app = typer.Typer(
     name="logdiff",
@@ -445,7 +446,7 @@ def kernels(
 @handle_errors
 def demo_model(
     path: Path = typer.Argument(..., help="Directory to create."),
-    arch: str = typer.Option("qwen3", help="qwen3, llama or qwen3-moe."),
+    arch: str = typer.Option("qwen3", help=f"One of {', '.join(demo_archs())} (docs/architectures.md)."),
     seed: int = typer.Option(0, help="Seed for the weights and the training order."),
     train_seconds: float = typer.Option(90.0, help="Training budget in seconds (peaked distributions)."),
     max_steps: Optional[int] = typer.Option(None, help="Stop after this many steps (reproducible builds)."),
