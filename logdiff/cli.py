@@ -168,6 +168,10 @@ def scan(
     trust_remote_code: bool = typer.Option(
         False, "--trust-remote-code", help="Let transformers and vLLM run Python code shipped with MODEL (auto_map)."
     ),
+    is_threshold: float = typer.Option(
+        2.0, metavar="T", help="Truncated-IS and rejection bounds [1/T, T] of the rollout_is_*/rollout_rs_* "
+        "metrics (verl's rollout_is_threshold; default 2.0).",
+    ),  # fmt: skip
     out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
@@ -186,6 +190,7 @@ def scan(
         infer_ckpt=infer_ckpt, set_=set_, depth=depth or SCAN_DEPTH, consistent=consistent,
         consistent_kernels=consistent_kernels, attribute=attribute, drill=drill,
         batch_compositions=batch_compositions, trust_remote_code=trust_remote_code, device=device,
+        is_threshold=is_threshold,
     )  # fmt: skip
     outputs.prepare(out, json_path)
     tables: dict[str, Any] = {}

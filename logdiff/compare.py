@@ -1,96 +1,241 @@
 """Per-token logprob metrics between a training path and an inference path.
 
-The names follow what RL dashboards already show (verl's ``rollout_probs_diff_*``,
-the k1/k3 KL estimators, PPO's importance ratio and clip fraction); every
-definition is in docs/result-schema.md. Samples come from the inference engine,
-so the importance ratio is ``r = exp(lp_train - lp_infer)`` and the KL
-estimators estimate KL(infer || train).
+Every metric is over the *scored* tokens: the response tokens whose
+``response_mask`` is 1 (all of them without a mask). Masked tokens were still
+replayed through every path, since they condition later tokens, but are not scored.
+
+The metrics that carry a verl name are computed the way verl computes them, on a
+padded ``(sequences, positions)`` batch: token-level means are verl's
+``masked_mean`` (``sum / (count + 1e-8)``), per-sequence means first where verl
+takes them, ``torch.std`` is the N-1 estimator (NaN, written null, at N = 1), log
+ratios are clamped at +-20 where verl clamps them. Sources (volcengine/verl):
+``verl/utils/debug/metrics.py`` (``training/rollout_probs_diff_*``, the Pearson r),
+``verl/trainer/ppo/rollout_corr_helper.py`` (``rollout_corr/*``: ``compute_offpolicy_metrics``,
+``compute_is_metrics``, ``compute_rollout_rejection_mask``), ``verl/trainer/ppo/core_algos.py``
+(``compute_policy_loss_vanilla``: ``pg_clipfrac``). Definitions: docs/result-schema.md#metrics.
+Samples come from the inference engine, so ``r = exp(lp_train - lp_infer)``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-CLIP_EPSILONS = (0.2, 0.28)
+#: verl's ``rollout_is_threshold`` default: truncated-IS bounds are [1/T, T]
+IS_THRESHOLD = 2.0
+#: the symmetric ratio bands of ``ratio_outside_band_{eps}``
+BAND_EPSILONS = (0.2, 0.28)
+#: PPO's clip ratio (both sides), DAPO's clip-higher upper side, dual-clip PPO's ``clip_ratio_c``
+PPO_EPS, DAPO_EPS_HIGH, DUAL_CLIP_C = 0.2, 0.28, 3.0
+#: verl's ``SAFETY_BOUND``: log ratios are clamped to [-20, 20] before exp
+SAFETY_BOUND = 20.0
+#: deprecated key -> the key it repeats (kept in result.json for readers of the old names)
+ALIASES = {"probs_pearson": "rollout_actor_probs_pearson_corr", "kl_k1": "kl", "kl_k3": "k3_kl",
+           "clip_fraction_0.2": "ratio_outside_band_0.2", "clip_fraction_0.28": "ratio_outside_band_0.28"}
+#: the ``rollout_rs`` options reported (verl's names; k1 bounds [1/T, T] on the ratio)
+RS_OPTIONS = ("token_k1", "seq_sum_k1", "seq_mean_k1")
 
 
-def _flat(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate([np.asarray(a, dtype=np.float64) for a in arrays]) if arrays else np.zeros(0)
+def padded(arrays: list[np.ndarray], masks: list[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged per-sequence arrays as a right-padded float64 batch and its scored-token mask.
+
+    Unscored entries (padding, masked tokens) are 0, so no NaN or inf there reaches a formula.
+    """
+    width = max((len(a) for a in arrays), default=0)
+    values, mask = np.zeros((len(arrays), width)), np.zeros((len(arrays), width), bool)
+    for s, a in enumerate(arrays):
+        mask[s, : len(a)] = True if masks is None or masks[s] is None else np.asarray(masks[s], bool)
+        values[s, : len(a)] = np.where(mask[s, : len(a)], np.asarray(a, np.float64), 0.0)
+    return values, mask
 
 
+def masked_sum(v: np.ndarray, m: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """verl's ``masked_sum`` (verl/utils/torch_functional.py)."""
+    return np.where(m, v, 0.0).sum(axis=axis)
+
+
+def masked_mean(v: np.ndarray, m: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """verl's ``masked_mean``: the masked sum over ``count + 1e-8``."""
+    return masked_sum(v, m, axis) / (m.sum(axis=axis) + 1e-8)
+
+
+def _std1(x: np.ndarray) -> float:
+    """``torch.std``: the N-1 estimator, NaN for a single value."""
+    return float(x.std(ddof=1)) if x.size > 1 else math.nan
+
+
+@np.errstate(over="ignore", invalid="ignore")  # an overflowing ratio is inf, as in verl; NaN stays NaN
 def token_metrics(
     train: list[np.ndarray],
     infer: list[np.ndarray],
     train_top1: list[np.ndarray] | None = None,
     infer_top1: list[np.ndarray] | None = None,
+    masks: list[Any] | None = None,
+    is_threshold: float = IS_THRESHOLD,
 ) -> dict[str, Any]:
-    """All scalar metrics over every response token of every sequence."""
-    bitwise = float(np.mean(np.concatenate([np.asarray(a) == np.asarray(b) for a, b in zip(train, infer)])))
-    lp_t, lp_i = _flat(train), _flat(infer)
-    diff = np.abs(lp_t - lp_i)
-    p_t, p_i = np.exp(lp_t), np.exp(lp_i)
-    prob_diff = np.abs(p_i - p_t)
-    log_ratio = lp_t - lp_i
-    ratio = np.exp(log_ratio)
-    pearson = None
-    if p_t.std() > 0 and p_i.std() > 0:
-        pearson = float(np.corrcoef(p_t, p_i)[0, 1])
+    """All scalar metrics over the scored response tokens (``masks``: one 0/1 list per sequence, or None)."""
+    lp_t, m = padded(train, masks)
+    lp_i, _ = padded(infer, masks)
+    if not m.any():
+        raise ValueError("no scored token: every response token is masked")
+    t, i = lp_t[m], lp_i[m]  # row-major, as torch.masked_select
+    diff = np.abs(t - i)
+    p_t, p_i = np.exp(t), np.exp(i)
+    prob_diff = np.abs(p_t - p_i)
+    ratio = np.exp(t - i)
+    pearson = float(np.corrcoef(p_t, p_i)[0, 1]) if p_t.std() > 0 and p_i.std() > 0 else None
     flips = None
     if train_top1 is not None and infer_top1 is not None:
-        flips = float(np.mean(_flat(train_top1) != _flat(infer_top1)))
-    out = {
-        "num_tokens": int(diff.size),
-        "nonfinite_tokens": int((~(np.isfinite(lp_t) & np.isfinite(lp_i))).sum()),
+        flips = float(np.mean(padded(train_top1, masks)[0][m] != padded(infer_top1, masks)[0][m]))
+    out: dict[str, Any] = {
+        "num_tokens": int(m.sum()),
+        "nonfinite_tokens": int((~(np.isfinite(t) & np.isfinite(i))).sum()),
         "abs_diff_max": float(diff.max()),
         "abs_diff_mean": float(diff.mean()),
         "abs_diff_p99": float(np.percentile(diff, 99)),
-        "bitwise_equal_fraction": bitwise,
+        "bitwise_equal_fraction": float(np.mean(t == i)),
         "rollout_probs_diff_max": float(prob_diff.max()),
         "rollout_probs_diff_mean": float(prob_diff.mean()),
-        "rollout_probs_diff_std": float(prob_diff.std()),
-        "probs_pearson": pearson,
-        "kl_k1": float(np.mean(-log_ratio)),
-        "kl_k3": float(np.mean(ratio - 1.0 - log_ratio)),
+        "rollout_probs_diff_std": _std1(prob_diff),
+        "rollout_actor_probs_pearson_corr": pearson,
         "ratio_mean": float(ratio.mean()),
         "ratio_std": float(ratio.std()),
         "ratio_min": float(ratio.min()),
         "ratio_max": float(ratio.max()),
         "argmax_flip_fraction": flips,
     }
-    for eps in CLIP_EPSILONS:
-        out[f"clip_fraction_{eps}"] = float(np.mean(np.abs(ratio - 1.0) > eps))
+    for eps in BAND_EPSILONS:
+        out[f"ratio_outside_band_{eps}"] = float(np.mean(np.abs(ratio - 1.0) > eps))
+    out.update(offpolicy_metrics(lp_t, lp_i, m))
+    for level in ("token", "sequence"):
+        out.update(is_metrics(lp_t - lp_i, m, is_threshold, level))
+    out.update(rs_masked_fractions(lp_t - lp_i, m, is_threshold))
+    out.update(clip_fractions(lp_t - lp_i, m))
+    out.update({old: out[new] for old, new in ALIASES.items()})
     return out
 
 
-def per_position(train: list[np.ndarray], infer: list[np.ndarray]) -> dict[str, list[float]]:
-    """Mean and max ``|Δ logprob|`` at each response position, over sequences."""
-    width = max(len(a) for a in train)
-    sums, maxs, counts = np.zeros(width), np.zeros(width), np.zeros(width)
-    for a, b in zip(train, infer):
-        d = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-        sums[: len(d)] += d
-        counts[: len(d)] += 1
-        maxs[: len(d)] = np.maximum(maxs[: len(d)], d)
-    return {"abs_diff_mean": (sums / np.maximum(counts, 1)).tolist(), "abs_diff_max": maxs.tolist()}
+def offpolicy_metrics(lp_t: np.ndarray, lp_i: np.ndarray, m: np.ndarray) -> dict[str, float]:
+    """verl's ``compute_offpolicy_metrics``: KL, perplexities and chi-squared (``rollout_corr/*``)."""
+    seq_t, seq_i = masked_mean(lp_t, m, -1), masked_mean(lp_i, m, -1)
+    log_ratio = lp_t - lp_i
+    log_ppl_diff = seq_i - seq_t
+    seq_sum = np.clip(masked_sum(log_ratio, m, -1), -SAFETY_BOUND, SAFETY_BOUND)
+    rho = np.exp(np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
+    return {
+        "training_ppl": float(np.exp(-seq_t).mean()),
+        "training_log_ppl": float((-seq_t).mean()),
+        "kl": float(masked_mean(lp_i - lp_t, m)),
+        "k3_kl": float(masked_mean(np.exp(log_ratio) - log_ratio - 1, m)),
+        "rollout_ppl": float(np.exp(-seq_i).mean()),
+        "rollout_log_ppl": float((-seq_i).mean()),
+        "log_ppl_diff": float(log_ppl_diff.mean()),
+        "log_ppl_abs_diff": float(np.abs(log_ppl_diff).mean()),
+        "log_ppl_diff_max": float(log_ppl_diff.max()),
+        "log_ppl_diff_min": float(log_ppl_diff.min()),
+        "ppl_ratio": float(np.exp(log_ppl_diff).mean()),
+        "chi2_token": float(masked_mean(rho**2, m) - 1.0),
+        "chi2_seq": float(np.exp(2.0 * seq_sum).mean() - 1.0),
+    }
 
 
-def histogram(train: list[np.ndarray], infer: list[np.ndarray]) -> dict[str, list[float]]:
-    """Counts of ``|Δ logprob|`` in decades from 1e-9 to 10; bin 0 also holds the exactly-equal tokens."""
-    diff = np.abs(_flat(train) - _flat(infer))
+def is_metrics(log_ratio: np.ndarray, m: np.ndarray, threshold: float, level: str = "token") -> dict[str, float]:
+    """verl's ``compute_is_metrics`` (truncated IS, bounds [1/T, T]) at ``rollout_is=token`` or ``sequence``.
+
+    Token level gives verl's ``rollout_is_*`` names; sequence level (one weight per sequence, the
+    exp of its summed log ratio) the same statistics as ``rollout_is_sequence_*``.
+    """
+    low = 1.0 / threshold
+    if level == "token":
+        w = np.exp(np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)) * m
+        out = {"mean": masked_mean(w, m), "ratio_fraction_high": masked_mean(w > threshold, m),
+               "ratio_fraction_low": masked_mean(w < low, m), "max": w[m].max(), "min": w[m].min()}
+    else:
+        seq = masked_sum(log_ratio, m, -1)
+        w = np.exp(np.clip(seq, -SAFETY_BOUND, SAFETY_BOUND))[:, None] * m
+        out = {"max": math.exp(min(seq.max(), SAFETY_BOUND)), "min": math.exp(seq.min()), "mean": masked_mean(w, m),
+               "ratio_fraction_high": np.mean(seq > math.log(threshold)),
+               "ratio_fraction_low": np.mean(seq < math.log(low))}
+    clamped = np.clip(w, low, threshold)
+    if m.sum() > 1:
+        var = masked_mean(clamped**2, m) - masked_mean(clamped, m) ** 2
+        out["std"] = math.sqrt(max(float(var), 0.0))
+    else:
+        out["std"] = 0.0
+    normalized = clamped / (masked_mean(clamped, m) + 1e-8)
+    out["eff_sample_size"] = 1.0 / masked_mean(normalized**2, m)
+    per_seq = masked_mean(w, m, -1)
+    out.update({"seq_mean": per_seq.mean(), "seq_std": per_seq.std(ddof=1) if per_seq.size > 1 else 0.0,
+                    "seq_max": per_seq.max(), "seq_min": per_seq.min(),
+                    "seq_max_deviation": np.abs(per_seq - 1.0).max(),
+                    "seq_fraction_high": np.mean(per_seq > threshold), "seq_fraction_low": np.mean(per_seq < low)})
+    prefix = "rollout_is_" if level == "token" else "rollout_is_sequence_"
+    return {prefix + k: float(v) for k, v in out.items()}
+
+
+def rs_masked_fractions(log_ratio: np.ndarray, m: np.ndarray, threshold: float) -> dict[str, float]:
+    """verl's ``compute_rollout_rejection_mask`` masked fractions for the k1 options at ``rollout_rs_threshold=T``.
+
+    A token (``token_k1``) or a sequence (its summed or mean ``-log r``) is rejected outside
+    [log(1/T), log T]; ``_masked_fraction`` is the share of scored tokens rejected,
+    ``_seq_masked_fraction`` the share of sequences with any rejected token.
+    """
+    k1 = -np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
+    lo, hi = math.log(1.0 / threshold), math.log(threshold)
+    out = {}
+    for option in RS_OPTIONS:
+        stat = {"token_k1": k1, "seq_sum_k1": masked_sum(k1, m, -1)[:, None],
+                "seq_mean_k1": masked_mean(k1, m, -1)[:, None]}[option]
+        keep = np.broadcast_to((stat >= lo) & (stat <= hi), m.shape)
+        seq_valid = m.sum(-1) > 0
+        seq_rejected = (~keep & m).any(-1)
+        out[f"rollout_rs_{option}_masked_fraction"] = float(masked_mean(~keep, m))
+        out[f"rollout_rs_{option}_seq_masked_fraction"] = float((seq_rejected & seq_valid).sum() / seq_valid.sum())
+    return out
+
+
+def clip_fractions(log_ratio: np.ndarray, m: np.ndarray) -> dict[str, float]:
+    """verl's ``actor/pg_clipfrac`` (and ``pg_clipfrac_lower``) as if every advantage had one sign.
+
+    With A > 0 PPO clips r > 1 + eps_high; with A < 0 it clips r < 1 - eps_low, and dual-clip
+    bounds r > clip_ratio_c. Advantage magnitudes do not matter, only their sign.
+    """
+    r = np.exp(np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
+    return {
+        "pg_clipfrac_adv_pos": float(masked_mean(r > 1 + PPO_EPS, m)),
+        "pg_clipfrac_adv_pos_dapo": float(masked_mean(r > 1 + DAPO_EPS_HIGH, m)),
+        "pg_clipfrac_adv_neg": float(masked_mean(r < 1 - PPO_EPS, m)),
+        "pg_clipfrac_lower_adv_neg": float(masked_mean(r > DUAL_CLIP_C, m)),
+    }
+
+
+def per_position(train: list[np.ndarray], infer: list[np.ndarray], masks: list[Any] | None = None) -> dict[str, list]:
+    """Mean and max ``|Δ logprob|`` at each response position over the sequences that score it (0 where none does)."""
+    lp_t, m = padded(train, masks)
+    lp_i, _ = padded(infer, masks)
+    d = np.where(m, np.abs(lp_t - lp_i), 0.0)
+    return {"abs_diff_mean": (d.sum(0) / np.maximum(m.sum(0), 1)).tolist(), "abs_diff_max": d.max(0).tolist()}
+
+
+def histogram(train: list[np.ndarray], infer: list[np.ndarray], masks: list[Any] | None = None) -> dict[str, list]:
+    """Counts of scored ``|Δ logprob|`` in decades from 1e-9 to 10; bin 0 also holds the exactly-equal tokens."""
+    lp_t, m = padded(train, masks)
+    lp_i, _ = padded(infer, masks)
+    diff = np.abs(lp_t[m] - lp_i[m])
     edges = [0.0] + [10.0**e for e in range(-9, 2)]
     counts, _ = np.histogram(np.clip(diff, 0.0, edges[-1]), bins=edges)
     return {"edges": edges, "counts": counts.tolist()}
 
 
-def worst(train: list[np.ndarray], infer: list[np.ndarray]) -> dict[str, Any]:
-    """The sequence and response position with the largest ``|Δ logprob|`` (the first NaN/inf one if any)."""
-    best = (-1.0, 0, 0)
-    for s, (a, b) in enumerate(zip(train, infer)):
-        d = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-        d = np.where(np.isfinite(d), d, np.inf)
-        if d.size and d.max() > best[0]:
-            best = (float(d.max()), s, int(d.argmax()))
-    _, s, p = best
-    return {"sequence": s, "position": p, "train_logprob": float(train[s][p]), "infer_logprob": float(infer[s][p])}
+def worst(train: list[np.ndarray], infer: list[np.ndarray], masks: list[Any] | None = None) -> dict[str, Any]:
+    """The scored token with the largest ``|Δ logprob|`` (the first NaN/inf one if any): sequence, response position."""
+    lp_t, m = padded(train, masks)
+    lp_i, _ = padded(infer, masks)
+    with np.errstate(invalid="ignore"):
+        d = np.abs(lp_t - lp_i)
+    d = np.where(m, np.where(np.isfinite(d), d, np.inf), -1.0)
+    s, p = np.unravel_index(int(np.argmax(d)), d.shape)
+    return {"sequence": int(s), "position": int(p),
+            "train_logprob": float(train[s][p]), "infer_logprob": float(infer[s][p])}

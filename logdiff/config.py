@@ -46,6 +46,8 @@ class ScanConfig:
     #: let transformers and vLLM run Python code that ships with the model (auto_map)
     trust_remote_code: bool = False
     device: str = "auto"  # where the HF paths compute (vLLM uses its own platform's device)
+    #: truncated-IS / rejection bounds [1/T, T] of the rollout_is_* and rollout_rs_* metrics (verl's default 2.0)
+    is_threshold: float = 2.0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("bfloat16", "float16", "float32"):
@@ -67,6 +69,9 @@ class ScanConfig:
             raise InputError("--num-sequences and --prompt-len must be at least 1")
         if not re.fullmatch(r"auto|cpu|mps|(cuda|npu|xpu)(:\d+)?", self.device):
             raise InputError(f"--device must be auto, cpu, cuda[:N], npu[:N], xpu[:N] or mps, not {self.device!r}")
+        if isinstance(self.is_threshold, bool) or not isinstance(self.is_threshold, (int, float)) \
+                or not 1.0 < self.is_threshold < float("inf"):
+            raise InputError(f"--is-threshold must be a finite number > 1 (bounds [1/T, T]), not {self.is_threshold!r}")
         if self.drill is not None and self.depth != "ops":
             raise InputError("--drill needs --depth ops (it names the module whose aten ops are traced)")
         if self.consistent_kernels is not None and not self.consistent:

@@ -219,16 +219,20 @@ def _path_info(engine: Engine | None, scores: PathScores, role: str) -> dict[str
     return {"name": scores.path, "role": role, "mode": scores.mode, **info}
 
 
-def _pair(train: PathScores, infer: PathScores, seqs: list[sequences.Sequence], tok: Any) -> dict[str, Any]:
-    w = compare.worst(train.logprobs, infer.logprobs)
+def _pair(
+    train: PathScores, infer: PathScores, seqs: list[sequences.Sequence], tok: Any, is_threshold: float
+) -> dict[str, Any]:
+    masks = [s.response_mask for s in seqs]  # masked tokens were replayed; they are not scored
+    w = compare.worst(train.logprobs, infer.logprobs, masks)
     w["token_id"] = int(seqs[w["sequence"]].response_ids[w["position"]])
     w["token_text"] = tok.decode([w["token_id"]]) if tok is not None else None
+    metrics = compare.token_metrics(train.logprobs, infer.logprobs, train.top1, infer.top1, masks, is_threshold)
     return {
         "train": train.path,
         "infer": infer.path,
-        "metrics": compare.token_metrics(train.logprobs, infer.logprobs, train.top1, infer.top1),
-        "per_position": compare.per_position(train.logprobs, infer.logprobs),
-        "histogram": compare.histogram(train.logprobs, infer.logprobs),
+        "metrics": metrics,
+        "per_position": compare.per_position(train.logprobs, infer.logprobs, masks),
+        "histogram": compare.histogram(train.logprobs, infer.logprobs, masks),
         "worst": w,
     }
 
@@ -338,7 +342,7 @@ def scan(
     seqs, source, train, infers = run.sequences, run.source, run.train, run.infers
     progress("comparing the logprobs", phase="compare")
     tok = _tokenizer(cfg)
-    pairs = [_pair(train, p, seqs, tok) for p in infers]
+    pairs = [_pair(train, p, seqs, tok, cfg.is_threshold) for p in infers]
     consistent = all(p["metrics"]["bitwise_equal_fraction"] == 1.0 for p in pairs)
     located: dict[str, Any] = {"warnings": [], "first_divergence": None, "introducing_ops": [],
                                "divergence_table": None, "op_trace": None, "tables": {}, "first_nonfinite": None}
@@ -367,6 +371,7 @@ def scan(
             "overrides": {"train": cfg.train_set, "infer": cfg.infer_set},
             "sequence_source": source,
             "trust_remote_code": cfg.trust_remote_code,
+            "is_threshold": cfg.is_threshold,
         },
         "environment": environment(),
         "paths": run.paths,

@@ -6,7 +6,9 @@ Three sources:
   inference engine at a fixed seed, exactly as a rollout produces them
   (``random_prompts`` here, sampling in the engine);
 * a JSONL file of token ids (``load_jsonl``), optionally with the logprobs the
-  RL framework recorded at rollout time (replay mode);
+  RL framework recorded at rollout time (replay mode) and a ``response_mask``
+  (0 for tool/observation tokens: replayed, since they condition later tokens,
+  but not scored);
 * text prompts (``load_text_prompts``), tokenized with MODEL's tokenizer and its
   chat template; their responses are sampled like the probe set's.
 
@@ -33,6 +35,8 @@ class Sequence:
     prompt_ids: list[int]
     response_ids: list[int] = field(default_factory=list)
     rollout_logprobs: list[float] | None = None
+    #: one 0/1 per response token; 0: replayed on every path but not scored (None: all scored)
+    response_mask: list[int] | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -83,8 +87,20 @@ def _logprobs(values: list[Any], where: str) -> list[float]:
     return [float(x) for x in values]
 
 
+def _response_mask(value: Any, n: int, where: str) -> list[int]:
+    """A ``response_mask``: one 0 or 1 per response token, not all 0."""
+    if not isinstance(value, list) or len(value) != n:
+        raise InputError(f"{where}: 'response_mask' needs one 0 or 1 per response token ({n})")
+    bad = next((i for i, x in enumerate(value) if isinstance(x, bool) or x not in (0, 1)), None)
+    if bad is not None:
+        raise InputError(f"{where}: response_mask at response position {bad} is {value[bad]!r}, not 0 or 1")
+    if not any(value):
+        raise InputError(f"{where}: 'response_mask' is all 0: no response token would be scored")
+    return [int(x) for x in value]
+
+
 def load_jsonl(path: Path) -> list[Sequence]:
-    """Read ``{"prompt_ids": [...], "response_ids": [...], "rollout_logprobs": [...]}`` lines."""
+    """Read ``{"prompt_ids": [...], "response_ids": [...], "rollout_logprobs": [...], "response_mask": [...]}``."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"sequences file not found: {path}")
@@ -108,7 +124,10 @@ def load_jsonl(path: Path) -> list[Sequence]:
             if not isinstance(lps, list) or len(lps) != len(response):
                 raise InputError(f"{where}: 'rollout_logprobs' needs one number per response token")
             lps = _logprobs(lps, f"{where} (sequence {len(seqs)})")
-        seqs.append(Sequence(prompt, response, lps))
+        mask = obj.get("response_mask")
+        if mask is not None:
+            mask = _response_mask(mask, len(response), where)
+        seqs.append(Sequence(prompt, response, lps, mask))
     if not seqs:
         raise InputError(f"{path}: no sequences in file")
     return seqs
