@@ -43,7 +43,8 @@ def test_scan_defaults_to_where_and_why(qwen3: Path, tmp_path: Path) -> None:
     timings = result["timings"]
     for phase in ("stage", "load", "sample", "score:hf", "compare", "locate", "preflight", "attribute"):
         assert timings[phase] >= 0, (phase, timings)
-    assert timings["load"] > 0 and result["peak_rss_bytes"] > 100 * 2**20
+    # (load may take ~0 s: an earlier test can have pooled the engines already, in any test order)
+    assert sum(timings.values()) > 0 and result["peak_rss_bytes"] > 100 * 2**20
     assert "took " in output and "peak memory" in output
     assert "attribution rescan" not in output                    # CliRunner is not a terminal: no progress
 
