@@ -38,17 +38,18 @@ from typing import Any
 from logdiff.errors import InputError
 
 BASELINE_FORMAT = "logdiff-baseline/1"
-#: CLI threshold option -> result metric it bounds.
+#: CLI threshold option -> result metric it bounds (verl's ``k3_kl``; the share of tokens with |r - 1| > 0.2).
 THRESHOLD_METRICS = {
     "max_abs_diff": "abs_diff_max",
     "max_mean_diff": "abs_diff_mean",
-    "max_kl": "kl_k3",
-    "max_clip_fraction": "clip_fraction_0.2",
+    "max_kl": "k3_kl",
+    "max_clip_fraction": "ratio_outside_band_0.2",
 }
 #: Values ``--fail-on`` accepts: cause classes, and the unclassified ``divergent`` verdict.
 FAIL_ON_CLASSES = ("framework_difference", "operator_path", "divergent")
 #: Metrics a baseline records per pair, each with its exact "consistent" value.
 #: A baseline at that value (0 difference, every token bitwise equal) tolerates no change.
+#: ``kl_k3`` is the deprecated name of ``k3_kl`` (same value), kept so that recorded baselines still apply.
 BASELINE_METRICS = {"abs_diff_max": 0.0, "abs_diff_mean": 0.0, "kl_k3": 0.0, "bitwise_equal_fraction": 1.0}
 #: Key fields whose mismatch makes a baseline inapplicable (exit 2).
 STRICT_KEYS = ("hardware", "architecture", "paths", "dtype", "consistent")

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from logdiff.reports.format import METRIC_ALIASES
+
 #: verl's ``rollout_is_threshold`` default: truncated-IS bounds are [1/T, T]
 IS_THRESHOLD = 2.0
 #: the symmetric ratio bands of ``ratio_outside_band_{eps}``
@@ -32,8 +34,7 @@ PPO_EPS, DAPO_EPS_HIGH, DUAL_CLIP_C = 0.2, 0.28, 3.0
 #: verl's ``SAFETY_BOUND``: log ratios are clamped to [-20, 20] before exp
 SAFETY_BOUND = 20.0
 #: deprecated key -> the key it repeats (kept in result.json for readers of the old names)
-ALIASES = {"probs_pearson": "rollout_actor_probs_pearson_corr", "kl_k1": "kl", "kl_k3": "k3_kl",
-           "clip_fraction_0.2": "ratio_outside_band_0.2", "clip_fraction_0.28": "ratio_outside_band_0.28"}
+ALIASES = METRIC_ALIASES
 #: the ``rollout_rs`` options reported (verl's names; k1 bounds [1/T, T] on the ratio)
 RS_OPTIONS = ("token_k1", "seq_sum_k1", "seq_mean_k1")
 

@@ -12,9 +12,9 @@ import math
 import re
 from typing import Any
 
-# (key in the metrics dict, label, the name RL frameworks log it under, what it means)
+# (key in the metrics dict, label, the name RL frameworks log it under, what it means). T is --is-threshold.
 METRICS: list[tuple[str, str, str, str]] = [
-    ("num_tokens", "tokens compared", "", "response tokens compared"),
+    ("num_tokens", "tokens scored", "", "response tokens compared (response_mask 1)"),
     ("abs_diff_max", "max |Δ logprob|", "", "largest |lp_train − lp_infer| over all tokens"),
     ("abs_diff_mean", "mean |Δ logprob|", "", "mean |lp_train − lp_infer|"),
     ("abs_diff_p99", "p99 |Δ logprob|", "", "99th percentile of |lp_train − lp_infer|"),
@@ -24,27 +24,71 @@ METRICS: list[tuple[str, str, str, str]] = [
     ("rollout_probs_diff_mean", "mean |Δ prob|", "training/rollout_probs_diff_mean",
      "verl: mean |p_infer − p_train|"),
     ("rollout_probs_diff_std", "std |Δ prob|", "training/rollout_probs_diff_std",
-     "verl: std of |p_infer − p_train|"),
-    ("probs_pearson", "Pearson r of probs", "training/rollout_actor_probs_pearson_corr",
+     "verl: torch.std (N − 1) of |p_infer − p_train|"),
+    ("rollout_actor_probs_pearson_corr", "Pearson r of probs", "training/rollout_actor_probs_pearson_corr",
      "correlation of p_train and p_infer"),
-    ("kl_k1", "KL (k1)", "rollout_corr/kl", "mean of lp_infer − lp_train"),
-    ("kl_k3", "KL (k3)", "rollout_corr/k3_kl", "mean of r − 1 − log r, r = p_train / p_infer"),
+    ("kl", "KL (k1)", "rollout_corr/kl", "mean of lp_infer − lp_train"),
+    ("k3_kl", "KL (k3)", "rollout_corr/k3_kl", "mean of r − 1 − log r, r = p_train / p_infer"),
+    ("training_ppl", "training PPL", "rollout_corr/training_ppl", "mean over sequences of exp(−mean lp_train)"),
+    ("rollout_ppl", "rollout PPL", "rollout_corr/rollout_ppl", "mean over sequences of exp(−mean lp_infer)"),
+    ("log_ppl_diff", "log PPL diff", "rollout_corr/log_ppl_diff",
+     "mean over sequences of (mean lp_infer − mean lp_train)"),
+    ("log_ppl_abs_diff", "|log PPL diff|", "rollout_corr/log_ppl_abs_diff", "mean over sequences of its absolute value"),
+    ("ppl_ratio", "PPL ratio", "rollout_corr/ppl_ratio", "mean over sequences of training PPL / rollout PPL"),
+    ("chi2_token", "χ² (token)", "rollout_corr/chi2_token", "mean of r² − 1"),
+    ("chi2_seq", "χ² (sequence)", "rollout_corr/chi2_seq", "mean over sequences of (Π r)² − 1"),
+    ("rollout_is_mean", "IS weight mean", "rollout_corr/rollout_is_mean", "mean of r (rollout_is=token)"),
+    ("rollout_is_ratio_fraction_high", "IS weight > T", "rollout_corr/rollout_is_ratio_fraction_high",
+     "tokens with r > T"),
+    ("rollout_is_ratio_fraction_low", "IS weight < 1/T", "rollout_corr/rollout_is_ratio_fraction_low",
+     "tokens with r < 1/T"),
+    ("rollout_is_eff_sample_size", "IS effective sample size", "rollout_corr/rollout_is_eff_sample_size",
+     "1 / mean of (w / mean w)², w = r clamped to [1/T, T]"),
+    ("rollout_is_sequence_ratio_fraction_high", "sequence IS > T", "rollout_corr/rollout_is_ratio_fraction_high",
+     "rollout_is=sequence: sequences with Π r > T"),
+    ("rollout_is_sequence_ratio_fraction_low", "sequence IS < 1/T", "rollout_corr/rollout_is_ratio_fraction_low",
+     "rollout_is=sequence: sequences with Π r < 1/T"),
+    ("rollout_rs_token_k1_masked_fraction", "RS rejected tokens", "rollout_corr/rollout_rs_token_k1_masked_fraction",
+     "rollout_rs=token_k1: tokens with r outside [1/T, T]"),
     ("ratio_mean", "ratio mean", "", "importance ratio r = exp(lp_train − lp_infer)"),
-    ("ratio_std", "ratio std", "", "standard deviation of r"),
+    ("ratio_std", "ratio std", "", "standard deviation of r (N)"),
     ("ratio_min", "ratio min", "", "smallest r"),
     ("ratio_max", "ratio max", "", "largest r"),
-    ("clip_fraction_0.2", "clip fraction ε=0.2", "", "tokens with |r − 1| > 0.2 (PPO clip)"),
-    ("clip_fraction_0.28", "clip fraction ε=0.28", "", "tokens with |r − 1| > 0.28 (DAPO clip-higher)"),
+    ("ratio_outside_band_0.2", "ratio outside 1 ± 0.2", "", "tokens with |r − 1| > 0.2 (either tail)"),
+    ("ratio_outside_band_0.28", "ratio outside 1 ± 0.28", "", "tokens with |r − 1| > 0.28 (either tail)"),
+    ("pg_clipfrac_adv_pos", "PPO clip, A > 0", "actor/pg_clipfrac", "tokens with r > 1.2: clipped if A > 0"),
+    ("pg_clipfrac_adv_pos_dapo", "DAPO clip-higher, A > 0", "actor/pg_clipfrac",
+     "tokens with r > 1.28: clipped if A > 0 (clip_ratio_high 0.28)"),
+    ("pg_clipfrac_adv_neg", "PPO/DAPO clip, A < 0", "actor/pg_clipfrac", "tokens with r < 0.8: clipped if A < 0"),
+    ("pg_clipfrac_lower_adv_neg", "dual-clip, A < 0", "actor/pg_clipfrac_lower",
+     "tokens with r > 3: bounded if A < 0 (clip_ratio_c 3)"),
     ("argmax_flip_fraction", "argmax flips", "", "positions whose top-1 token differs"),
 ]
 
+#: deprecated metric key -> the key it repeats; results keep both, renderers show the new one
+METRIC_ALIASES = {"probs_pearson": "rollout_actor_probs_pearson_corr", "kl_k1": "kl", "kl_k3": "k3_kl",
+                  "clip_fraction_0.2": "ratio_outside_band_0.2", "clip_fraction_0.28": "ratio_outside_band_0.28"}
+
 # The subset the terminal summary shows.
 KEY_METRICS = ["abs_diff_max", "abs_diff_mean", "bitwise_equal_fraction", "rollout_probs_diff_max",
-               "rollout_probs_diff_mean", "probs_pearson", "kl_k1", "kl_k3", "clip_fraction_0.2",
-               "argmax_flip_fraction"]
+               "rollout_probs_diff_mean", "rollout_actor_probs_pearson_corr", "kl", "k3_kl",
+               "ratio_outside_band_0.2", "argmax_flip_fraction"]
 
-FRACTION_METRICS = {"bitwise_equal_fraction", "clip_fraction_0.2", "clip_fraction_0.28",
-                    "argmax_flip_fraction"}
+FRACTION_METRICS = {"bitwise_equal_fraction", "argmax_flip_fraction", "ratio_outside_band_0.2",
+                    "ratio_outside_band_0.28", "pg_clipfrac_adv_pos", "pg_clipfrac_adv_pos_dapo", "pg_clipfrac_adv_neg",
+                    "pg_clipfrac_lower_adv_neg", "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low",
+                    "rollout_is_sequence_ratio_fraction_high", "rollout_is_sequence_ratio_fraction_low",
+                    "rollout_rs_token_k1_masked_fraction"}
+
+
+def current_names(metrics: dict) -> dict:
+    """A metrics dict under the current names: a result written before a rename gives its old keys' values."""
+    out = {k: v for k, v in metrics.items() if k not in METRIC_ALIASES}
+    for old, new in METRIC_ALIASES.items():
+        if old in metrics and new not in out:
+            out[new] = metrics[old]
+    return out
+
 
 VERDICT_TEXT = {
     "consistent": "consistent: the paths agree",

@@ -28,7 +28,7 @@ from typing import Any
 
 from .charts import heatmap_data, histogram_chart, position_chart
 from .groups import cause_groups
-from .format import (METRICS, cost_text, fmt_fraction, fmt_lens, fmt_metric, fmt_num, fmt_value, is_number,
+from .format import (METRICS, cost_text, current_names, fmt_fraction, fmt_lens, fmt_metric, fmt_num, fmt_value, is_number,
                      pair_label, verdict_text)
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
@@ -193,7 +193,7 @@ def _headline(r: dict, pairs: list[dict]) -> str:
 
 
 def _cards(r: dict) -> list[dict]:
-    lp = _dict(r.get("logprobs"))
+    lp = current_names(_dict(r.get("logprobs")))
     fd = r.get("first_divergence")
     cards = [
         {"label": "max |Δ logprob|", "value": fmt_num(lp.get("abs_diff_max")), "sub": "primary pair"},
@@ -203,8 +203,8 @@ def _cards(r: dict) -> list[dict]:
         cards.append({"label": "bitwise-equal tokens",
                       "value": fmt_fraction(lp.get("bitwise_equal_fraction")),
                       "sub": f"of {fmt_num(lp.get('num_tokens'))} tokens"})
-    if "kl_k3" in lp:
-        cards.append({"label": "KL (k3)", "value": fmt_num(lp.get("kl_k3")), "sub": "rollout_corr/k3_kl"})
+    if "k3_kl" in lp:
+        cards.append({"label": "KL (k3)", "value": fmt_num(lp.get("k3_kl")), "sub": "rollout_corr/k3_kl"})
     if isinstance(fd, dict):
         layer = fd.get("layer")
         cards.append({"label": "first divergence", "value": _text(fd.get("boundary")), "mono": True,
@@ -246,7 +246,7 @@ def _paths(paths: Any) -> list[dict]:
 
 def _metrics_rows(pairs: list[dict], logprobs: Any) -> list[dict]:
     """One row per known metric present in any pair; one value column per pair."""
-    per_pair = [_dict(p.get("metrics")) for p in pairs] or [_dict(logprobs)]
+    per_pair = [current_names(_dict(p.get("metrics"))) for p in pairs] or [current_names(_dict(logprobs))]
     rows = []
     for key, label, verl, meaning in METRICS:
         if not any(key in m for m in per_pair):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .format import terminal_safe
+from .format import current_names, terminal_safe
 from .groups import cause_groups
 
 VERDICT_LINE = {
@@ -36,10 +36,11 @@ def _impact(result: dict[str, Any]) -> list[str]:
         f"{100 * (m.get('bitwise_equal_fraction') or 0):.0f}% of tokens bitwise equal."
     ]
     if "ratio_min" in m:
+        m = current_names(m)
         lines.append(
             f"In PPO terms the importance ratio ranges {_num(m['ratio_min'])}–{_num(m['ratio_max'])}; "
-            f"{100 * m.get('clip_fraction_0.2', 0):.1f}% of tokens would be clipped at ε = 0.2 from this gap alone "
-            f"(k3 KL {_num(m.get('kl_k3'))})."
+            f"{100 * (m.get('ratio_outside_band_0.2') or 0):.1f}% of tokens leave 1 ± 0.2 from this gap alone, "
+            f"where PPO clips them for one sign of the advantage (k3 KL {_num(m.get('k3_kl'))})."
         )
     return lines
 

@@ -145,8 +145,10 @@ def _cross_field_errors(result: dict) -> list[str]:
     return errors
 
 
-# Metrics that are null by design (a constant path; a path without top-1 tokens), not from NaN/inf.
-_NULL_BY_DESIGN = {"probs_pearson", "argmax_flip_fraction"}
+# Metrics that are null by design (a constant path; a path without top-1 tokens; the N-1 std of one token),
+# not from NaN/inf.
+_NULL_BY_DESIGN = {"probs_pearson", "rollout_actor_probs_pearson_corr", "argmax_flip_fraction",
+                   "rollout_probs_diff_std"}
 
 
 def _null_metric_errors(result: dict) -> list[str]:

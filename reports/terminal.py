@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .groups import cause_groups
-from .format import (KEY_METRICS, METRICS, cost_text, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label,
+from .format import (KEY_METRICS, METRICS, cost_text, current_names, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label,
                      safe_text, terminal_safe)
 
 VERDICT_STYLE = {"consistent": "bold green", "divergent": "bold yellow", "operator_path": "bold blue",
@@ -182,9 +182,10 @@ def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:
 
 def _metrics_table(result: dict, wide: bool = True) -> Table | None:
     pairs = [p for p in result.get("pairs") or [] if isinstance(p, dict)]
-    columns = [(pair_label(p), p.get("metrics") if isinstance(p.get("metrics"), dict) else {}) for p in pairs]
+    columns = [(pair_label(p), current_names(p["metrics"]) if isinstance(p.get("metrics"), dict) else {})
+               for p in pairs]
     if not columns and isinstance(result.get("logprobs"), dict):
-        columns = [("primary", result["logprobs"])]
+        columns = [("primary", current_names(result["logprobs"]))]
     if not columns:
         return None
     labels = {key: (label, verl) for key, label, verl, _ in METRICS}

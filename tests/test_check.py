@@ -185,7 +185,7 @@ def test_thresholds_pass_and_fail_with_the_numbers(qwen3: Path, tmp_path: Path) 
     assert code == 1, out
     assert fail_lines(out) == [
         f"FAIL abs_diff_max (hf vs hf-decode) = {gating.fmt(m['abs_diff_max'])} > 1e-09 (--max-abs-diff)",
-        f"FAIL kl_k3 (hf vs hf-decode) = {gating.fmt(m['kl_k3'])} > 0 (--max-kl)",
+        f"FAIL k3_kl (hf vs hf-decode) = {gating.fmt(m['k3_kl'])} > 0 (--max-kl)",
     ]
     assert "logdiff check: 2 of 6 gates failed" in out
     assert f"verdict: {result['verdict']} (max |Δ logprob| {gating.fmt(m['abs_diff_max'])}" in out
@@ -196,8 +196,8 @@ def test_thresholds_pass_and_fail_with_the_numbers(qwen3: Path, tmp_path: Path) 
     assert suite is not None and (suite.get("tests"), suite.get("failures")) == ("6", "2")
     cases = {c.get("name"): c for c in suite.iter("testcase")}
     assert set(cases) == {"scan complete", "finite values", "abs_diff_max (hf vs hf-decode)",
-                          "abs_diff_mean (hf vs hf-decode)", "kl_k3 (hf vs hf-decode)",
-                          "clip_fraction_0.2 (hf vs hf-decode)"}  # fmt: skip
+                          "abs_diff_mean (hf vs hf-decode)", "k3_kl (hf vs hf-decode)",
+                          "ratio_outside_band_0.2 (hf vs hf-decode)"}  # fmt: skip
     failure = cases["abs_diff_max (hf vs hf-decode)"].find("failure")
     assert failure is not None and "> 1e-09" in failure.get("message", "")
     assert f"value: {gating.fmt(m['abs_diff_max'])}" in (failure.text or "") and "threshold: 1e-09" in failure.text
