@@ -12,7 +12,10 @@ from test_verl_metrics import verl_metrics
 
 import logdiff
 from logdiff import compare
+from logdiff.config import ScanConfig
 from logdiff.errors import InputError
+from logdiff.outputs import dump_json
+from logdiff.reports.schema import validate_result
 from logdiff.sequences import load_jsonl
 
 # A multi-turn agent rollout: assistant turn, tool call output, assistant turn, observation, answer.
@@ -123,3 +126,11 @@ def test_scan_scores_only_unmasked_tokens(qwen3: Path, tmp_path: Path) -> None:
         assert same(a["metrics"], b["metrics"]) and a["per_position"] == b["per_position"]
         assert a["worst"] == b["worst"] and not (a["worst"]["sequence"] == 0 and mask[a["worst"]["position"]] == 0)
     assert dirty["pairs"][1]["metrics"]["abs_diff_max"] < 40 and dirty["settings"]["is_threshold"] == 1.5
+    dump_json(dirty, tmp_path / "result.json")
+    assert validate_result(json.loads((tmp_path / "result.json").read_text())) == []
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.5, float("inf"), True])
+def test_is_threshold_must_exceed_one(qwen3: Path, threshold: object) -> None:
+    with pytest.raises(InputError, match="--is-threshold must be a finite number > 1"):
+        ScanConfig(model=qwen3, is_threshold=threshold)
