@@ -134,3 +134,16 @@ def test_scan_scores_only_unmasked_tokens(qwen3: Path, tmp_path: Path) -> None:
 def test_is_threshold_must_exceed_one(qwen3: Path, threshold: object) -> None:
     with pytest.raises(InputError, match="--is-threshold must be a finite number > 1"):
         ScanConfig(model=qwen3, is_threshold=threshold)
+
+
+def test_cli_bad_mask_is_one_line_and_exit_2(qwen3: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from logdiff.cli import app
+
+    f = tmp_path / "s.jsonl"
+    f.write_text(json.dumps({"prompt_ids": [1, 2], "response_ids": [3, 4], "response_mask": [1, 7]}) + "\n")
+    res = CliRunner().invoke(app, ["scan", str(qwen3), "--infer", "hf", "--depth", "logprobs", "--sequences", str(f)])
+    lines = [line for line in (res.output + (res.stderr if res.stderr_bytes is not None else "")).splitlines() if line]
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert lines[-1].startswith("logdiff: error: ") and f"{f.name}:1: response_mask at response position 1" in lines[-1]
