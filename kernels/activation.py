@@ -29,25 +29,68 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .differentiable import needs_grad
+
 CHUNK = 16384
+
+
+def _flat_chunks(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flattened into a fresh zero buffer of whole CHUNK-element slices."""
+    flat = torch.zeros(-(-t.numel() // CHUNK) * CHUNK, dtype=t.dtype, device=t.device)
+    flat[: t.numel()] = t.reshape(-1)
+    return flat
 
 
 def _silu_fixed_calls(g: torch.Tensor) -> torch.Tensor:
     """``F.silu`` of a float tensor, evaluated in tail-free, serial, equal-size slices."""
     if g.device.type == "cuda":
         return F.silu(g)
-    n = g.numel()
-    flat = torch.zeros(-(-n // CHUNK) * CHUNK, dtype=g.dtype, device=g.device)
-    flat[:n] = g.reshape(-1)
+    flat = _flat_chunks(g)
     for start in range(0, flat.numel(), CHUNK):
         F.silu(flat[start : start + CHUNK], inplace=True)
-    return flat[:n].view(g.shape)
+    return flat[: g.numel()].view(g.shape)
+
+
+def _silu_grad_fixed_calls(dy: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``dy * silu'(g)`` (ATen's ``silu_backward``) in the same tail-free, equal-size slices."""
+    if g.device.type == "cuda":
+        return torch.ops.aten.silu_backward(dy, g)
+    flat_dy, flat_g = _flat_chunks(dy), _flat_chunks(g)
+    for start in range(0, flat_g.numel(), CHUNK):
+        part = slice(start, start + CHUNK)
+        flat_dy[part] = torch.ops.aten.silu_backward(flat_dy[part], flat_g[part])
+    return flat_dy[: g.numel()].view(g.shape)
+
+
+def _compute_dtype(gate: torch.Tensor) -> torch.dtype:
+    return torch.float64 if gate.dtype == torch.float64 else torch.float32
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in fp32 (fp64 for fp64 input), rounded once to ``gate.dtype``."""
-    dtype = torch.float64 if gate.dtype == torch.float64 else torch.float32
+    if needs_grad(gate, up):
+        return _SiluAndMul.apply(gate, up)
+    dtype = _compute_dtype(gate)
     return (_silu_fixed_calls(gate.to(dtype)) * up.to(dtype)).to(gate.dtype)
+
+
+class _SiluAndMul(torch.autograd.Function):
+    """Elementwise backward: ``d_up = dy * silu(gate)``, ``d_gate = silu_backward(dy * up, gate)``, fixed slices."""
+
+    @staticmethod
+    def forward(ctx, gate, up):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(gate, up)
+        with torch.no_grad():
+            return silu_and_mul(gate, up)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        gate, up = ctx.saved_tensors
+        dtype = _compute_dtype(gate)
+        g, u, d = gate.to(dtype), up.to(dtype), dy.to(dtype)
+        d_gate = _silu_grad_fixed_calls(d * u, g).to(gate.dtype) if ctx.needs_input_grad[0] else None
+        d_up = (d * _silu_fixed_calls(g)).to(up.dtype) if ctx.needs_input_grad[1] else None
+        return d_gate, d_up
 
 
 def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .differentiable import needs_grad
 from .fixed_order import exp, halving_sum, log
 
 CHUNK_ELEMENTS = 1 << 22
@@ -39,6 +40,12 @@ def _shifted_and_log_norm(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     """fp32 log-probabilities over the last dim of ``logits``."""
+    if needs_grad(logits):
+        return _LogSoftmax.apply(logits)
+    return _log_softmax(logits)
+
+
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
     rows, per_chunk = _rows(logits)
     out = torch.empty(rows.shape, dtype=torch.float32, device=logits.device)
     for start in range(0, rows.shape[0], per_chunk):
@@ -49,6 +56,12 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 
 def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """fp32 log-probability of ``tokens`` (shape ``logits.shape[:-1]``) under ``logits``."""
+    if needs_grad(logits):
+        return _TokenLogProbs.apply(logits, tokens)
+    return _token_log_probs(logits, tokens)
+
+
+def _token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     rows, per_chunk = _rows(logits)
     flat_tokens = tokens.reshape(-1, 1).long()
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=logits.device)
@@ -57,6 +70,56 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         picked = shifted.gather(-1, flat_tokens[start : start + per_chunk]).squeeze(-1)
         out[start : start + per_chunk] = picked - log_norm
     return out.view(tokens.shape)
+
+
+def _grad_rows(dy: torch.Tensor, log_p: torch.Tensor) -> torch.Tensor:
+    """``dy - softmax * sum(dy)`` per row: position-independent ``exp``, ``halving_sum`` over the vocabulary."""
+    return dy - exp(log_p) * halving_sum(dy, -1).unsqueeze(-1)
+
+
+class _LogSoftmax(torch.autograd.Function):
+    """Row-local backward ``dx = dy - p * sum(dy)``, chunked like the forward."""
+
+    @staticmethod
+    def forward(ctx, logits):  # noqa: ANN001, ANN205
+        out = _log_softmax(logits)
+        ctx.save_for_backward(out)
+        ctx.dtype = logits.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        (out,) = ctx.saved_tensors
+        log_p, per_chunk = _rows(out)
+        d_rows = dy.reshape(log_p.shape).float()
+        dx = torch.empty(log_p.shape, dtype=ctx.dtype, device=out.device)
+        for start in range(0, log_p.shape[0], per_chunk):
+            part = slice(start, start + per_chunk)
+            dx[part] = _grad_rows(d_rows[part], log_p[part])
+        return dx.view(out.shape)
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """Backward ``dx = onehot(token) * dy - p * dy``; the log-probabilities are recomputed chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(logits, tokens)
+        return _token_log_probs(logits, tokens)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        logits, tokens = ctx.saved_tensors
+        rows, per_chunk = _rows(logits)
+        flat_tokens = tokens.reshape(-1, 1).long()
+        d_flat = dy.reshape(-1, 1).float()
+        dx = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
+        for start in range(0, rows.shape[0], per_chunk):
+            part = slice(start, start + per_chunk)
+            shifted, log_norm = _shifted_and_log_norm(rows[part])
+            d_rows = torch.zeros_like(shifted).scatter_(-1, flat_tokens[part], d_flat[part])
+            dx[part] = _grad_rows(d_rows, shifted - log_norm.unsqueeze(-1))
+        return dx.view(logits.shape), None
 
 
 def log_softmax_reference(logits: torch.Tensor) -> torch.Tensor:

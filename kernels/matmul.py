@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .caches import active, kernel_caches
+from .differentiable import needs_grad
 
 M_TILE = 64
 """Rows per GEMM. Trades decode padding (a 1-row step computes 64 rows) against
@@ -108,12 +109,18 @@ def _forget(cache: dict, weight_id: int) -> Callable[[weakref.ref], None]:
     return callback
 
 
+def _row_tiles(x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x2`` ``[M, K]`` copied into a fresh zero buffer of whole M_TILE-row tiles, in ``dtype``."""
+    rows = torch.zeros(-(-x2.shape[0] // M_TILE) * M_TILE, x2.shape[1], dtype=dtype, device=x2.device)
+    rows[: x2.shape[0]] = x2
+    return rows
+
+
 def _tiled_mm(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[M, K] @ weight.T`` from fixed-shape GEMMs; returns ``[M, N]`` in ``dtype``."""
     m, k = x2.shape
     n = weight.shape[0]
-    rows = torch.zeros(-(-m // M_TILE) * M_TILE, k, dtype=dtype, device=x2.device)
-    rows[:m] = x2
+    rows = _row_tiles(x2, dtype)
     w = _prepare(weight, dtype)
     if n > N_TILED_MAX:
         out = torch.empty(rows.shape[0], n, dtype=dtype, device=x2.device)
@@ -146,14 +153,61 @@ def linear(
         weights = weight.split(list(output_sizes))
         biases = bias.split(list(output_sizes)) if bias is not None else [None] * len(weights)
         return torch.cat([linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"linear: x has K={x.shape[-1]} but weight is {tuple(weight.shape)}")
+    if needs_grad(x, weight, bias):
+        return _Linear.apply(x, weight, bias)
+    return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     lead, k = x.shape[:-1], x.shape[-1]
-    if weight.shape[1] != k:
-        raise ValueError(f"linear: x has K={k} but weight is {tuple(weight.shape)}")
     dtype = _gemm_dtype(x.dtype, x.device.type)
     out = _tiled_mm(x.reshape(-1, k), weight, dtype)
     if bias is not None:
         out = out.float() + bias.float()
     return out.to(x.dtype).reshape(*lead, weight.shape[0])
+
+
+def _weight_grad(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """``[sum_m dy[m]^T x[m] | sum_m dy[m]]`` (``[N, K+1]``) in fp32 (fp64 for fp64), one fixed order.
+
+    Rows are cut into the forward's zero-padded M_TILE tiles; each tile is one
+    ``[N, M_TILE] @ [M_TILE, K+1]`` GEMM (the ones column gives the bias gradient in
+    the same GEMM), and the tile results are added left to right. The order
+    depends only on the number of tiles; zero rows (padding) add exact zeros.
+    """
+    acc = torch.float64 if dy2.dtype == torch.float64 else torch.float32
+    dy = _row_tiles(dy2, acc)
+    xs = _row_tiles(torch.cat([x2.to(acc), x2.new_ones(x2.shape[0], 1, dtype=acc)], dim=1), acc)
+    total = torch.zeros(dy.shape[1], xs.shape[1], dtype=acc, device=dy.device)
+    for start in range(0, dy.shape[0], M_TILE):
+        total.add_(torch.mm(dy[start : start + M_TILE].t(), xs[start : start + M_TILE]))
+    return total
+
+
+class _Linear(torch.autograd.Function):
+    """``linear`` with a fixed-tile backward: dx row-invariant, dW/db in one fixed order over row tiles."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, weight.shape[0])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dtype = _gemm_dtype(x.dtype, x.device.type)
+            dx = _tiled_mm(dy2, weight.t().contiguous(), dtype).to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            grads = _weight_grad(dy2, x.reshape(-1, x.shape[-1]))
+            dw = grads[:, :-1].to(weight.dtype)
+            db = None if ctx.bias_dtype is None else grads[:, -1].to(ctx.bias_dtype)
+        return dx, dw, db
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .fixed_order import halving_sum
+from .differentiable import needs_grad
+from .fixed_order import halving_sum, pairwise_sum
 
 
 def rms_norm(
@@ -33,10 +34,46 @@ def rms_norm(
     if residual is not None:
         summed = x + residual
         return rms_norm(summed, weight, eps), summed
+    if needs_grad(x, weight):
+        return _RMSNorm.apply(x, weight, eps)
+    return _rms_norm(x, weight, eps)
+
+
+def _rms(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    """``sqrt(mean(x32^2) + eps)`` per row, ``[..., 1]``: a halving sum over the hidden size."""
+    mean_sq = halving_sum(x32 * x32, -1).div_(x32.shape[-1])
+    return torch.sqrt(mean_sq.add_(eps)).unsqueeze(-1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
-    mean_sq = halving_sum(x32 * x32, -1).div_(x.shape[-1])
-    rms = torch.sqrt(mean_sq.add_(eps))
-    return weight * (x32 / rms.unsqueeze(-1)).to(x.dtype)
+    return weight * (x32 / _rms(x32, eps)).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """``rms_norm`` with a row-local backward for x and a fixed-order (pairwise over rows) sum for the weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        x32 = x.float()  # the forward's precision (fp32 for every input dtype)
+        rms = _rms(x32, ctx.eps)
+        u = x32 / rms  # the forward's normalised row, before its rounding
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dn = dy.float() * weight.float()
+            dot = halving_sum(dn * u, -1).div_(x.shape[-1]).unsqueeze(-1)
+            dx = ((dn - u * dot) / rms).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            rows = (dy.float() * u.to(x.dtype).float()).reshape(-1, x.shape[-1])
+            dw = pairwise_sum(rows, 0).to(weight.dtype)
+        return dx, dw, None
 
 
 def rms_norm_reference(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from .caches import active
+from .differentiable import needs_grad
 
 TABLE_BLOCK_ELEMENTS = 1024
 """Upper bound on the elements of one table-block call (below every serial threshold)."""
@@ -87,8 +88,17 @@ def _pairs(x32: torch.Tensor, rotary_dim: int, style: str) -> tuple[torch.Tensor
 def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str = "neox") -> torch.Tensor:
     """Rotate ``x`` (``[..., D]``) by fp32 ``cos``/``sin`` (``[..., rotary_dim/2]``, broadcastable).
 
-    The rotation is fp32 and rounded once to ``x.dtype``.
+    The rotation is fp32 and rounded once to ``x.dtype``. Differentiable in ``x``
+    (cos/sin are constants: a table lookup); the gradient is the inverse rotation.
     """
+    if needs_grad(x):
+        if cos.requires_grad or sin.requires_grad:
+            raise ValueError("rope_apply: cos/sin come from the table and take no gradient")
+        return _RopeApply.apply(x, cos, sin, style)
+    return _rope_apply(x, cos, sin, style)
+
+
+def _rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     rotary_dim = 2 * cos.shape[-1]
     x32 = x.float()
     x1, x2 = _pairs(x32, rotary_dim, style)
@@ -101,6 +111,21 @@ def rope_apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str
     if rotary_dim < x.shape[-1]:
         rotated = torch.cat([rotated, x32[..., rotary_dim:]], dim=-1)
     return rotated.to(x.dtype)
+
+
+class _RopeApply(torch.autograd.Function):
+    """The transpose of a rotation is the rotation by ``-angle``: ``dx = rope_apply(dy, cos, -sin)``."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin, style):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(cos, sin)
+        ctx.style = style
+        return _rope_apply(x, cos, sin, style)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        cos, sin = ctx.saved_tensors
+        return _rope_apply(dy, cos, -sin, ctx.style), None, None, None
 
 
 def rope(

@@ -1,0 +1,171 @@
+"""Backward passes: correct (gradcheck, fp64 reference), deterministic, and batch-invariant where the forward is."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+from logdiff import kernels as K
+from logdiff.kernels.fixed_order import halving_sum
+
+GRAD_BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+"""Largest |kernel grad - fp64 autograd of the reference| relative to the largest |reference grad| (docs/kernels.md)."""
+LOOSE = dict(eps=1e-3, atol=1e-3, rtol=1e-3)
+"""gradcheck for kernels that compute in fp32 even for fp64 input (the numerical Jacobian then has fp32 noise)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """A kernel as ``fn(*rows, *shared)``: ``rows`` inputs have one row per token (dim 0), ``shared`` are weights."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    ref: Callable[..., torch.Tensor]
+    make: Callable[[torch.Generator, int], tuple[list[torch.Tensor], list[torch.Tensor]]]
+    strict: bool = False  # computes fp64 in fp64: default gradcheck tolerances
+
+
+def _pos(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(x.shape[0]) * 7 % 50  # a row's position depends only on its index
+
+
+def _tok(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(x.shape[0]) * 13 % x.shape[-1]
+
+
+def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+
+def _norm_pair(f: Callable) -> Callable:
+    return lambda x, r, w: torch.cat(f(x, w, 1e-6, residual=r), dim=-1)
+
+
+OPS = [
+    Op("linear", K.linear, K.linear_reference, lambda g, m: ([_randn(g, m, 12)], [_randn(g, 10, 12), _randn(g, 10)])),
+    Op("linear_no_bias", K.linear, K.linear_reference, lambda g, m: ([_randn(g, m, 12)], [_randn(g, 10, 12)]), True),
+    Op(
+        "rms_norm",
+        lambda x, w: K.rms_norm(x, w, 1e-6),
+        lambda x, w: K.rms_norm_reference(x, w, 1e-6),
+        lambda g, m: ([_randn(g, m, 16, scale=3)], [_randn(g, 16).abs() + 0.5]),
+    ),
+    Op(
+        "rms_norm_residual",
+        _norm_pair(K.rms_norm),
+        _norm_pair(K.rms_norm_reference),
+        lambda g, m: ([_randn(g, m, 16, scale=3), _randn(g, m, 16)], [_randn(g, 16).abs() + 0.5]),
+    ),
+    Op(
+        "rope",
+        lambda x: K.rope(x, _pos(x), 1e4),
+        lambda x: K.rope_reference(x, _pos(x), 1e4),
+        lambda g, m: ([_randn(g, m, 2, 8)], []),
+    ),
+    Op(
+        "rope_gptj_partial",
+        lambda x: K.rope(x, _pos(x), 1e4, "gptj", 4),
+        lambda x: K.rope_reference(x, _pos(x), 1e4, "gptj", 4),
+        lambda g, m: ([_randn(g, m, 2, 8)], []),
+    ),
+    Op(
+        "silu_and_mul",
+        K.silu_and_mul,
+        K.silu_and_mul_reference,
+        lambda g, m: ([_randn(g, m, 12, scale=3), _randn(g, m, 12)], []),
+        True,
+    ),
+    Op("log_softmax", K.log_softmax, K.log_softmax_reference, lambda g, m: ([_randn(g, m, 37, scale=3)], [])),
+    Op(
+        "token_log_probs",
+        lambda x: K.token_log_probs(x, _tok(x)),
+        lambda x: K.log_softmax_reference(x).gather(-1, _tok(x)[:, None])[:, 0],
+        lambda g, m: ([_randn(g, m, 37, scale=3)], []),
+    ),
+]
+IDS = [op.name for op in OPS]
+
+
+def _grads(op: Op, inputs: list[torch.Tensor], dy: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Gradients of ``sum(dy * op(inputs))`` w.r.t. every input (dy seeded when not given)."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = op.fn(*leaves)
+    if dy is None:
+        dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    return list(torch.autograd.grad(out, leaves, dy.to(out.dtype)))
+
+
+def _case(op: Op, m: int, dtype: torch.dtype, seed: int = 0) -> tuple[list[torch.Tensor], int]:
+    rows, shared = op.make(torch.Generator().manual_seed(seed), m)
+    return [t.to(dtype) for t in rows + shared], len(rows)
+
+
+@pytest.mark.parametrize("op", OPS, ids=IDS)
+def test_gradcheck_against_the_kernel_itself(op):
+    inputs, _ = _case(op, 3, torch.float64)
+    leaves = tuple(t.requires_grad_() for t in inputs)
+    assert gradcheck(op.fn, leaves, **({} if op.strict else LOOSE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", OPS, ids=IDS)
+def test_gradients_agree_with_fp64_autograd_of_the_reference(op, dtype):
+    inputs, _ = _case(op, 5, dtype)
+    ours = _grads(op, inputs)
+    ref_op = Op(op.name, op.ref, op.ref, op.make)
+    ref = _grads(ref_op, [t.double() for t in inputs])
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == dtype
+        assert (a.double() - b).abs().max() <= GRAD_BOUND[dtype] * b.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", OPS, ids=IDS)
+def test_two_runs_are_bitwise_equal(op, dtype):
+    inputs, _ = _case(op, 70, dtype)
+    for a, b in zip(_grads(op, inputs), _grads(op, inputs), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("m", [1, 3, K.M_TILE + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", OPS, ids=IDS)
+def test_a_rows_gradients_do_not_depend_on_the_other_rows(op, dtype, m):
+    """Row grads are bitwise those of the rows alone; weight grads equal those of a batch whose other rows are masked."""
+    inputs, n_rows = _case(op, 2 * K.M_TILE + 5, dtype)
+    out_shape = op.fn(*inputs).shape
+    dy = torch.randn(out_shape, generator=torch.Generator().manual_seed(1))
+    dy[m:] = 0  # the other rows are masked tokens: they reach the weights with exact zeros
+    full = _grads(op, inputs, dy)
+    alone = _grads(op, [t[:m] for t in inputs[:n_rows]] + inputs[n_rows:], dy[:m])
+    for i, (a, b) in enumerate(zip(alone, full, strict=True)):
+        assert torch.equal(a, b[:m] if i < n_rows else b)
+
+
+def _ignores_masked_rows(weight_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``weight_grad(dy, x)`` is bitwise unchanged by appending masked rows (dy = 0) to the batch."""
+    gen = torch.Generator().manual_seed(2)
+    dy, x = torch.randn(5 * K.M_TILE, 10, generator=gen), torch.randn(5 * K.M_TILE, 12, generator=gen)
+    masked_dy = torch.cat([dy, torch.zeros(3 * K.M_TILE, 10)])
+    masked_x = torch.cat([x, torch.randn(3 * K.M_TILE, 12, generator=gen)])
+    return torch.equal(weight_grad(dy, x), weight_grad(masked_dy, masked_x))
+
+
+def _linear_weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    w = torch.randn(10, 12, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    return torch.autograd.grad(K.linear(x, w), w, dy)[0]
+
+
+def _halving_over_tiles(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Negative control: the same tile GEMMs, added in a tree whose pairing depends on the number of tiles."""
+    tiles = [dy[i : i + K.M_TILE].t() @ x[i : i + K.M_TILE] for i in range(0, dy.shape[0], K.M_TILE)]
+    return halving_sum(torch.stack(tiles), 0)
+
+
+def test_weight_gradient_ignores_masked_rows_and_a_batch_dependent_order_does_not():
+    assert _ignores_masked_rows(_linear_weight_grad)
+    assert not _ignores_masked_rows(_halving_over_tiles)
