@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from .caches import active
+from .differentiable import needs_grad
 from .fixed_order import exp, pairwise_sum
 
 Q_TILE = 16
@@ -106,40 +107,69 @@ def attention_heads_first(
 ) -> torch.Tensor:
     """:func:`attention_batched` in the heads-first layout of HF: q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]``
     -> ``[B, Hq, T, D]``."""
+    if needs_grad(q, k, v):
+        from .attention_backward import Attention  # the backward builds on this module
+
+        return Attention.apply(q, k, v, q_positions, scale, kv_lens)
+    return _attention_forward(q, k, v, q_positions, scale, kv_lens)
+
+
+def _attention_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    scale: float,
+    kv_lens: torch.Tensor,
+) -> torch.Tensor:
     b, hq, t, d = q.shape
-    hkv = k.shape[1]
-    if hq % hkv:
-        raise ValueError(f"attention: {hq} query heads are not a multiple of {hkv} kv heads")
-    g = hq // hkv
-    layout = _layout(q_positions, kv_lens, g, hkv, d, q.device)
-    rows, n_qt, n_kb = t * g, layout.n_qt, layout.n_kb
-
-    # Query rows r = t * G + g of each (sequence, kv head), in tiles: [B, Hkv, nQ, Q_TILE, D].
-    q_rows = torch.zeros(b, hkv, n_qt * Q_TILE, d, dtype=torch.float32, device=q.device)
-    q_rows[:, :, :rows].view(b, hkv, t, g, d).copy_(q.reshape(b, hkv, g, t, d).transpose(2, 3))
-    q_tiles = q_rows.view(b, hkv, n_qt, Q_TILE, d)
-
-    # Keys in absolute blocks [B, Hkv, nK, KV_BLOCK, D]; values with a ones column, so that the value
-    # GEMM also yields each block's sum of p, in the same fixed order.
-    s_used = min(k.shape[2], n_kb * KV_BLOCK)
-    k_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, d, dtype=torch.float32, device=q.device)
-    k_pad[:, :, :s_used] = k[:, :, :s_used]
-    v_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, d + 1, dtype=torch.float32, device=q.device)
-    v_pad[:, :, :s_used, :d] = v[:, :, :s_used]
-    v_pad[..., d] = 1.0
-    k_blocks = k_pad.view(b, hkv, n_kb, KV_BLOCK, d)
-    v_blocks = v_pad.view(b, hkv, n_kb, KV_BLOCK, d + 1)
-
-    acc = torch.empty(b, hkv, n_qt, Q_TILE, d + 1, dtype=torch.float32, device=q.device)
+    layout, g = _layout_of(q, k, q_positions, kv_lens)
+    q_tiles = _query_tiles(q, k.shape[1], layout.n_qt)
+    k_blocks, v_blocks = _kv_blocks(k, v, layout.n_kb)
+    acc = torch.empty(*q_tiles.shape[:-1], d + 1, dtype=torch.float32, device=q.device)
     for q0, q1, n_blocks, hidden in layout.groups:
         acc[:, :, q0:q1] = _tile_group(
             q_tiles[:, :, q0:q1], k_blocks[:, :, :n_blocks], v_blocks[:, :, :n_blocks], hidden, scale
-        )
-
-    out = acc[..., :d] / acc[..., d:]
-    out = out.view(b, hkv, n_qt * Q_TILE, d)[:, :, :rows].reshape(b, hkv, t, g, d).transpose(2, 3)
+        )[0]
+    out = _from_query_tiles(acc[..., :d] / acc[..., d:], t, g)
     out = torch.where(layout.has_query, out, 0.0)
     return out.reshape(b, hq, t, d).to(q.dtype)
+
+
+def _layout_of(q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, kv_lens: torch.Tensor) -> tuple:
+    """``(layout, G)`` for heads-first q ``[B, Hq, T, D]`` and k ``[B, Hkv, S, D]``."""
+    hq, d, hkv = q.shape[1], q.shape[3], k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"attention: {hq} query heads are not a multiple of {hkv} kv heads")
+    return _layout(q_positions, kv_lens, hq // hkv, hkv, d, q.device), hq // hkv
+
+
+def _query_tiles(x: torch.Tensor, hkv: int, n_qt: int) -> torch.Tensor:
+    """Heads-first ``[B, Hq, T, D]`` as fp32 query-row tiles ``[B, Hkv, nQ, Q_TILE, D]``, row ``r = t * G + g``."""
+    b, hq, t, d = x.shape
+    g = hq // hkv
+    rows = torch.zeros(b, hkv, n_qt * Q_TILE, d, dtype=torch.float32, device=x.device)
+    rows[:, :, : t * g].view(b, hkv, t, g, d).copy_(x.reshape(b, hkv, g, t, d).transpose(2, 3))
+    return rows.view(b, hkv, n_qt, Q_TILE, d)
+
+
+def _from_query_tiles(tiles: torch.Tensor, t: int, g: int) -> torch.Tensor:
+    """Inverse of :func:`_query_tiles` (padding rows dropped): ``[B, Hkv, G, T, D]``."""
+    b, hkv, n_qt, _, d = tiles.shape
+    return tiles.reshape(b, hkv, n_qt * Q_TILE, d)[:, :, : t * g].reshape(b, hkv, t, g, d).transpose(2, 3)
+
+
+def _kv_blocks(k: torch.Tensor, v: torch.Tensor, n_kb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys in absolute fp32 blocks ``[B, Hkv, nK, KV_BLOCK, D]``; values ``[..., D+1]`` with a ones column,
+    so that the value GEMM also yields each block's sum of p, in the same fixed order."""
+    b, hkv, s, d = k.shape
+    s_used = min(s, n_kb * KV_BLOCK)
+    k_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, d, dtype=torch.float32, device=k.device)
+    k_pad[:, :, :s_used] = k[:, :, :s_used]
+    v_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, d + 1, dtype=torch.float32, device=k.device)
+    v_pad[:, :, :s_used, :d] = v[:, :, :s_used]
+    v_pad[..., d] = 1.0
+    return k_pad.view(b, hkv, n_kb, KV_BLOCK, d), v_pad.view(b, hkv, n_kb, KV_BLOCK, d + 1)
 
 
 class _Layout:
@@ -207,8 +237,9 @@ def _tile_group(
     v_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, D+1]
     hidden: torch.Tensor,  # [B, 1, nq, nk, Q_TILE, KV_BLOCK]: masked (row, key) pairs
     scale: float,
-) -> torch.Tensor:
-    """``[sum(p v) | sum(p)]`` of shape ``[B, Hkv, nq, Q_TILE, D+1]`` over every (tile, block) pair."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([sum(p v) | sum(p)] [B, Hkv, nq, Q_TILE, D+1], p [B, Hkv, nq, nk, Q_TILE, KV_BLOCK])`` over every
+    (tile, block) pair; ``p = exp(s - row max)`` is unnormalised."""
     b, hkv, nq, _, d = q_tiles.shape
     nk, d1 = k_blocks.shape[2], v_blocks.shape[-1]
     pairs = (b, hkv, nq, nk)
@@ -224,7 +255,7 @@ def _tile_group(
     # One [Q_TILE, KV_BLOCK] @ [KV_BLOCK, D+1] GEMM per pair: the block's [p v | sum p].
     vb = v_blocks.unsqueeze(2).expand(*pairs, KV_BLOCK, d1).reshape(-1, KV_BLOCK, d1)
     pv = torch.bmm(p.view(-1, Q_TILE, KV_BLOCK), vb).view(*pairs, Q_TILE, d1)
-    return pairwise_sum(pv, 3)
+    return pairwise_sum(pv, 3), p
 
 
 def attention_reference(

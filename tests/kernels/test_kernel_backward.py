@@ -108,7 +108,7 @@ def _case(op: Op, m: int, dtype: torch.dtype, seed: int = 0) -> tuple[list[torch
 def test_gradcheck_against_the_kernel_itself(op):
     inputs, _ = _case(op, 3, torch.float64)
     leaves = tuple(t.requires_grad_() for t in inputs)
-    assert gradcheck(op.fn, leaves, **({} if op.strict else LOOSE))
+    assert gradcheck(op.fn, leaves, fast_mode=True, **({} if op.strict else LOOSE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -169,3 +169,70 @@ def _halving_over_tiles(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def test_weight_gradient_ignores_masked_rows_and_a_batch_dependent_order_does_not():
     assert _ignores_masked_rows(_linear_weight_grad)
     assert not _ignores_masked_rows(_halving_over_tiles)
+
+
+# ----------------------------------------------------------------------------- attention
+
+HQ, HKV, D = 4, 2, 8
+
+
+def _qkv(t: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(t, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV)]
+
+
+def _attention_grads(q, k, v, q_positions, kv_lens, dy) -> list[torch.Tensor]:
+    """Grads of ``attention_batched`` (the entry point consistent mode calls) w.r.t. q, k, v."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = K.attention_batched(*leaves, q_positions, 0.3, kv_lens)
+    return list(torch.autograd.grad(out, leaves, dy.to(out.dtype)))
+
+
+def test_attention_gradcheck_with_padding_and_gqa():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, h, 4, generator=gen, dtype=torch.float64).requires_grad_() for h in (HQ, HKV, HKV))
+    q_positions, kv_lens = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, -1, -1]]), torch.tensor([5, 3])
+    assert gradcheck(lambda *a: K.attention_batched(*a, q_positions, 0.5, kv_lens), (q, k, v), fast_mode=True, **LOOSE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_gradients_agree_with_fp64_autograd_of_the_reference(dtype):
+    q, k, v = _qkv(37, dtype)
+    positions = torch.arange(37)
+    dy = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ours = torch.autograd.grad(K.attention(*leaves, positions, 0.3), leaves, dy.to(dtype))
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(K.attention_reference(*ref_leaves, positions, 0.3), ref_leaves, dy.double())
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == dtype
+        assert (a.double() - b).abs().max() <= GRAD_BOUND[dtype] * b.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_gradients_of_a_sequence_do_not_depend_on_the_batch(dtype):
+    """Sequence 0 (11 tokens) alone vs right-padded beside a 37-token sequence, twice: q, k and v grads bitwise."""
+    short, long = _qkv(11, dtype), _qkv(37, dtype, seed=1)
+    dy = torch.randn(2, 37, HQ, D, generator=torch.Generator().manual_seed(2))
+    dy[0, 11:] = torch.nan  # padding queries' incoming gradient is ignored
+    batch = [torch.zeros(2, 37, *t.shape[1:], dtype=dtype) for t in short]
+    for padded, a, b in zip(batch, short, long, strict=True):
+        padded[0, :11], padded[1] = a, b
+    positions = torch.stack([torch.where(torch.arange(37) < 11, torch.arange(37), -1), torch.arange(37)])
+    together = _attention_grads(*batch, positions, torch.tensor([11, 37]), dy)
+    again = _attention_grads(*batch, positions, torch.tensor([11, 37]), dy)
+    alone = _attention_grads(*(t[None] for t in short), torch.arange(11)[None], torch.tensor([11]), dy[:1, :11])
+    for a, b, c in zip(alone, together, again, strict=True):
+        assert torch.equal(b, c)
+        assert torch.equal(a[0], b[0, :11]) and not b[0, 11:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_query_gradients_are_the_same_in_prefill_and_in_decode_steps(dtype):
+    q, k, v = _qkv(37, dtype)
+    dy = torch.randn(1, 37, HQ, D, generator=torch.Generator().manual_seed(3))
+    prefill = _attention_grads(q[None], k[None], v[None], torch.arange(37)[None], torch.tensor([37]), dy)[0]
+    for step in (0, 16, 36):  # one query against the keys up to it (a decode step)
+        kv = torch.tensor([step + 1])
+        decode = _attention_grads(q[None, step : step + 1], k[None], v[None], torch.tensor([[step]]), kv, dy[:, step : step + 1])
+        assert torch.equal(decode[0][0, 0], prefill[0, step])
