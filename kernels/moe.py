@@ -28,23 +28,62 @@ from collections.abc import Callable
 import torch
 
 from .activation import silu_and_mul
+from .differentiable import needs_grad
 from .fixed_order import exp, halving_sum
 from .matmul import linear
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(weights fp32 [T, k], expert ids int64 [T, k])`` from router logits ``[T, E]``."""
+    """``(weights fp32 [T, k], expert ids int64 [T, k])`` from router logits ``[T, E]``.
+
+    Differentiable in the logits (the ids are constants of the backward).
+    """
+    if needs_grad(router_logits):
+        return _Route.apply(router_logits, top_k, renormalize)
+    return _route(router_logits, top_k, renormalize)[:2]
+
+
+def _rank_sum(terms: list[torch.Tensor]) -> torch.Tensor:
+    """``terms[0] + terms[1] + ...`` left to right, in rank order."""
+    total = terms[0].clone()
+    for term in terms[1:]:
+        total += term
+    return total
+
+
+def _route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, ...]:
+    """``(weights, ids, probs [T, E], top probabilities before renormalisation)``."""
     logits = router_logits.float().reshape(-1, router_logits.shape[-1])
     e = exp(logits - logits.amax(-1, keepdim=True))
     probs = e / halving_sum(e, -1).unsqueeze(-1)
     ranked, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    weights, ids = ranked[:, :top_k].contiguous(), ids[:, :top_k].contiguous()
-    if renormalize:
-        total = weights[:, 0].clone()
-        for r in range(1, top_k):
-            total += weights[:, r]
-        weights = weights / total.unsqueeze(-1)
-    return weights, ids
+    top, ids = ranked[:, :top_k].contiguous(), ids[:, :top_k].contiguous()
+    weights = top / _rank_sum(list(top.unbind(1))).unsqueeze(-1) if renormalize else top
+    return weights, ids, probs, top
+
+
+class _Route(torch.autograd.Function):
+    """Row-local backward: through the renormalisation (rank-order sums), then the softmax (halving sum)."""
+
+    @staticmethod
+    def forward(ctx, router_logits, top_k, renormalize):  # noqa: ANN001, ANN205
+        weights, ids, probs, top = _route(router_logits, top_k, renormalize)
+        ctx.save_for_backward(ids, probs, top)
+        ctx.renormalize, ctx.logits_dtype, ctx.logits_shape = renormalize, router_logits.dtype, router_logits.shape
+        ctx.mark_non_differentiable(ids)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx, d_weights, _d_ids):  # noqa: ANN001, ANN205
+        ids, probs, top = ctx.saved_tensors
+        d_top = d_weights.float()
+        if ctx.renormalize:
+            total = _rank_sum(list(top.unbind(1))).unsqueeze(-1)
+            dot = _rank_sum(list((d_top * (top / total)).unbind(1))).unsqueeze(-1)
+            d_top = (d_top - dot) / total
+        d_probs = torch.zeros_like(probs).scatter_(-1, ids, d_top)
+        d_logits = probs * (d_probs - halving_sum(d_probs * probs, -1).unsqueeze(-1))
+        return d_logits.to(ctx.logits_dtype).view(ctx.logits_shape), None, None
 
 
 def moe_combine(
@@ -53,14 +92,18 @@ def moe_combine(
     ids: torch.Tensor,
     expert: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
-    """``sum_r weights[:, r] * expert(ids[:, r], x)`` for x ``[T, H]``, in fp32 rank order, rounded once."""
+    """``sum_r weights[:, r] * expert(ids[:, r], x)`` for x ``[T, H]``, in fp32 rank order, rounded once.
+
+    Differentiable in ``x``, ``weights`` and whatever the expert's output depends on.
+    """
     t, k = ids.shape
     rows = x.reshape(t, -1)
+    slot_rows = _SlotRows.apply(rows, k) if needs_grad(rows) else None
     outputs: torch.Tensor | None = None
     flat_ids = ids.reshape(-1)
     for e in torch.unique(flat_ids).tolist():
         slots = (flat_ids == e).nonzero(as_tuple=True)[0]  # slot = token * k + rank
-        out_e = expert(int(e), rows[slots // k])
+        out_e = expert(int(e), rows[slots // k] if slot_rows is None else slot_rows[slots])
         if outputs is None:
             outputs = torch.zeros(t * k, out_e.shape[-1], dtype=out_e.dtype, device=x.device)
         outputs[slots] = out_e
@@ -68,10 +111,43 @@ def moe_combine(
         return torch.zeros_like(rows).view(x.shape)
     outputs = outputs.view(t, k, -1).float()
     w = weights.float()
-    total = outputs[:, 0] * w[:, :1]
-    for r in range(1, k):
-        total += outputs[:, r] * w[:, r : r + 1]
+    total = _WeightedSum.apply(outputs, w) if needs_grad(outputs, w) else _weighted_sum(outputs, w)
     return total.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def _weighted_sum(outputs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_r w[:, r] * outputs[:, r]`` in rank order."""
+    return _rank_sum([outputs[:, r] * w[:, r : r + 1] for r in range(w.shape[1])])
+
+
+class _WeightedSum(torch.autograd.Function):
+    """Backward: ``d_outputs[:, r] = dy * w[:, r]``; ``d_w[:, r] = halving_sum(dy * outputs[:, r])`` (per token)."""
+
+    @staticmethod
+    def forward(ctx, outputs, w):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(outputs, w)
+        return _weighted_sum(outputs, w)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        outputs, w = ctx.saved_tensors
+        d_outputs = dy.unsqueeze(1) * w.unsqueeze(-1) if ctx.needs_input_grad[0] else None
+        d_w = halving_sum(dy.unsqueeze(1) * outputs, -1) if ctx.needs_input_grad[1] else None
+        return d_outputs, d_w
+
+
+class _SlotRows(torch.autograd.Function):
+    """Each token's row once per rank (slot ``t * k + r``); backward adds a token's k slots in rank order."""
+
+    @staticmethod
+    def forward(ctx, rows, k):  # noqa: ANN001, ANN205
+        ctx.k = k
+        return rows.repeat_interleave(k, dim=0)
+
+    @staticmethod
+    def backward(ctx, d_slots):  # noqa: ANN001, ANN205
+        per_rank = d_slots.view(-1, ctx.k, d_slots.shape[-1]).unbind(1)
+        return _rank_sum(list(per_rank)), None
 
 
 def moe_experts(

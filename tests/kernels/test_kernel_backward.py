@@ -87,6 +87,15 @@ OPS = [
         lambda g, m: ([_randn(g, m, 37, scale=3)], []),
     ),
 ]
+OPS += [
+    Op(
+        f"moe_route_{'renormalized' if renorm else 'plain'}",
+        lambda x, renorm=renorm: K.moe_route(x, 2, renorm)[0],
+        lambda x, renorm=renorm: K.moe_route_reference(x, 2, renorm)[0],
+        lambda g, m: ([_randn(g, m, 8, scale=2)], []),
+    )
+    for renorm in (True, False)
+]
 IDS = [op.name for op in OPS]
 
 
@@ -236,3 +245,65 @@ def test_attention_query_gradients_are_the_same_in_prefill_and_in_decode_steps(d
         kv = torch.tensor([step + 1])
         decode = _attention_grads(q[None, step : step + 1], k[None], v[None], torch.tensor([[step]]), kv, dy[:, step : step + 1])
         assert torch.equal(decode[0][0, 0], prefill[0, step])
+
+
+# ----------------------------------------------------------------------------- MoE experts and combine
+
+E, H, I, TOP_K = 4, 8, 6, 2
+
+
+def _moe_case(t: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``([x, weights, w13, w2], ids)`` with each token's top-2 of 4 experts, seeded."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(t, H, generator=gen)
+    weights, ids = K.moe_route(torch.randn(t, E, generator=gen), TOP_K, True)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=gen) / 3, torch.randn(E, H, I, generator=gen) / 3
+    return [a.to(dtype) for a in (x, weights, w13, w2)], ids
+
+
+def _moe_reference(ids: torch.Tensor) -> Callable[..., torch.Tensor]:
+    def run(x, weights, w13, w2):
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up = K.linear_reference(rows, w13[e])
+            return K.linear_reference(K.silu_and_mul_reference(gate_up[:, :I], gate_up[:, I:]), w2[e])
+
+        return K.moe_combine_reference(x, weights, ids, expert)
+
+    return run
+
+
+def _moe_grads(inputs: list[torch.Tensor], ids: torch.Tensor, dy: torch.Tensor, fn=None) -> list[torch.Tensor]:
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = (fn or (lambda *a: K.moe_experts(a[0], a[1], ids, a[2], a[3])))(*leaves)
+    return list(torch.autograd.grad(out, leaves, dy.to(out.dtype)))
+
+
+def test_moe_experts_gradcheck():
+    inputs, ids = _moe_case(5, torch.float64)
+    leaves = tuple(t.requires_grad_() for t in inputs)
+    assert gradcheck(lambda x, w, a, b: K.moe_experts(x, w, ids, a, b), leaves, fast_mode=True, **LOOSE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_gradients_agree_with_fp64_autograd_of_the_reference(dtype):
+    inputs, ids = _moe_case(9, dtype)
+    dy = torch.randn(9, H, generator=torch.Generator().manual_seed(1))
+    ours = _moe_grads(inputs, ids, dy)
+    ref = _moe_grads([t.double() for t in inputs], ids, dy, _moe_reference(ids))
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == dtype
+        assert (a.double() - b).abs().max() <= GRAD_BOUND[dtype] * b.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_experts_gradients_are_deterministic_and_a_tokens_own_do_not_depend_on_the_batch(dtype):
+    """Two runs bitwise (expert weights too); a token's x and routing-weight grads equal its grads alone."""
+    inputs, ids = _moe_case(70, dtype)
+    dy = torch.randn(70, H, generator=torch.Generator().manual_seed(2))
+    first, second = _moe_grads(inputs, ids, dy), _moe_grads(inputs, ids, dy)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    masked = dy.clone()
+    masked[3:] = 0
+    full = _moe_grads(inputs, ids, masked)
+    alone = _moe_grads([inputs[0][:3], inputs[1][:3], *inputs[2:]], ids[:3], dy[:3])
+    assert torch.equal(alone[0], full[0][:3]) and torch.equal(alone[1], full[1][:3])
