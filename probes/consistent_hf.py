@@ -127,7 +127,7 @@ class _Plan:
     norms: list[tuple[str, Any]] = field(default_factory=list)
     rotaries: list[tuple[str, Any, float, int]] = field(default_factory=list)
     mlps: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, mlp_parts)
-    routers: list[tuple[str, Any]] = field(default_factory=list)
+    routers: list[tuple[str, Any, bool]] = field(default_factory=list)  # (name, module, renormalize)
     experts: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, experts_parts)
     modeling_modules: set[str] = field(default_factory=set)
 
@@ -179,9 +179,10 @@ def _plan(model: Any) -> _Plan:
         elif cls.endswith("RotaryEmbedding"):
             plan.rotaries.append((name, module, *_rope_params(module)))
         elif cls.endswith("TopKRouter"):
-            if not all(hasattr(module, a) for a in ("weight", "top_k", "norm_topk_prob")):
+            renormalize = getattr(module, "norm_topk_prob", arch.router_renormalizes)
+            if not all(hasattr(module, a) for a in ("weight", "top_k")) or renormalize is None:
                 raise NotImplementedError(f"consistent_hf: router {name} ({cls})")
-            plan.routers.append((name, module))
+            plan.routers.append((name, module, bool(renormalize)))
         elif cls.endswith("Experts") and hasattr(module, arch.experts_parts[0]):
             flags = (getattr(module, "is_transposed", False), getattr(module, "has_bias", False))
             if flags != (False, False) or not getattr(module, "is_concatenated", True):
@@ -276,13 +277,13 @@ def _mlp_forward(module: Any, parts: tuple[str, ...]) -> Callable:
     return forward
 
 
-def _router_forward(module: Any) -> Callable:
+def _router_forward(module: Any, renormalize: bool) -> Callable:
     from logdiff import kernels
 
     def forward(hidden_states: Any) -> tuple[Any, Any, Any]:
         rows = hidden_states.reshape(-1, module.weight.shape[1])
         router_logits = kernels.linear(rows, module.weight)
-        weights, ids = kernels.moe_route(router_logits, int(module.top_k), bool(module.norm_topk_prob))
+        weights, ids = kernels.moe_route(router_logits, int(module.top_k), renormalize)
         return router_logits, weights, ids
 
     return forward
@@ -429,8 +430,8 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
         for name, module, parts in plan.mlps if want("silu_and_mul") else []:
             patches.set(module, "forward", _mlp_forward(module, parts))
             report.add("silu_and_mul", name)
-        for name, module in plan.routers if want("moe") else []:
-            patches.set(module, "forward", _router_forward(module))
+        for name, module, renormalize in plan.routers if want("moe") else []:
+            patches.set(module, "forward", _router_forward(module, renormalize))
             report.add("moe_route", name)
         for name, module, parts in plan.experts if want("moe") else []:
             patches.set(module, "forward", _experts_forward(module, parts))

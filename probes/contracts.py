@@ -168,7 +168,7 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
         if name in ("lm_head.weight", "model.embed_tokens.weight") and param.shape[0] > vocab_size:
             param = param[:vocab_size]  # vLLM pads the vocabulary dimension
         out[name] = fingerprint(param)
-    return out
+    return {arch.hf_name(k): v for k, v in out.items()}
 
 
 def _recovered(read: Any, raw: bool = False) -> Any:

@@ -24,7 +24,7 @@ from logdiff.errors import InputError
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 
 # demo arch -> what consistent mode says about it (None: covered, bitwise 0 expected)
-NEW = {"qwen2": None, "mistral": None, "llama3": "--consistent: consistent_hf: rope_type 'llama3'"}
+NEW = {"qwen2": None, "mistral": None, "llama3": "--consistent: consistent_hf: rope_type 'llama3'", "mixtral": None}
 
 
 def _first_divergence_is_real(r: dict[str, Any]) -> dict[str, Any]:
@@ -92,3 +92,23 @@ def test_qwen2_bias_fault_is_found_through_vllms_packed_bias(demo_model: Callabl
     blamed = [c for c in r["causes"] if c["class"] == "framework_difference"]
     assert [c["boundary"] for c in blamed] == ["model.layers.1.self_attn.k_proj"], blamed
     assert blamed[0]["kind"] == "weights" and blamed[0]["differs"] == [name]
+
+
+@pytest.mark.vllm
+def test_mixtral_router_fault_is_named_after_hfs_module(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
+    """Checkpoint and vLLM call the block ``block_sparse_moe``, HF ``mlp``: the fault gets the HF name."""
+    from safetensors.torch import load_file, save_file
+
+    model = demo_model("mixtral")
+    stored = "model.layers.1.block_sparse_moe.gate.weight"
+    sd = load_file(str(model / "model.safetensors"))
+    sd[stored] = (sd[stored].float() * 1.5).to(sd[stored].dtype)
+    ckpt = tmp_path / "stale.safetensors"
+    save_file(sd, str(ckpt))
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=ckpt, **SMALL)
+    assert r["contracts"]["weights"]["differs"] == ["model.layers.1.mlp.gate.weight"]
+    blamed = {c["boundary"]: c for c in r["causes"] if c["class"] == "framework_difference"}
+    # the router reads the weight, and so does the MoE block that routes with it
+    assert set(blamed) <= {"model.layers.1.mlp.gate", "model.layers.1.mlp"}, blamed
+    router = blamed["model.layers.1.mlp.gate"]
+    assert router["kind"] == "weights" and router["differs"] == ["model.layers.1.mlp.gate.weight"]

@@ -153,7 +153,8 @@ def test_demo_model_loads_in_transformers_as_bf16(built, arch):
 
     model = AutoModelForCausalLM.from_pretrained(built[arch])
     expected = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "llama3": "LlamaForCausalLM"}[arch]
+                "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "llama3": "LlamaForCausalLM",
+                "mixtral": "MixtralForCausalLM"}[arch]
     assert type(model).__name__ == expected
     assert model.dtype == torch.bfloat16
     assert model.config.tie_word_embeddings is False

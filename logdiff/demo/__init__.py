@@ -1,4 +1,5 @@
-"""The bundled demo models: tiny Qwen3, Llama, Qwen3-MoE, Qwen2, Mistral, Llama 3, trained briefly on CPU.
+"""The bundled demo models: tiny Qwen3, Llama, Qwen3-MoE, Qwen2, Mistral, Llama 3, Mixtral,
+trained briefly on CPU.
 
 ``logdiff demo-model PATH --arch ARCH`` calls :func:`build_demo_model`.
 Tests that only need an untrained model use :func:`tiny_config`.

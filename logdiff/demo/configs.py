@@ -14,6 +14,7 @@ CPU cores:
 | qwen2     | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768; q/k/v bias |
 | mistral   | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768; no window  |
 | llama3    | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768; llama3 RoPE |
+| mixtral   | 256    | 4      | 4 / 2      | 64       | 8 experts, top-2, expert size 256   |
 
 Grouped-query attention (2 kv heads for 4 query heads) is kept on purpose:
 it is where engines differ in how they lay out and repeat K/V.

@@ -21,7 +21,7 @@ core through the functions the recorder wraps (``function_boundaries``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from logdiff.probes.arch.base import ArchAdapter
@@ -171,7 +171,8 @@ class DecoderAdapter(ArchAdapter):
     moe: bool = False  # routed experts (mlp.gate + mlp.experts) in the sparse layers
     qkv_bias: bool = False  # biases on q/k/v (Qwen2); vLLM packs them like the weights
     sliding_window_flag: str | None = "use_sliding_window"  # None: config.sliding_window alone switches it on
-    notes: str = ""
+    moe_block: str = "mlp"  # the MoE block's name in checkpoints and in vLLM (HF's module is always ``mlp``)
+    router_renormalizes: bool | None = None  # HF router without ``norm_topk_prob``: whether it renormalizes
 
     # ---- identity -----------------------------------------------------------------------------
 
@@ -199,8 +200,14 @@ class DecoderAdapter(ArchAdapter):
             Boundary("logits", "logits", None, ("model.norm",)),
             Boundary("log_softmax", "log_softmax", None, ("logits",)),
         ]
-        taps = {"hf": list(HF_TAPS), "vllm": list(VLLM_TAPS)}
+        taps = {"hf": list(HF_TAPS), "vllm": list(self.vllm_taps)}
         return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
+
+    @property
+    def vllm_taps(self) -> tuple[Tap, ...]:
+        if self.moe_block == "mlp":
+            return VLLM_TAPS
+        return tuple(replace(t, pattern=t.pattern.replace(r"\.mlp", "\\." + self.moe_block)) for t in VLLM_TAPS)
 
     # ---- classification ----------------------------------------------------------------------
 
@@ -308,10 +315,23 @@ class DecoderAdapter(ArchAdapter):
     def moe_params(self) -> dict[str, str]:
         return dict(MOE_PARAMS)
 
+    def hf_name(self, name: str) -> str:
+        """The HF in-memory name of a checkpoint or vLLM parameter name (the MoE block renamed)."""
+        if self.moe_block == "mlp":
+            return name
+        return name.replace(f".{self.moe_block}.", ".mlp.")
+
     def per_expert_stored(self, fused: str, stored: Mapping[str, Any]) -> bool:
-        """transformers 5 fuses experts in memory but saves one tensor per expert: is ``fused`` stored that way?"""
+        """Is the in-memory tensor ``fused`` in the checkpoint under another layout or name?
+
+        transformers 5 fuses experts in memory but saves one tensor per expert, and
+        some families save their MoE block under its legacy name (``moe_block``).
+        """
+        if self.moe_block != "mlp" and fused.replace(".mlp.", f".{self.moe_block}.") in stored:
+            return True
         prefix, sep, _ = fused.rpartition(".experts.")
-        return bool(sep) and any(k.startswith(f"{prefix}.experts.0.") for k in stored)
+        stored_prefix = prefix.replace(".mlp", f".{self.moe_block}") if sep else prefix
+        return bool(sep) and any(k.startswith((f"{prefix}.experts.0.", f"{stored_prefix}.experts.0.")) for k in stored)
 
     # ---- consistent mode (HF) --------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ CONFIG = {"num_hidden_layers": 2}
 def test_every_supported_architecture_has_an_adapter_and_demo_names_are_model_types() -> None:
     names = arch.supported()
     assert names[:3] == ["Qwen3ForCausalLM", "LlamaForCausalLM", "Qwen3MoeForCausalLM"]
-    assert {"Qwen2ForCausalLM", "MistralForCausalLM"} <= set(names)
+    assert {"Qwen2ForCausalLM", "MistralForCausalLM", "MixtralForCausalLM"} <= set(names)
     for name in names:
         assert arch.adapter_for(name).architecture == name
     demos = arch.demos()
@@ -36,7 +36,7 @@ def test_every_supported_architecture_has_an_adapter_and_demo_names_are_model_ty
 
 @pytest.mark.parametrize(
     ("given", "nearest"),
-    [("Gemma2ForCausalLM", "Qwen2ForCausalLM"), ("MixtralForCausalLM", "MistralForCausalLM"), ("LlamaForCausalLm", "LlamaForCausalLM")],
+    [("Gemma2ForCausalLM", "Qwen2ForCausalLM"), ("MixtralForCausalLm", "MixtralForCausalLM"), ("LlamaForCausalLm", "LlamaForCausalLM")],
 )
 def test_unsupported_architecture_is_one_line_naming_the_nearest(given: str, nearest: str) -> None:
     with pytest.raises(InputError) as e:
@@ -81,6 +81,17 @@ def test_adapters_answer_where_architectures_differ() -> None:
     assert qwen2.sliding_window(SimpleNamespace(sliding_window=4096, use_sliding_window=False)) is None
     assert qwen2.sliding_window(SimpleNamespace(sliding_window=4096, use_sliding_window=True)) == 4096
     assert mistral.hf_norm_classes == {"MistralRMSNorm"} and qwen3.hf_norm_classes == {"Qwen3RMSNorm"}
+    # Mixtral's checkpoint and vLLM call the MoE block block_sparse_moe; HF's module is mlp
+    mixtral, qwen3_moe = arch.adapter_for("MixtralForCausalLM"), arch.adapter_for("Qwen3MoeForCausalLM")
+    w = "model.layers.2.block_sparse_moe.experts.gate_up_proj"
+    assert mixtral.hf_name(w) == "model.layers.2.mlp.experts.gate_up_proj" and qwen3_moe.hf_name(w) == w
+    stored = {"model.layers.0.block_sparse_moe.experts.0.w1.weight": (4, 8), "model.layers.0.block_sparse_moe.gate.weight": (8, 4)}
+    assert mixtral.per_expert_stored("model.layers.0.mlp.experts.gate_up_proj", stored)
+    assert mixtral.per_expert_stored("model.layers.0.mlp.gate.weight", stored)
+    assert not qwen3_moe.per_expert_stored("model.layers.0.mlp.gate.weight", stored)
+    assert not mixtral.per_expert_stored("model.layers.1.mlp.gate.weight", stored)
+    vllm_moe = [t.pattern for t in mixtral.correspondence(CONFIG).taps["vllm"] if "moe" in t.pattern or "mlp" in t.pattern]
+    assert vllm_moe and all("block_sparse_moe" in p for p in vllm_moe)
 
 
 def test_function_boundaries_exist_in_the_map() -> None:
