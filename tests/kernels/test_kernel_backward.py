@@ -307,3 +307,37 @@ def test_moe_experts_gradients_are_deterministic_and_a_tokens_own_do_not_depend_
     full = _moe_grads(inputs, ids, masked)
     alone = _moe_grads([inputs[0][:3], inputs[1][:3], *inputs[2:]], ids[:3], dy[:3])
     assert torch.equal(alone[0], full[0][:3]) and torch.equal(alone[1], full[1][:3])
+
+
+# ----------------------------------------------------------------------------- forward bits and a whole model
+
+
+@pytest.mark.parametrize("op", OPS, ids=IDS)
+def test_the_differentiable_path_computes_the_inference_bits(op):
+    inputs, _ = _case(op, 70, torch.bfloat16)
+    with torch.no_grad():
+        plain = op.fn(*inputs)
+    assert torch.equal(op.fn(*(t.clone().requires_grad_() for t in inputs)), plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_training_step_under_consistent_hf_is_deterministic_and_computes_the_inference_logprobs(build_model, dtype):
+    from logdiff.probes.consistent_hf import consistent_hf
+
+    model = build_model("qwen3", dtype).train()
+    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 12:] = 0
+
+    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with consistent_hf(model):
+            logprobs = K.token_log_probs(model(input_ids=ids, attention_mask=mask).logits[:, :-1], ids[:, 1:])
+            (-(logprobs * mask[:, 1:]).sum()).backward()
+        return logprobs.detach(), [p.grad.clone() for p in model.parameters()]
+
+    (first_lp, first), (second_lp, second) = step(), step()
+    with torch.no_grad(), consistent_hf(model):
+        inference = K.token_log_probs(model(input_ids=ids, attention_mask=mask).logits[:, :-1], ids[:, 1:])
+    assert torch.equal(first_lp, inference) and torch.equal(second_lp, inference)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
