@@ -7,6 +7,11 @@ obviousness. Installing the same kernels into two engines (``consistent_hf``,
 ``consistent_vllm``) makes them compute bitwise-equal logprobs.
 See ``docs/kernels.md`` for the design of each one.
 
+The kernels are differentiable: called where autograd records (grad mode on,
+an input requiring grad) they run as ``torch.autograd.Function``s whose
+backward keeps the same fixed-order discipline; otherwise they take the plain
+inference path (``differentiable.py``).
+
 This package imports nothing else of logdiff; it needs torch (import it lazily
 from a CLI command). The names are imported eagerly on purpose: ``attention``
 and ``rope`` are both a function and a submodule, and only an eager
