@@ -28,8 +28,16 @@ from __future__ import annotations
 
 import torch
 
-from .attention import KV_BLOCK, Q_TILE, _attention_forward, _from_query_tiles, _kv_blocks, _layout_of, _query_tiles
-from .attention import _tile_group
+from .attention import (
+    KV_BLOCK,
+    Q_TILE,
+    _attention_forward,
+    _from_query_tiles,
+    _kv_blocks,
+    _layout_of,
+    _query_tiles,
+    _tile_group,
+)
 from .fixed_order import halving_sum, pairwise_sum
 
 

@@ -23,7 +23,7 @@ order; routing both through this function gives one order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -43,10 +43,11 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tup
     return _route(router_logits, top_k, renormalize)[:2]
 
 
-def _rank_sum(terms: list[torch.Tensor]) -> torch.Tensor:
-    """``terms[0] + terms[1] + ...`` left to right, in rank order."""
-    total = terms[0].clone()
-    for term in terms[1:]:
+def _rank_sum(terms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``terms[0] + terms[1] + ...`` left to right, in rank order (terms made one at a time)."""
+    it = iter(terms)
+    total = next(it).clone()
+    for term in it:
         total += term
     return total
 
@@ -58,7 +59,7 @@ def _route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     probs = e / halving_sum(e, -1).unsqueeze(-1)
     ranked, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     top, ids = ranked[:, :top_k].contiguous(), ids[:, :top_k].contiguous()
-    weights = top / _rank_sum(list(top.unbind(1))).unsqueeze(-1) if renormalize else top
+    weights = top / _rank_sum(top.unbind(1)).unsqueeze(-1) if renormalize else top
     return weights, ids, probs, top
 
 
@@ -78,8 +79,8 @@ class _Route(torch.autograd.Function):
         ids, probs, top = ctx.saved_tensors
         d_top = d_weights.float()
         if ctx.renormalize:
-            total = _rank_sum(list(top.unbind(1))).unsqueeze(-1)
-            dot = _rank_sum(list((d_top * (top / total)).unbind(1))).unsqueeze(-1)
+            total = _rank_sum(top.unbind(1)).unsqueeze(-1)
+            dot = _rank_sum((d_top * (top / total)).unbind(1)).unsqueeze(-1)
             d_top = (d_top - dot) / total
         d_probs = torch.zeros_like(probs).scatter_(-1, ids, d_top)
         d_logits = probs * (d_probs - halving_sum(d_probs * probs, -1).unsqueeze(-1))
@@ -117,7 +118,7 @@ def moe_combine(
 
 def _weighted_sum(outputs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``sum_r w[:, r] * outputs[:, r]`` in rank order."""
-    return _rank_sum([outputs[:, r] * w[:, r : r + 1] for r in range(w.shape[1])])
+    return _rank_sum(outputs[:, r] * w[:, r : r + 1] for r in range(w.shape[1]))
 
 
 class _WeightedSum(torch.autograd.Function):
@@ -147,7 +148,7 @@ class _SlotRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_slots):  # noqa: ANN001, ANN205
         per_rank = d_slots.view(-1, ctx.k, d_slots.shape[-1]).unbind(1)
-        return _rank_sum(list(per_rank)), None
+        return _rank_sum(per_rank), None
 
 
 def moe_experts(
