@@ -180,6 +180,13 @@ def test_weight_gradient_ignores_masked_rows_and_a_batch_dependent_order_does_no
     assert not _ignores_masked_rows(_halving_over_tiles)
 
 
+
+def test_rope_tables_take_no_gradient():
+    cos, sin = K.rope_cos_sin(torch.arange(4), 1e4, 8)
+    x = torch.randn(4, 2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="no gradient"):
+        K.rope_apply(x, cos.unsqueeze(-2).requires_grad_(), sin.unsqueeze(-2))
+
 # ----------------------------------------------------------------------------- attention
 
 HQ, HKV, D = 4, 2, 8
