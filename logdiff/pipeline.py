@@ -28,6 +28,7 @@ from logdiff.options import is_option
 from logdiff.phases import Phases, peak_rss_bytes, silent
 from logdiff.probes import checkpoint
 from logdiff.reports.groups import group_causes
+from logdiff.reproduce import rollout_replay
 
 SCHEMA_VERSION = 1
 Progress = Callable[[str], None]
@@ -52,7 +53,10 @@ def _spec(engine: str, staged: checkpoint.StagedModel, cfg: ScanConfig, settings
 
 def _load_sequences(cfg: ScanConfig, staged: checkpoint.StagedModel) -> tuple[list[sequences.Sequence], str]:
     if cfg.sequences is not None:
-        seqs, source = sequences.load_jsonl(cfg.sequences), "jsonl"
+        from logdiff import dumps
+
+        seqs, layout = dumps.load(cfg.sequences)
+        source = "jsonl" if layout == "logdiff" else f"dump:{layout}"
     elif cfg.prompts is not None:
         seqs, source = sequences.load_text_prompts(cfg.prompts, cfg.model, cfg.trust_remote_code), "prompts"
     else:
@@ -81,7 +85,7 @@ class PathRun:
     """What running every path over the same ids produced (``run_paths``)."""
 
     sequences: list[sequences.Sequence]
-    source: str  # probe | jsonl | prompts
+    source: str  # probe | jsonl | prompts | dump:<layout> (logdiff.dumps)
     train: PathScores
     infers: list[PathScores]
     paths: list[dict[str, Any]]  # result.json's "paths": one entry per path, with its engine's info
@@ -343,6 +347,9 @@ def scan(
     progress("comparing the logprobs", phase="compare")
     tok = _tokenizer(cfg)
     pairs = [_pair(train, p, seqs, tok, cfg.is_threshold) for p in infers]
+    source, _, layout = source.partition(":")  # dump:<layout> -> dump, <layout>
+    layout = layout or ("logdiff" if source == "jsonl" else None)
+    replay = rollout_replay(infers, [s.response_mask for s in seqs], layout)
     consistent = all(p["metrics"]["bitwise_equal_fraction"] == 1.0 for p in pairs)
     located: dict[str, Any] = {"warnings": [], "first_divergence": None, "introducing_ops": [],
                                "divergence_table": None, "op_trace": None, "tables": {}, "first_nonfinite": None}
@@ -378,6 +385,7 @@ def scan(
         "sequences": {
             "count": len(seqs),
             "source": source,
+            "format": layout,
             "prompt_lens": [len(s.prompt_ids) for s in seqs],
             "response_lens": [len(s.response_ids) for s in seqs],
         },
@@ -392,6 +400,7 @@ def scan(
         "contracts": None,
         "moe": None,
         "batch_invariance": run.batch_invariance,
+        "rollout_replay": replay,
     }
     if located["op_trace"] is not None:
         result["op_trace"] = located["op_trace"]

@@ -142,7 +142,19 @@ def build_view(result: dict) -> dict:
         "contracts": _contracts(r.get("contracts")),
         "moe": _moe(r.get("moe")),
         "batch_invariance": _pretty(r.get("batch_invariance")),
+        "rollout_replay": _rollout_replay(r.get("rollout_replay")),
     }
+
+
+def _rollout_replay(replay: Any) -> dict | None:
+    """The recorded-rollout check: its one-line summary and one row per replaying path."""
+    if not isinstance(replay, dict):
+        return None
+    rows = [{"path": _text(e.get("path")), "mode": _text(e.get("mode")), "tokens": _text(e.get("num_tokens")),
+             "bitwise": fmt_fraction(e.get("bitwise_equal_fraction")), "max": fmt_num(e.get("abs_diff_max")),
+             "mean": fmt_num(e.get("abs_diff_mean")), "reproduced": "yes" if e.get("reproduced") is True else "no"}
+            for e in _list(replay.get("engines")) if isinstance(e, dict)]  # fmt: skip
+    return {"summary": _text(replay.get("summary")), "format": _text(replay.get("format")), "rows": rows}
 
 
 def _non_finite(found: Any) -> str | None:

@@ -80,6 +80,11 @@ def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
             continue  # already the first line
         console.print(Text("warning: ", style="yellow") + Text(str(warning)), soft_wrap=True)
 
+    replay = result.get("rollout_replay")
+    if isinstance(replay, dict) and replay.get("summary"):
+        style = "green" if replay.get("reproduced") is True else "yellow"
+        console.print(Text("recorded rollout: ", style=f"bold {style}") + Text(str(replay["summary"])), soft_wrap=True)
+
     fd = result.get("first_divergence")
     if isinstance(fd, dict):
         eq = fd.get("inputs_equal")
