@@ -140,7 +140,10 @@ def scan(
         "auto", help="Where the HF paths compute: auto (the accelerator torch sees, else cpu), cpu, cuda, cuda:1, "
         "npu. vLLM computes on its own platform's device.",
     ),  # fmt: skip
-    sequences: Optional[Path] = typer.Option(None, help="JSONL of prompt_ids, response_ids[, rollout_logprobs, response_mask]."),
+    sequences: Optional[Path] = typer.Option(
+        None, help="Token ids to replay: JSONL of prompt_ids, response_ids[, rollout_logprobs, response_mask], "
+        "or a verl/OpenRLHF rollout dump (.jsonl, .parquet, .pt; docs/rollout-dumps.md).",
+    ),  # fmt: skip
     prompts: Optional[Path] = typer.Option(None, help="Text prompts (one per line) or JSONL with prompt/messages."),
     num_sequences: int = typer.Option(8, help="Probe set: number of sequences."),
     prompt_len: int = typer.Option(16, help="Probe set: prompt length in tokens."),
