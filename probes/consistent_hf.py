@@ -267,8 +267,16 @@ def _apply_rotary(original: Callable) -> Callable:
 
 
 def _mlp_forward(module: Any, parts: tuple[str, ...]) -> Callable:
+    """``down(silu(gate(x)) * up(x))``; three parts (gate_up, down, act) mean a packed gate/up (Phi-3)."""
     from logdiff import kernels
 
+    if len(parts) == 3:
+        gate_up, down = getattr(module, parts[0]), getattr(module, parts[1])
+
+        def fused(x: Any) -> Any:
+            return down(kernels.silu_and_mul(*gate_up(x).chunk(2, dim=-1)))
+
+        return fused
     gate, up, down = (getattr(module, p) for p in parts[:3])
 
     def forward(x: Any) -> Any:

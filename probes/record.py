@@ -350,7 +350,7 @@ class Recorder:
         out = value[0] if isinstance(value, (tuple, list)) else value
         if how == "split_qkv":
             attn = self._stack[-2][1] if len(self._stack) >= 2 else None
-            q, kv = getattr(attn, "q_size", None), getattr(attn, "kv_size", None)
+            q, kv = _qkv_sizes(attn)
             if q is None or kv is None:
                 self._warn("vLLM attention module has no q_size/kv_size; cannot split qkv_proj")
                 return None
@@ -387,10 +387,12 @@ class Recorder:
             return None
         if b.kind in ("linear", "norm", "router", "moe", "logits") and args and _is_tensor(args[0]) and b.inputs:
             select = tap.select
+            # a split tap (HF's own packed qkv_proj/gate_up_proj, Phi-3) replays the part named ``name``
+            part = self.cmap.names_for(tap, b.layer, name).index(name) if len(tap.names) > 1 else 0
 
             def pick(out: Any) -> Any:
                 got = self._select(select, out)
-                return got[0] if got else out
+                return got[part] if got else out
 
             return replay.module(module, b.inputs[0], args[0], pick)
         if b.kind == "add":
@@ -398,7 +400,7 @@ class Recorder:
             return replay.add(b.inputs, live) if all(t is not None for t in live) else None
         if b.kind == "act":
             parent = self._stack[-2][1] if len(self._stack) >= 2 else None
-            act = getattr(parent, "act_fn", None)
+            act = getattr(parent, "act_fn", None) or getattr(parent, "activation_fn", None)
             live = [self._ctx.get(n) for n in b.inputs]
             if act is None or not all(t is not None for t in live):
                 return None
@@ -566,6 +568,17 @@ class Recorder:
             lookup.setdefault(r.contiguous().view(torch.uint8).numpy().tobytes(), i)
         found = [lookup.get(r.contiguous().view(torch.uint8).numpy().tobytes()) for r in hidden]
         return None if any(f is None for f in found) else np.asarray(found, dtype=np.int64)
+
+
+def _qkv_sizes(attn: Any) -> tuple[int | None, int | None]:
+    """(q, k/v) widths of a packed qkv output: vLLM's ``q_size``/``kv_size``, else HF's head counts (Phi-3)."""
+    q, kv = getattr(attn, "q_size", None), getattr(attn, "kv_size", None)
+    if q is None and hasattr(attn, "head_dim") and hasattr(attn, "num_key_value_heads"):
+        config = getattr(attn, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if heads is not None:
+            q, kv = heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
+    return q, kv
 
 
 def _is_tensor(x: Any) -> bool:

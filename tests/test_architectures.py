@@ -24,7 +24,13 @@ from logdiff.errors import InputError
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 
 # demo arch -> what consistent mode says about it (None: covered, bitwise 0 expected)
-NEW = {"qwen2": None, "mistral": None, "llama3": "--consistent: consistent_hf: rope_type 'llama3'", "mixtral": None}
+NEW = {
+    "qwen2": None,
+    "mistral": None,
+    "llama3": "--consistent: consistent_hf: rope_type 'llama3'",
+    "mixtral": None,
+    "phi3": None,
+}
 
 
 def _first_divergence_is_real(r: dict[str, Any]) -> dict[str, Any]:
@@ -112,3 +118,39 @@ def test_mixtral_router_fault_is_named_after_hfs_module(demo_model: Callable[[st
     assert set(blamed) <= {"model.layers.1.mlp.gate", "model.layers.1.mlp"}, blamed
     router = blamed["model.layers.1.mlp.gate"]
     assert router["kind"] == "weights" and router["differs"] == ["model.layers.1.mlp.gate.weight"]
+
+
+@pytest.mark.vllm
+def test_phi3_fault_in_hfs_packed_qkv_is_localized_to_k(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
+    """HF's own qkv_proj is split like vLLM's: stale k rows of the packed weight are blamed on k_proj alone."""
+    from safetensors.torch import load_file, save_file
+
+    model = demo_model("phi3")
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    sd = load_file(str(model / "model.safetensors"))
+    q_rows, kv_rows = 4 * 64, 2 * 64  # the demo's 4 query and 2 kv heads of 64
+    w = sd[name].float()
+    w[q_rows : q_rows + kv_rows] += 0.05
+    sd[name] = w.to(sd[name].dtype)
+    ckpt = tmp_path / "stale.safetensors"
+    save_file(sd, str(ckpt))
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=ckpt, **SMALL)
+    assert r["contracts"]["weights"]["differs"] == [name]
+    blamed = [c for c in r["causes"] if c["class"] == "framework_difference"]
+    assert [c["boundary"] for c in blamed] == ["model.layers.1.self_attn.k_proj"], blamed
+    assert blamed[0]["kind"] == "weights" and blamed[0]["differs"] == [name]
+
+
+def test_phi3_adapter_reads_hfs_packed_weights_per_split_boundary() -> None:
+    """Without vLLM: each split boundary reads its packed tensor, and the tensor is owned by the first part."""
+    from logdiff.probes.arch import adapter_for
+
+    phi3, llama = adapter_for("Phi3ForCausalLM"), adapter_for("LlamaForCausalLM")
+    k = "model.layers.2.self_attn.k_proj"
+    assert phi3.contract_keys(k, "linear")[1] == ["model.layers.2.self_attn.qkv_proj.weight"]
+    assert llama.contract_keys(k, "linear")[1] == [f"{k}.weight"]  # control: Llama's are separate
+    assert phi3.contract_keys("model.layers.0.mlp.up_proj", "linear")[1] == ["model.layers.0.mlp.gate_up_proj.weight"]
+    assert phi3.weight_boundary("model.layers.2.self_attn.qkv_proj.weight") == ("model.layers.2.self_attn.q_proj", "linear")
+    hf_taps = {t.pattern: t.select for t in phi3.correspondence({"num_hidden_layers": 1}).taps["hf"]}
+    assert hf_taps[r"model\.layers\.{N}\.self_attn\.qkv_proj"] == "split_qkv"
+    assert not any("q_proj" in p and "qkv" not in p for p in hf_taps)

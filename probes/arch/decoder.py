@@ -339,7 +339,7 @@ class DecoderAdapter(ArchAdapter):
     def hf_norm_classes(self) -> frozenset[str]:
         return frozenset({f"{self.hf_prefix}RMSNorm"})
 
-    #: attribute names of a gated MLP module: gate, up, down, activation
+    #: attribute names of a gated MLP module: gate, up, down, activation (three: packed gate_up, down, activation)
     mlp_parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
     #: attribute names of a fused-experts module: gate_up, down
     experts_parts = ("gate_up_proj", "down_proj")
