@@ -10,8 +10,10 @@ model, write them in these layouts and scan them.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -261,6 +263,13 @@ def _multiturn(model: Path, tmp_path: Path) -> tuple[list[Sequence], list[np.nda
     return seqs, hf
 
 
+@pytest.fixture(scope="module")
+def multiturn(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[], tuple[list[Sequence], list]]:
+    """``multiturn()`` -> a fresh copy of one multi-turn rollout recorded by vLLM (built once per module)."""
+    seqs, hf = _multiturn(qwen3, tmp_path_factory.mktemp("multiturn"))
+    return lambda: (copy.deepcopy(seqs), hf)
+
+
 @pytest.mark.vllm
 def test_a_real_vllm_rollout_dumped_by_verl_replays(qwen3: Path, tmp_path: Path) -> None:
     seqs, hf, rollout = _record(qwen3, None, "vllm")  # vLLM sampled these responses and reported these logprobs
@@ -280,8 +289,8 @@ def test_a_real_vllm_rollout_dumped_by_verl_replays(qwen3: Path, tmp_path: Path)
 
 
 @pytest.mark.vllm
-def test_multiturn_dump_gives_verls_metrics_and_is_reproduced(qwen3: Path, tmp_path: Path) -> None:
-    seqs, hf = _multiturn(qwen3, tmp_path)
+def test_multiturn_dump_gives_verls_metrics_and_is_reproduced(qwen3: Path, tmp_path: Path, multiturn: Callable) -> None:
+    seqs, hf = multiturn()
     assert any(s.response_mask for s in seqs)
     batch = verl_batch(seqs)
     r = logdiff.scan(qwen3, infer=["vllm"], sequences=write(batch, tmp_path / "verl.parquet"), **SCAN)
@@ -305,13 +314,19 @@ def test_multiturn_dump_gives_verls_metrics_and_is_reproduced(qwen3: Path, tmp_p
 
 
 @pytest.mark.vllm
-def test_a_rollout_recorded_with_a_perturbed_weight_is_not_reproduced(qwen3: Path, tmp_path: Path) -> None:
-    seqs, _ = _multiturn(qwen3, tmp_path)
+@pytest.mark.parametrize("recorded_with", ["a stale weight", "temperature 0.7"])
+def test_a_rollout_recorded_otherwise_is_not_reproduced(
+    qwen3: Path, tmp_path: Path, multiturn: Callable, recorded_with: str
+) -> None:
+    seqs, _ = multiturn()
     plain = tmp_path / "ids.jsonl"
     plain.write_text("".join(json.dumps({"prompt_ids": s.prompt_ids, "response_ids": s.response_ids}) + "\n"
                              for s in seqs))  # fmt: skip
-    stale = perturbed(qwen3, tmp_path, "model.layers.1.mlp.down_proj.weight", 1.05)
-    _, _, recorded = _record(qwen3, plain, "hf-decode", infer_ckpt=stale)  # the rollout engine had a stale weight
+    if recorded_with == "a stale weight":  # the rollout engine missed a weight sync
+        how = {"infer_ckpt": perturbed(qwen3, tmp_path, "model.layers.1.mlp.down_proj.weight", 1.05)}
+    else:  # the rollout reported logprobs at its sampling temperature (verl's processed_logprobs)
+        how = {"infer_set": {"temperature": 0.7}}
+    _, _, recorded = _record(qwen3, plain, "hf-decode", **how)
     for s, lp in zip(seqs, recorded):
         s.rollout_logprobs = [float(x) for x in lp]
     r = logdiff.scan(qwen3, infer=["vllm"], sequences=write(verl_batch(seqs), tmp_path / "stale.pt"), **SCAN)
