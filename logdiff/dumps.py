@@ -71,6 +71,7 @@ def load(path: Path) -> tuple[list[Sequence], str]:
 
 
 def _first_line_keys(path: Path) -> set[str]:
+    """The keys of a JSONL file's first object (logdiff's keys when the line is not JSON: its reader says why)."""
     with path.open() as f:
         for line in f:
             if line.strip():
@@ -157,6 +158,7 @@ def _mask01(value: Any, what: str, n: int, where: str) -> list[int]:
 
 
 def _floats(value: Any, n: int, where: str, what: str = "rollout_log_probs") -> list[Any]:
+    """``value`` when it is a list of ``n`` entries (``sequences._logprobs`` checks the numbers)."""
     if not isinstance(value, list) or len(value) != n:
         got = f"{len(value)} values" if isinstance(value, list) else type(value).__name__
         raise InputError(f"{where}: '{what}' needs {n} values, one per token it covers, got {got}")

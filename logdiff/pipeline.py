@@ -56,7 +56,7 @@ def _load_sequences(cfg: ScanConfig, staged: checkpoint.StagedModel) -> tuple[li
         from logdiff import dumps
 
         seqs, layout = dumps.load(cfg.sequences)
-        source = "jsonl" if layout == "logdiff" else f"dump:{layout}"
+        source = "jsonl" if layout == "logdiff" and cfg.sequences.suffix == ".jsonl" else f"dump:{layout}"
     elif cfg.prompts is not None:
         seqs, source = sequences.load_text_prompts(cfg.prompts, cfg.model, cfg.trust_remote_code), "prompts"
     else:
