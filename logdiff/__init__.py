@@ -31,3 +31,12 @@ def scan(model: str | Path, ckpt: str | Path | None = None, **options: Any) -> d
         if options.get(key) is not None:
             options[key] = Path(options[key])
     return run(ScanConfig(model=Path(model), ckpt=Path(ckpt) if ckpt else None, **options))
+
+
+def __getattr__(name: str) -> Any:
+    """``logdiff.consistent_training`` and ``logdiff.sync_vllm_weights`` (logdiff/training.py), loaded on use."""
+    if name in ("consistent_training", "sync_vllm_weights"):
+        from logdiff import training
+
+        return getattr(training, name)
+    raise AttributeError(f"module 'logdiff' has no attribute {name!r}")

@@ -89,6 +89,11 @@ def consistent_vllm(llm: Any, only: Collection[str] | None = None) -> Iterator[C
         _ACTIVE.discard(model)
 
 
+def is_active(model: Any) -> bool:
+    """Whether consistent mode is on for ``model`` (the live model of ``engine_objects``)."""
+    return model in _ACTIVE
+
+
 def engine_objects(llm: Any) -> tuple[Any, Any]:
     """The live model and model runner; both exist only for an in-process engine."""
     holder: list[Any] = []
