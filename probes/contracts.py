@@ -48,7 +48,8 @@ def _first(module: Any, cls_suffix: str) -> Any:
 
 
 def _eps(norm: Any) -> float | None:
-    return float(norm.variance_epsilon) if norm is not None else None
+    """A norm's eps (HF's Gemma norms call it ``eps``)."""
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0))) if norm is not None else None
 
 
 def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
@@ -76,6 +77,7 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": getattr(cfg, "norm_topk_prob", None),
         "temperature": float(options.get("temperature", 1.0)),  # logits / T before log_softmax
         "logprobs_mode": "processed_logprobs" if options.get("temperature", 1.0) != 1.0 else "raw_logprobs",
+        **arch.contract_extras(model, "hf"),
     }
 
 
@@ -110,6 +112,7 @@ def vllm_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         # Raw logprobs are taken before the temperature; only processed ones see it.
         "temperature": float(options.get("temperature", 1.0)) if processed else 1.0,
         "logprobs_mode": mode,
+        **arch.contract_extras(model, "vllm"),
     }
 
 

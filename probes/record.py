@@ -343,6 +343,9 @@ class Recorder:
             if _is_tensor(value):
                 return [value]
             return [value[0]] if isinstance(value, (tuple, list)) and value and _is_tensor(value[0]) else None
+        if how == "logits_field":  # a model output's soft-capped ``logits`` (Gemma)
+            logits = getattr(value, "logits", None)
+            return [logits] if _is_tensor(logits) else None
         if how in ("pair", "norm_pair"):
             if _is_tensor(value):
                 return [value, None] if how == "norm_pair" else None
@@ -384,6 +387,8 @@ class Recorder:
     def _module_replay(self, name: str, module: Any, args: tuple, tap: Tap) -> Any:
         b = self.cmap.get(name)
         if b is None or not any(getattr(s, "wants_replay", False) for s in self._pass.sinks):
+            return None
+        if tap.select == "logits_field":  # the whole model's output: not replayable as one op
             return None
         if b.kind in ("linear", "norm", "router", "moe", "logits") and args and _is_tensor(args[0]) and b.inputs:
             select = tap.select

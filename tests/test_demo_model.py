@@ -96,7 +96,7 @@ def test_unsupported_arch_names_the_supported_ones(tmp_path):
     with pytest.raises(InputError, match="qwen3, llama, qwen3-moe"):
         tiny_config("gpt2", 4096)
     with pytest.raises(InputError, match="supported"):
-        build(tmp_path / "m", "gemma2", max_steps=0)
+        build(tmp_path / "m", "gpt-oss", max_steps=0)
     assert not (tmp_path / "m").exists()
 
 

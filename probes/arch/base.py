@@ -38,7 +38,7 @@ from logdiff.probes.errors import InputError
 DOCS = "docs/architectures.md"
 
 #: family modules under probes/arch/, imported in this order on the first lookup
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "qwen2", "mistral", "llama3", "mixtral", "phi3")
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "qwen2", "mistral", "llama3", "mixtral", "phi3", "gemma2")
 
 _ADAPTERS: dict[str, ArchAdapter] = {}
 _DEMOS: dict[str, Demo] = {}

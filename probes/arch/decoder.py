@@ -298,6 +298,10 @@ class DecoderAdapter(ArchAdapter):
     def embed(self, model: Any) -> Any:
         return model.model.embed_tokens
 
+    def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
+        """Contract keys of this family only, read from a loaded ``family`` (hf, vllm) model; none here."""
+        return {}
+
     def sliding_window(self, config: Any) -> int | None:
         """The HF model's active sliding window, or None."""
         window = getattr(config, "sliding_window", None)

@@ -1,0 +1,203 @@
+"""Gemma 2: four norms per layer, ``(1 + w)`` RMSNorm, scaled embeddings and soft-capping.
+
+A Gemma 2 layer is ``input_layernorm`` -> attention (q/k/v/o, RoPE, attention
+logits soft-capped at ``attn_logit_softcapping``, sliding-window layers
+alternating with global ones) -> ``post_attention_layernorm`` -> residual add
+-> ``pre_feedforward_layernorm`` -> gelu-tanh gated MLP ->
+``post_feedforward_layernorm`` -> residual add. Every norm is
+``x * rsqrt(mean(x^2) + eps) * (1 + w)`` in fp32; the embeddings are scaled by
+``sqrt(hidden)`` (the normalizer rounded to the model dtype) and the final
+logits soft-capped at ``final_logit_softcapping``.
+
+How the engines expose it:
+
+* **embeddings**: HF's ``Gemma2TextScaledWordEmbedding`` returns the scaled
+  value; vLLM scales outside any module (``embed_input_ids``), so its
+  ``model.embed_tokens`` boundary is read where the scaled value enters layer
+  0's ``input_layernorm``.
+* **norms**: vLLM fuses the attention residual add into
+  ``pre_feedforward_layernorm`` and the MLP add into the next layer's
+  ``input_layernorm`` (or ``model.norm``), each returning ``(normed, residual)``;
+  the post-norms are plain. HF's adds are read from the input of
+  ``pre_feedforward_layernorm`` and the decoder layer's output.
+* **logits**: vLLM's logits processor soft-caps inside its call and HF does it
+  in ``Gemma2ForCausalLM.forward`` after ``lm_head``, so the ``logits``
+  boundary is the soft-capped value on both sides (HF: the model output's
+  ``logits``). vLLM ties ``lm_head`` to the embeddings; the demo does too.
+
+Contract keys of their own: ``attn_logit_softcapping`` (attention core),
+``final_logit_softcapping`` (logits) and ``embed_scale`` (embeddings), read
+from the loaded modules (``contract_extras``). The demo keeps its sequences
+shorter than the sliding window (64), so the window never masks a key;
+consistent mode refuses the sliding-window layers (docs/architectures.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from logdiff.probes.arch.base import Demo, register
+from logdiff.probes.arch.decoder import FUNCTION_BOUNDARIES, KEY_BOUNDARY, DecoderAdapter
+from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
+
+_L = r"model\.layers\.{N}"
+_N = "model.layers.{N}"
+
+HF_TAPS = (
+    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
+    Tap(_L, "input", "tensor", ("{RES_IN}",), emit=False),
+    Tap(_L + r"\.input_layernorm", "output", "tensor", (f"{_N}.input_layernorm",)),
+    Tap(_L + r"\.self_attn\.q_proj", "output", "tensor", (f"{_N}.self_attn.q_proj",)),
+    Tap(_L + r"\.self_attn\.k_proj", "output", "tensor", (f"{_N}.self_attn.k_proj",)),
+    Tap(_L + r"\.self_attn\.v_proj", "output", "tensor", (f"{_N}.self_attn.v_proj",)),
+    Tap(_L + r"\.self_attn\.o_proj", "output", "tensor", (f"{_N}.self_attn.o_proj",)),
+    Tap(_L + r"\.post_attention_layernorm", "output", "tensor", (f"{_N}.post_attention_layernorm",)),
+    Tap(_L + r"\.pre_feedforward_layernorm", "input", "tensor", (f"{_N}.residual_attn",)),
+    Tap(_L + r"\.pre_feedforward_layernorm", "output", "tensor", (f"{_N}.pre_feedforward_layernorm",)),
+    Tap(_L + r"\.mlp\.gate_proj", "output", "tensor", (f"{_N}.mlp.gate_proj",)),
+    Tap(_L + r"\.mlp\.up_proj", "output", "tensor", (f"{_N}.mlp.up_proj",)),
+    Tap(_L + r"\.mlp\.down_proj", "input", "tensor", (f"{_N}.mlp.act_mul",)),
+    Tap(_L + r"\.mlp\.down_proj", "output", "tensor", (f"{_N}.mlp.down_proj",)),
+    Tap(_L + r"\.post_feedforward_layernorm", "output", "tensor", (f"{_N}.post_feedforward_layernorm",)),
+    Tap(_L, "output", "tensor", (f"{_N}.residual_mlp",)),
+    Tap(r"model\.norm", "output", "tensor", ("model.norm",)),
+    Tap(r"", "output", "logits_field", ("logits",)),  # the whole model's output: soft-capped logits
+)
+
+VLLM_TAPS = (
+    # the scaled embeddings, as they enter the first layer's norm (vLLM scales outside any module)
+    Tap(r"model\.layers\.0\.input_layernorm", "input", "tensor", ("model.embed_tokens",)),
+    Tap(_L + r"\.input_layernorm", "output", "norm_pair", (f"{_N}.input_layernorm", "{PREV_RES}")),
+    Tap(
+        _L + r"\.self_attn\.qkv_proj",
+        "output",
+        "split_qkv",
+        (f"{_N}.self_attn.q_proj", f"{_N}.self_attn.k_proj", f"{_N}.self_attn.v_proj"),
+    ),
+    Tap(_L + r"\.self_attn\.rotary_emb", "output", "pair", (f"{_N}.self_attn.rope_q", f"{_N}.self_attn.rope_k")),
+    Tap(_L + r"\.self_attn\.attn", "output", "tensor", (f"{_N}.self_attn.attn_core",)),
+    Tap(_L + r"\.self_attn\.o_proj", "output", "first", (f"{_N}.self_attn.o_proj",)),
+    Tap(_L + r"\.post_attention_layernorm", "output", "first", (f"{_N}.post_attention_layernorm",)),
+    Tap(_L + r"\.pre_feedforward_layernorm", "output", "pair", (f"{_N}.pre_feedforward_layernorm", f"{_N}.residual_attn")),
+    Tap(_L + r"\.mlp\.gate_up_proj", "output", "split_half", (f"{_N}.mlp.gate_proj", f"{_N}.mlp.up_proj")),
+    Tap(_L + r"\.mlp\.act_fn", "output", "tensor", (f"{_N}.mlp.act_mul",)),
+    Tap(_L + r"\.mlp\.down_proj", "output", "first", (f"{_N}.mlp.down_proj",)),
+    Tap(_L + r"\.post_feedforward_layernorm", "output", "first", (f"{_N}.post_feedforward_layernorm",)),
+    Tap(r"model\.norm", "output", "norm_pair", ("model.norm", "{LAST_RES}")),
+)
+
+#: where Gemma's own contract keys are read first
+_GEMMA_KEYS = {
+    "attn_logit_softcapping": ("model.layers.0.self_attn.attn_core", "attn"),
+    "final_logit_softcapping": ("logits", "logits"),
+    "embed_scale": ("model.embed_tokens", "embed"),
+}
+
+
+def _layer_boundaries(n: int) -> list[Boundary]:
+    p, a = f"model.layers.{n}", f"model.layers.{n}.self_attn"
+    res_in = "model.embed_tokens" if n == 0 else f"model.layers.{n - 1}.residual_mlp"
+    ln = f"{p}.pre_feedforward_layernorm"
+    return [
+        Boundary(f"{p}.input_layernorm", "norm", n, (res_in,)),
+        Boundary(f"{a}.q_proj", "linear", n, (f"{p}.input_layernorm",)),
+        Boundary(f"{a}.k_proj", "linear", n, (f"{p}.input_layernorm",)),
+        Boundary(f"{a}.v_proj", "linear", n, (f"{p}.input_layernorm",)),
+        Boundary(f"{a}.rope_q", "rope", n, (f"{a}.q_proj",)),
+        Boundary(f"{a}.rope_k", "rope", n, (f"{a}.k_proj",)),
+        Boundary(f"{a}.attn_core", "attn", n, (f"{a}.rope_q", f"{a}.rope_k", f"{a}.v_proj"), causal=True),
+        Boundary(f"{a}.o_proj", "linear", n, (f"{a}.attn_core",)),
+        Boundary(f"{p}.post_attention_layernorm", "norm", n, (f"{a}.o_proj",)),
+        Boundary(f"{p}.residual_attn", "add", n, (res_in, f"{p}.post_attention_layernorm")),
+        Boundary(ln, "norm", n, (f"{p}.residual_attn",)),
+        Boundary(f"{p}.mlp.gate_proj", "linear", n, (ln,)),
+        Boundary(f"{p}.mlp.up_proj", "linear", n, (ln,)),
+        Boundary(f"{p}.mlp.act_mul", "act", n, (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj")),
+        Boundary(f"{p}.mlp.down_proj", "linear", n, (f"{p}.mlp.act_mul",)),
+        Boundary(f"{p}.post_feedforward_layernorm", "norm", n, (f"{p}.mlp.down_proj",)),
+        Boundary(f"{p}.residual_mlp", "add", n, (f"{p}.residual_attn", f"{p}.post_feedforward_layernorm")),
+    ]
+
+
+@dataclass(frozen=True)
+class Gemma2Adapter(DecoderAdapter):
+    """``DecoderAdapter`` with Gemma 2's layer, embeddings and soft-capped logits."""
+
+    def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
+        n_layers = int(config["num_hidden_layers"])
+        boundaries = [Boundary("model.embed_tokens", "embed", None)]
+        for n in range(n_layers):
+            boundaries += _layer_boundaries(n)
+        boundaries += [
+            Boundary("model.norm", "norm", None, (f"model.layers.{n_layers - 1}.residual_mlp",)),
+            Boundary("logits", "logits", None, ("model.norm",)),
+            Boundary("log_softmax", "log_softmax", None, ("logits",)),
+        ]
+        taps = {"hf": list(HF_TAPS), "vllm": list(VLLM_TAPS)}
+        return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
+
+    def contract_keys(self, boundary: str, kind: str) -> tuple[list[str], list[str]]:
+        keys, weights = super().contract_keys(boundary, kind)
+        extra = [k for k, (_, k_kind) in _GEMMA_KEYS.items() if k_kind == kind]
+        if kind == "logits":  # lm_head is the embedding matrix (tied)
+            weights = ["model.embed_tokens.weight"]
+        return keys + extra, weights
+
+    def residual_norm(self, boundary: str) -> str:
+        layer_prefix = boundary.rsplit(".", 1)[0]
+        norm = "pre_feedforward_layernorm" if boundary.endswith("residual_attn") else "input_layernorm"
+        return f"{layer_prefix}.{norm}"
+
+    def fused_norm(self, boundary: str) -> str | None:
+        """vLLM fuses the attention add into ``pre_feedforward_layernorm`` (the MLP add stays its own cause)."""
+        if boundary.endswith("residual_attn"):
+            return f"{boundary.rsplit('.', 1)[0]}.pre_feedforward_layernorm"
+        return None
+
+    @property
+    def key_boundary(self) -> dict[str, tuple[str, str]]:
+        return {**KEY_BOUNDARY, **_GEMMA_KEYS}
+
+    def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
+        """Soft-caps and the embedding scale as each engine's loaded modules hold them."""
+        if family == "hf":
+            cfg = model.config
+            scale = getattr(self.embed(model), "embed_scale", None)
+            return {
+                "attn_logit_softcapping": cfg.attn_logit_softcapping,
+                "final_logit_softcapping": cfg.final_logit_softcapping,
+                "embed_scale": float(scale.to(self.embed(model).weight.dtype)) if scale is not None else None,
+            }
+        impl = getattr(getattr(self.attention(self.layers(model)[0]), "attn", None), "impl", None)
+        soft_cap = getattr(impl, "logits_soft_cap", None)
+        final = getattr(getattr(model, "logits_processor", None), "soft_cap", None)
+        normalizer = getattr(model.model, "normalizer", None)
+        return {
+            "tie_word_embeddings": getattr(model, "lm_head", None) is None,  # logits from embed_tokens' weight
+            "attn_logit_softcapping": float(soft_cap) if soft_cap else None,
+            "final_logit_softcapping": float(final) if final else None,
+            "embed_scale": float(normalizer.to(self.embed(model).weight.dtype)) if normalizer is not None else None,
+        }
+
+
+GEMMA2 = register(
+    Gemma2Adapter("Gemma2", "gemma2", sliding_window_flag=None),
+    Demo(
+        "gemma2",
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        {
+            "intermediate_size": 768,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 64,  # longer than the demo's sequences: the window never masks a key
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "tie_word_embeddings": True,  # vLLM's Gemma 2 always ties lm_head to the embeddings
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        "Gemma 2: (1 + w) norms, soft-capping, sliding window 64",
+    ),
+)
