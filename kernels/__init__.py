@@ -18,15 +18,16 @@ and ``rope`` are both a function and a submodule, and only an eager
 ``from .x import x`` keeps the function bound on the package.
 """
 
-from .activation import silu_and_mul, silu_and_mul_reference
+from .activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference, silu_and_mul, silu_and_mul_reference
 from .caches import KernelCaches, kernel_caches
 from .attention import KV_BLOCK, Q_TILE, attention, attention_batched, attention_heads_first, attention_reference
-from .fixed_order import exp, halving_sum, log, pairwise_sum
+from .fixed_order import exp, halving_sum, log, pairwise_sum, tanh
 from .logsoftmax import log_softmax, log_softmax_reference, token_log_probs
 from .matmul import M_TILE, N_TILE, N_TILED_MAX, fp32_weight_cache, linear, linear_reference, weight_cache
 from .moe import moe_combine, moe_combine_reference, moe_experts, moe_route, moe_route_reference
 from .registry import KERNELS, KernelInfo, SelfTestResult, consistent_kernels, self_test
-from .rmsnorm import rms_norm, rms_norm_reference
+from .rmsnorm import gemma_rms_norm, gemma_rms_norm_reference, rms_norm, rms_norm_reference
+from .softcap import softcap, softcap_reference
 from .rope import rope, rope_apply, rope_cos_sin, rope_reference
 
 __all__ = [
@@ -46,6 +47,10 @@ __all__ = [
     "consistent_kernels",
     "exp",
     "fp32_weight_cache",
+    "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_reference",
+    "gemma_rms_norm",
+    "gemma_rms_norm_reference",
     "halving_sum",
     "kernel_caches",
     "linear",
@@ -68,6 +73,9 @@ __all__ = [
     "self_test",
     "silu_and_mul",
     "silu_and_mul_reference",
+    "softcap",
+    "softcap_reference",
+    "tanh",
     "token_log_probs",
     "weight_cache",
 ]

@@ -1,4 +1,4 @@
-"""Batch-invariant SiLU-and-mul, the gated MLP activation ``silu(gate) * up``.
+"""Batch-invariant SiLU-and-mul, the gated MLP activation ``silu(gate) * up`` (and Gemma's gelu-tanh-and-mul).
 
 ``silu(gate)`` in fp32, times ``up`` in fp32, rounded once to ``gate.dtype``.
 HF computes ``act_fn(gate)`` rounded to the model dtype and then multiplies by
@@ -22,6 +22,10 @@ structure (vector body + scalar tail, serial below the grain size), which the
 tests check; it is about 5x cheaper than the position-independent
 :func:`fixed_order.exp` on the MLP's large activations. On CUDA every element
 runs the same code, and the slicing is skipped.
+
+:func:`gelu_tanh_and_mul` is Gemma's ``gelu_pytorch_tanh`` gated MLP (vLLM's
+``GeluAndMul(approximate="tanh")``), built the same way around
+``F.gelu(approximate="tanh")``.
 """
 
 from __future__ import annotations
@@ -91,6 +95,32 @@ class _SiluAndMul(torch.autograd.Function):
         d_gate = _silu_grad_fixed_calls(d * u, g).to(gate.dtype) if ctx.needs_input_grad[0] else None
         d_up = (d * _silu_fixed_calls(g)).to(up.dtype) if ctx.needs_input_grad[1] else None
         return d_gate, d_up
+
+
+def _gelu_tanh_fixed_calls(g: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(g, approximate="tanh")`` in the same tail-free, serial, equal-size slices as SiLU."""
+    if g.device.type == "cuda":
+        return F.gelu(g, approximate="tanh")
+    flat = _flat_chunks(g)
+    for start in range(0, flat.numel(), CHUNK):
+        part = flat[start : start + CHUNK]
+        part.copy_(F.gelu(part, approximate="tanh"))
+    return flat[: g.numel()].view(g.shape)
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (Gemma's ``gelu_pytorch_tanh`` gated MLP) in fp32, rounded once.
+
+    Inference only (no backward).
+    """
+    dtype = _compute_dtype(gate)
+    return (_gelu_tanh_fixed_calls(gate.to(dtype)) * up.to(dtype)).to(gate.dtype)
+
+
+def gelu_tanh_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(gate, approximate="tanh") * up`` in fp32 (fp64 for fp64 input), rounded once."""
+    dtype = _compute_dtype(gate)
+    return (F.gelu(gate.to(dtype), approximate="tanh") * up.to(dtype)).to(gate.dtype)
 
 
 def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,11 @@ Design (all fp32 after an exact widening of q, k, v):
 
 Queries with no visible key (padding rows, position ``-1``) give zeros.
 
+Soft-capping (Gemma 2's ``attn_logit_softcapping``): each score becomes
+``cap * tanh(score / cap)`` right after the scaling, with the
+position-independent :func:`fixed_order.tanh`, so the invariance above holds
+unchanged (inference only: the backward refuses a softcap).
+
 Groups hold at most :data:`MAX_TILE_ELEMENTS` accumulator elements; rows are
 independent, so the grouping never changes a bit.
 """
@@ -44,7 +49,7 @@ import torch
 
 from .caches import active
 from .differentiable import needs_grad
-from .fixed_order import exp, pairwise_sum
+from .fixed_order import exp, pairwise_sum, tanh
 
 Q_TILE = 16
 """Query rows per score/value GEMM."""
@@ -65,10 +70,12 @@ def attention(
     q_positions: torch.Tensor,
     scale: float,
     kv_len: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One sequence: q ``[T, Hq, D]``, k/v ``[S, Hkv, D]`` (keys at positions 0..S-1) -> ``[T, Hq, D]``.
 
-    Query ``i`` sees key ``j`` iff ``j <= q_positions[i]`` (and ``j < kv_len``).
+    Query ``i`` sees key ``j`` iff ``j <= q_positions[i]`` (and ``j < kv_len``). ``softcap``: scores
+    become ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
     """
     s = k.shape[0] if kv_len is None else int(kv_len)
     kv_lens = torch.tensor([s], dtype=torch.int64, device=q.device)
@@ -79,6 +86,7 @@ def attention(
         q_positions.reshape(1, -1),
         scale,
         kv_lens,
+        softcap,
     )
     return out[0].transpose(0, 1)
 
@@ -90,10 +98,13 @@ def attention_batched(
     q_positions: torch.Tensor,
     scale: float,
     kv_lens: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Padded batch: q ``[B, T, Hq, D]``, k/v ``[B, S, Hkv, D]``, q_positions ``[B, T]`` (-1: no query),
     kv_lens ``[B]`` -> ``[B, T, Hq, D]``. Sequence ``b``'s keys are ``k[b, :kv_lens[b]]``."""
-    out = attention_heads_first(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_positions, scale, kv_lens)
+    out = attention_heads_first(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_positions, scale, kv_lens, softcap
+    )
     return out.transpose(1, 2)
 
 
@@ -104,9 +115,14 @@ def attention_heads_first(
     q_positions: torch.Tensor,
     scale: float,
     kv_lens: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """:func:`attention_batched` in the heads-first layout of HF: q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]``
     -> ``[B, Hq, T, D]``."""
+    if softcap:
+        if needs_grad(q, k, v):
+            raise NotImplementedError("attention: no backward with a softcap")
+        return _attention_forward(q, k, v, q_positions, scale, kv_lens, softcap)
     if needs_grad(q, k, v):
         from .attention_backward import Attention  # the backward builds on this module
 
@@ -121,6 +137,7 @@ def _attention_forward(
     q_positions: torch.Tensor,
     scale: float,
     kv_lens: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     b, hq, t, d = q.shape
     layout, g = _layout_of(q, k, q_positions, kv_lens)
@@ -129,7 +146,7 @@ def _attention_forward(
     acc = torch.empty(*q_tiles.shape[:-1], d + 1, dtype=torch.float32, device=q.device)
     for q0, q1, n_blocks, hidden in layout.groups:
         acc[:, :, q0:q1] = _tile_group(
-            q_tiles[:, :, q0:q1], k_blocks[:, :, :n_blocks], v_blocks[:, :, :n_blocks], hidden, scale
+            q_tiles[:, :, q0:q1], k_blocks[:, :, :n_blocks], v_blocks[:, :, :n_blocks], hidden, scale, softcap
         )[0]
     out = _from_query_tiles(acc[..., :d] / acc[..., d:], t, g)
     out = torch.where(layout.has_query, out, 0.0)
@@ -237,6 +254,7 @@ def _tile_group(
     v_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, D+1]
     hidden: torch.Tensor,  # [B, 1, nq, nk, Q_TILE, KV_BLOCK]: masked (row, key) pairs
     scale: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``([sum(p v) | sum(p)] [B, Hkv, nq, Q_TILE, D+1], p [B, Hkv, nq, nk, Q_TILE, KV_BLOCK])`` over every
     (tile, block) pair; ``p = exp(s - row max)`` is unnormalised."""
@@ -248,6 +266,8 @@ def _tile_group(
     a = q_tiles.unsqueeze(3).expand(*pairs, Q_TILE, d).reshape(-1, Q_TILE, d)
     kb = k_blocks.unsqueeze(2).expand(*pairs, KV_BLOCK, d).reshape(-1, KV_BLOCK, d)
     scores = torch.bmm(a, kb.transpose(1, 2)).view(*pairs, Q_TILE, KV_BLOCK).mul_(scale)
+    if softcap:  # elementwise and position-independent: a score's bits stay a function of its value
+        scores = tanh(scores.div_(softcap)).mul_(softcap)
     scores.masked_fill_(hidden, _MASKED)
     # Exact row max over all blocks, then p = exp(s - max) with exact zeros where masked.
     row_max = scores.amax(-1).amax(3)  # [B, Hkv, nq, Q_TILE]
@@ -265,14 +285,17 @@ def attention_reference(
     q_positions: torch.Tensor,
     scale: float,
     kv_len: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Plain masked softmax attention for one sequence, fp32 (fp64 for fp64 input)."""
+    """Plain masked softmax attention for one sequence, fp32 (fp64 for fp64 input), scores optionally soft-capped."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     s = k.shape[0] if kv_len is None else int(kv_len)
     g = q.shape[1] // k.shape[1]
     kk = k[:s].to(dtype).repeat_interleave(g, dim=1)  # [S, Hq, D]
     vv = v[:s].to(dtype).repeat_interleave(g, dim=1)
     scores = torch.einsum("thd,shd->hts", q.to(dtype), kk) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     visible = torch.arange(s)[None, :] <= q_positions.long()[:, None]  # [T, S]
     scores = scores.masked_fill(~visible[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)

@@ -8,7 +8,7 @@ holds the ones torch does not give us with a guarantee:
   element in a vectorised body or in a scalar tail, depending on where it lands
   in the tensor (and on where the thread split falls). The two paths can differ
   in the last bit, so a token's activations would depend on the batch it sits
-  in. :func:`exp` and :func:`log` are written only with IEEE-754 basic
+  in. :func:`exp` and :func:`log` (and :func:`tanh`, built on :func:`exp`) are written only with IEEE-754 basic
   operations (``+ - * /``, ``floor``/``round``, comparisons, integer bit
   manipulation), each a separate torch op. Each of those is correctly rounded
   in every code path (vector or scalar, any CPU, CUDA), so the result for an
@@ -99,6 +99,18 @@ def log(x: torch.Tensor) -> torch.Tensor:
     y.add_(e.mul(_LN2_LO))
     y.sub_(z.mul(0.5))
     return f.add_(y).add_(e.mul(_LN2_HI))
+
+
+def tanh(x: torch.Tensor) -> torch.Tensor:
+    """``tanh(x)`` in fp32 from :func:`exp`, bits a function of the value alone.
+
+    ``sign(x) * (1 - e) / (1 + e)`` with ``e = exp(-2|x|)``: never overflows;
+    the absolute error stays within a few fp32 ulps of 1 (the relative error
+    grows for ``|x|`` far below 1, where ``1 - e`` cancels). NaN is not supported.
+    """
+    _require_fp32(x, "tanh")
+    e = exp(x.abs().mul_(-2.0))
+    return (1.0 - e).div_(e.add_(1.0)).copysign_(x)
 
 
 def halving_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

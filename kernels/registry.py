@@ -134,6 +134,30 @@ KERNELS: list[KernelInfo] = [
         "moe.moe_combine",
         "moe.moe_combine_reference",
     ),
+    KernelInfo(
+        "gemma_rms_norm",
+        "Gemma RMSNorm x / rms(x) * (1 + w), optional fused residual add",
+        "fp32 mean of squares (halving tree), x / sqrt(v + eps), (1 + w) in fp32, one rounding",
+        1e-6,
+        "rmsnorm.gemma_rms_norm",
+        "rmsnorm.gemma_rms_norm_reference",
+    ),
+    KernelInfo(
+        "gelu_tanh_and_mul",
+        "gelu_tanh(gate) * up (Gemma's gelu_pytorch_tanh gated MLP)",
+        "fp32 gelu in tail-free equal-size slices, one rounding",
+        1e-6,
+        "activation.gelu_tanh_and_mul",
+        "activation.gelu_tanh_and_mul_reference",
+    ),
+    KernelInfo(
+        "softcap",
+        "logit soft-capping cap * tanh(x / cap) (Gemma 2 final logits; attention takes softcap=)",
+        "fp32 with position-independent tanh (from exp), one rounding",
+        1e-6,
+        "softcap.softcap",
+        "softcap.softcap_reference",
+    ),
 ]
 
 
@@ -298,6 +322,48 @@ def _check_moe_combine(gen: Any) -> tuple[bool, float, str]:
     return invariant, err, "tokens at M=1,4,9 (different expert groupings)"
 
 
+def _check_gemma_rms_norm(gen: Any) -> tuple[bool, float, str]:
+    import torch
+
+    from .rmsnorm import gemma_rms_norm, gemma_rms_norm_reference
+
+    x, w = torch.randn(9, 256, generator=gen) * 3, torch.randn(256, generator=gen) * 0.1
+    invariant = True
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, wd = x.to(dtype), w.to(dtype)
+        invariant &= _same_rows(lambda m, xd=xd, wd=wd: gemma_rms_norm(xd[-m:].flip(0), wd, 1e-6), (1, 2, 5, 9))
+    err = _rel_error(gemma_rms_norm(x, w, 1e-6), gemma_rms_norm_reference(x.double(), w.double(), 1e-6))
+    return invariant, err, "rows at M=1,2,5,9, fp32 and bf16"
+
+
+def _check_gelu_tanh_and_mul(gen: Any) -> tuple[bool, float, str]:
+    import torch
+
+    from .activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference
+
+    g, u = torch.randn(9, 300, generator=gen) * 4, torch.randn(9, 300, generator=gen)
+    invariant = True
+    for dtype in (torch.float32, torch.bfloat16):
+        gd, ud = g.to(dtype), u.to(dtype)
+        invariant &= _same_rows(lambda m, gd=gd, ud=ud: gelu_tanh_and_mul(gd[-m:].flip(0), ud[-m:].flip(0)), (1, 2, 5, 9))
+    err = _rel_error(gelu_tanh_and_mul(g, u), gelu_tanh_and_mul_reference(g.double(), u.double()))
+    return invariant, err, "rows at M=1,2,5,9 (elements at shifted tensor offsets), fp32 and bf16"
+
+
+def _check_softcap(gen: Any) -> tuple[bool, float, str]:
+    import torch
+
+    from .softcap import softcap, softcap_reference
+
+    x = torch.randn(7, 1000, generator=gen) * 40
+    invariant = True
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        invariant &= _same_rows(lambda m, xd=xd: softcap(xd[-m:].flip(0), 30.0), (1, 3, 7))
+    err = _rel_error(softcap(x, 30.0), softcap_reference(x.double(), 30.0))
+    return invariant, err, "rows at M=1,3,7, fp32 and bf16"
+
+
 _CHECKS: dict[str, Callable[[Any], tuple[bool, float, str]]] = {
     "linear": _check_linear,
     "rms_norm": _check_rms_norm,
@@ -307,6 +373,9 @@ _CHECKS: dict[str, Callable[[Any], tuple[bool, float, str]]] = {
     "log_softmax": _check_log_softmax,
     "moe_route": _check_moe_route,
     "moe_combine": _check_moe_combine,
+    "gemma_rms_norm": _check_gemma_rms_norm,
+    "gelu_tanh_and_mul": _check_gelu_tanh_and_mul,
+    "softcap": _check_softcap,
 }
 
 

@@ -17,6 +17,10 @@ was seen to differ from its scalar tail in bf16.
 
 Precision policy: square, sum, mean, root and scaling in fp32; one rounding to
 ``x.dtype``; then the weight multiply in the weight/activation dtype as HF does.
+
+:func:`gemma_rms_norm` is Gemma's variant (HF ``Gemma2RMSNorm``, vLLM
+``GemmaRMSNorm``): the same invariant rms, times ``(1 + w)`` in fp32, and only
+then one rounding to ``x.dtype``.
 """
 
 from __future__ import annotations
@@ -74,6 +78,34 @@ class _RMSNorm(torch.autograd.Function):
             rows = (dy.float() * u.to(x.dtype).float()).reshape(-1, x.shape[-1])
             dw = pairwise_sum(rows, 0).to(weight.dtype)
         return dx, dw, None
+
+
+def gemma_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm, ``(x32 / rms(x32) * (1 + w32)).to(x.dtype)``: the offset weight in fp32, one rounding.
+
+    With ``residual``: ``(gemma_rms_norm(x + residual), x + residual)``, like :func:`rms_norm`.
+    Inference only (no backward).
+    """
+    if residual is not None:
+        summed = x + residual
+        return gemma_rms_norm(summed, weight, eps), summed
+    x32 = x.float()
+    return (x32 / _rms(x32, eps)).mul_(weight.float() + 1.0).to(x.dtype)
+
+
+def gemma_rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``Gemma2RMSNorm`` with stock torch ops (fp64 throughout for fp64 input)."""
+    if residual is not None:
+        summed = x + residual
+        return gemma_rms_norm_reference(summed, weight, eps), summed
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xw = x.to(dtype)
+    y = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.to(dtype))).to(x.dtype)
 
 
 def rms_norm_reference(

@@ -19,6 +19,9 @@ def test_catalogue_names_the_api_and_resolves_references():
         "log_softmax",
         "moe_route",
         "moe_combine",
+        "gemma_rms_norm",
+        "gelu_tanh_and_mul",
+        "softcap",
     ]
     for info in kernels.consistent_kernels():
         assert callable(info.kernel) and callable(info.reference)
