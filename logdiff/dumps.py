@@ -42,6 +42,9 @@ LAYOUTS = {
     "openrlhf-agent": ("observation_tokens", "action_ranges"),
     "openrlhf-experience": ("sequences", "attention_mask", "action_mask"),
 }
+#: every column some layout reads; a dump's other columns (position_ids, routed_experts, ...) are never loaded
+USED = {c for need in LAYOUTS.values() for c in need} | {
+    "prompts", "input_ids", "response_mask", "rollout_log_probs", "rollout_logprobs"}  # fmt: skip
 SUFFIXES = (".jsonl", ".parquet", ".pt")
 
 
@@ -54,10 +57,9 @@ def load(path: Path) -> tuple[list[Sequence], str]:
         raise InputError(f"{path}: unknown sequences file type {path.suffix!r}; expected one of {', '.join(SUFFIXES)}")
     if path.suffix == ".jsonl" and _first_line_keys(path) >= set(LAYOUTS["logdiff"]):
         return load_jsonl(path), "logdiff"  # logdiff's own format keeps its line-numbered errors
-    rows, where = _rows(path)
+    columns, rows, where = _rows(path)
     if not rows:
         raise InputError(f"{path}: no sequences in file")
-    columns = set(rows[0])
     layout = next((name for name, need in LAYOUTS.items() if columns >= set(need)), None)
     if layout is None or (layout == "verl" and not columns & {"prompts", "input_ids"}):
         raise InputError(
@@ -83,8 +85,8 @@ def _first_line_keys(path: Path) -> set[str]:
     return set()
 
 
-def _rows(path: Path) -> tuple[list[dict[str, Any]], Any]:
-    """One dict of plain Python values per sequence, and how to name row ``i`` in an error."""
+def _rows(path: Path) -> tuple[set[str], list[dict[str, Any]], Any]:
+    """The file's columns, one dict of the ``USED`` ones per sequence (plain Python values), and row ``i``'s name."""
     if path.suffix == ".jsonl":
         rows, lines = [], []
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
@@ -97,10 +99,9 @@ def _rows(path: Path) -> tuple[list[dict[str, Any]], Any]:
             if not isinstance(obj, dict):
                 raise InputError(f"{path}:{lineno}: each line must be a JSON object")
             rows.append(obj), lines.append(lineno)
-        return rows, lambda i: lines[i]
-    if path.suffix == ".parquet":
-        return _parquet_rows(path), lambda i: f"row {i}"
-    return _torch_rows(path), lambda i: f"row {i}"
+        return set(rows[0]) if rows else set(), rows, lambda i: lines[i]
+    read = _parquet_rows if path.suffix == ".parquet" else _torch_rows
+    return (*read(path), lambda i: f"row {i}")
 
 
 def _plain(value: Any) -> Any:
@@ -112,20 +113,21 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _parquet_rows(path: Path) -> list[dict[str, Any]]:
+def _parquet_rows(path: Path) -> tuple[set[str], list[dict[str, Any]]]:
     try:
         import pandas as pd
-        import pyarrow  # noqa: F401 - pandas' parquet engine; named so a missing one is said plainly
+        import pyarrow.parquet as pq
     except ImportError:
         raise InputError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
     try:
-        frame = pd.read_parquet(path)
+        columns = set(pq.read_schema(path).names)
+        frame = pd.read_parquet(path, columns=sorted(columns & USED))
     except Exception as e:  # noqa: BLE001 - pyarrow raises many types for a bad file
         raise InputError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
-    return [{k: _plain(v) for k, v in row.items()} for row in frame.to_dict("records")]
+    return columns, [{k: _plain(v) for k, v in row.items()} for row in frame.to_dict("records")]
 
 
-def _torch_rows(path: Path) -> list[dict[str, Any]]:
+def _torch_rows(path: Path) -> tuple[set[str], list[dict[str, Any]]]:
     """A ``torch.save``d dict of batched tensors (``DataProto.batch``, an ``Experience``'s fields), split in rows."""
     import torch
 
@@ -142,8 +144,9 @@ def _torch_rows(path: Path) -> list[dict[str, Any]]:
     sizes = {k: len(v) for k, v in data.items()}
     if len(set(sizes.values())) != 1:
         raise InputError(f"{path}: the tensors hold different numbers of rows: {sizes}")
-    cols = {k: (v.long() if isinstance(v, torch.Tensor) and v.dtype == torch.bool else v) for k, v in data.items()}
-    return [{k: _plain(v[i]) for k, v in cols.items()} for i in range(next(iter(sizes.values())))]
+    used = {k: (v.long() if isinstance(v, torch.Tensor) and v.dtype == torch.bool else v)
+            for k, v in data.items() if k in USED}  # fmt: skip
+    return set(data), [{k: _plain(v[i]) for k, v in used.items()} for i in range(next(iter(sizes.values())))]
 
 
 def _mask01(value: Any, what: str, n: int, where: str) -> list[int]:

@@ -51,6 +51,7 @@ def verl_batch(seqs: list[Sequence]) -> dict[str, list]:
         out["prompts"].append(prompts), out["responses"].append(responses), out["input_ids"].append(prompts + responses)
         out["attention_mask"].append([0] * (width_p - lp) + [1] * (lp + lr) + [0] * (width_r - lr))
         out["response_mask"].append(list(s.response_mask or [1] * lr) + [0] * (width_r - lr))
+        out.setdefault("position_ids", []).append([max(0, i - (width_p - lp)) for i in range(width_p + width_r)])
         if "rollout_log_probs" in out:
             out["rollout_log_probs"].append(list(s.rollout_logprobs) + [0.0] * (width_r - lr))
     return out
@@ -169,7 +170,7 @@ def test_missing_columns_are_named(tmp_path: Path) -> None:
     batch = verl_batch(synthetic(2))
     del batch["attention_mask"]
     msg = _bad(tmp_path, "d.parquet", batch)
-    assert "no known rollout layout in columns [input_ids, prompts, response_mask, responses, rollout_log_probs]" in msg
+    assert "no known rollout layout in columns [input_ids, position_ids, prompts, response_mask, responses, rollout_log_probs]" in msg
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
