@@ -48,6 +48,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "max_model_len": _count,
     "enable_prefix_caching": _bool,
     "logprobs_mode": _one_of(*LOGPROBS_MODES),
+    "grad": _bool,
 }
 
 

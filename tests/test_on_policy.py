@@ -134,3 +134,56 @@ def test_sync_refuses_inside_consistent_mode(example_engine: Any) -> None:
     policy = AutoModelForCausalLM.from_pretrained(args.model)
     with consistent_vllm(engine.llm), pytest.raises(RuntimeError, match="leave consistent_vllm"):
         sync_vllm_weights(engine.llm, policy.named_parameters())
+
+
+def _hf_step_engine(model: Path, grad: bool) -> Any:
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.hf import HFForward
+
+    return HFForward(EngineSpec(str(model), "bfloat16", options=(("grad", True),) if grad else ()))
+
+
+def test_grad_option_runs_a_training_step_with_the_inference_bits(qwen3: Path) -> None:
+    """``--set train.grad=true``: train mode, autograd and a backward; under consistent mode the same bits."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    seqs = [SimpleNamespace(prompt_ids=[5, 9, 33, 7], response_ids=[12, 40, 41]),
+            SimpleNamespace(prompt_ids=[8, 2], response_ids=[99, 3, 17, 4, 60])]  # fmt: skip
+    step, plain = _hf_step_engine(qwen3, True), _hf_step_engine(qwen3, False)
+    seen: list[bool] = []
+    step.model.lm_head.register_full_backward_hook(lambda m, gi, go: seen.append(m.training))
+    with step.consistent(), plain.consistent():
+        got, want = step.score(seqs)[0], plain.score(seqs)[0]
+    assert seen == [True]  # one backward per batch, in train mode
+    assert not step.model.training and all(p.grad is None for p in step.model.parameters())
+    assert step.effective_options()["grad"] is True and plain.effective_options()["grad"] is False
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert np.array_equal(a, b)
+
+
+def test_grad_option_refuses_dropout(tmp_path: Path) -> None:
+    from logdiff.errors import InputError
+
+    model = _tiny_qwen3(attention_dropout=0.1)
+    model.save_pretrained(tmp_path)
+    engine = _hf_step_engine(tmp_path, True)
+    seq = type("S", (), {"prompt_ids": [1, 2], "response_ids": [3, 4]})()
+    with pytest.raises(InputError, match="dropout"):
+        engine.score([seq])
+
+
+@pytest.mark.vllm
+def test_scan_with_grad_verifies_the_training_step(qwen3: Path, stock_varies: Any) -> None:
+    """A consistent scan with the training path in train mode and a backward: bitwise equal to the rollout."""
+    import logdiff
+
+    small = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "logprobs", "train_set": {"grad": True}}
+    consistent = logdiff.scan(qwen3, infer=["vllm"], consistent=True, **small)
+    assert consistent["verdict"] == "consistent" and consistent["logprobs"]["abs_diff_max"] == 0.0
+    train_path = next(p for p in consistent["paths"] if p["role"] == "train")
+    assert train_path["settings"]["grad"] is True
+    stock = logdiff.scan(qwen3, infer=["vllm"], **small)
+    stock_varies(stock["logprobs"]["abs_diff_max"] == 0.0, "stock HF (train mode) and stock vLLM agreed bitwise")
+    assert stock["verdict"] != "consistent"

@@ -109,7 +109,12 @@ class HFEngine(Engine):
     def consistent(self, only: tuple[str, ...] | None = None) -> Iterator[None]:
         from logdiff.probes.consistent_hf import consistent_hf
 
-        with unsupported_as_input_error(), consistent_hf(self.model, only):
+        installer = consistent_hf(self.model, only)
+        if self.spec.option("grad", False) and only is None:
+            from logdiff.training import consistent_training  # the trainer's switch: refuses active dropout
+
+            installer = consistent_training(self.model)
+        with unsupported_as_input_error(), installer:
             self._consistent = only is None or "log_softmax" in only
             try:
                 yield
@@ -215,6 +220,32 @@ class HFForward(HFEngine):
 
     name = "hf"
     mode = "forward"
+    options = HFEngine.options | {"grad"}
+
+    def effective_options(self) -> dict[str, Any]:
+        return {**super().effective_options(), "grad": bool(self.spec.option("grad", False))}
+
+    @contextlib.contextmanager
+    def _step_mode(self) -> Iterator[bool]:
+        """``--set train.grad=true``: train mode with autograd recording, as in a real training step."""
+        import torch
+
+        if not self.spec.option("grad", False):
+            with torch.no_grad():
+                yield False
+            return
+        from logdiff.training import active_dropout
+
+        dropout = active_dropout(self.model)
+        if dropout:
+            raise InputError("--set train.grad=true: the model trains with dropout (" + ", ".join(dropout) + ")")
+        self.model.train()
+        try:
+            with torch.enable_grad():
+                yield True
+        finally:
+            self.model.eval()
+            self.model.zero_grad(set_to_none=True)
 
     def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
         import torch
@@ -236,16 +267,20 @@ class HFForward(HFEngine):
                 mask[r, start : start + len(seq)] = 1
                 starts.append(start)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            with torch.no_grad():
+            with self._step_mode() as grad:
                 logits = self.model(
                     input_ids=ids.to(self.device), attention_mask=mask.to(self.device), position_ids=positions.to(self.device)
                 ).logits
-            for r, s in enumerate(rows):
-                p, n = len(s.prompt_ids), len(s.response_ids)
-                lp = self._logprobs(logits[r, starts[r] + p - 1 : starts[r] + p + n - 1]).cpu()
-                tokens = torch.tensor(s.response_ids)
-                logprobs.append(lp.gather(-1, tokens[:, None])[:, 0].numpy())
-                top1.append(lp.argmax(-1).numpy())
+                scored = []
+                for r, s in enumerate(rows):
+                    p, n = len(s.prompt_ids), len(s.response_ids)
+                    lp = self._logprobs(logits[r, starts[r] + p - 1 : starts[r] + p + n - 1]).cpu()
+                    tokens = torch.tensor(s.response_ids)
+                    scored.append(lp.gather(-1, tokens[:, None])[:, 0])
+                    top1.append(lp.detach().argmax(-1).numpy())
+                if grad:  # the step's backward runs too (through the kernels' backwards in consistent mode)
+                    torch.stack([x.sum() for x in scored]).sum().backward()
+            logprobs.extend(x.detach().numpy() for x in scored)
         return [PathScores(self.name, self.mode, logprobs, top1)]
 
 
