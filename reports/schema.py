@@ -137,6 +137,7 @@ def _cross_field_errors(result: dict) -> list[str]:
                 errors.extend(_pair_errors(f"$.pairs[{i}]", pair, roles))
         if pairs and isinstance(pairs[0], dict):
             errors.extend(_primary_metrics_errors(result.get("logprobs"), pairs[0].get("metrics")))
+    errors.extend(_rollout_replay_errors(result.get("rollout_replay"), roles))
 
     table = result.get("divergence_table")
     if isinstance(table, dict):
@@ -218,6 +219,24 @@ def _table_errors(table: dict) -> list[str]:
             break
     if len(set(bounds)) != len(bounds):
         errors.append("$.divergence_table.boundaries: names must be unique")
+    return errors
+
+
+def _rollout_replay_errors(replay: Any, roles: dict) -> list[str]:
+    """``rollout_replay`` names inference paths, and ``reproduced`` means bitwise on every scored token."""
+    if not isinstance(replay, dict):
+        return []
+    errors = []
+    if "infer" not in roles.get(replay.get("recorded"), set()):
+        errors.append(f"$.rollout_replay.recorded: {replay.get('recorded')!r} is not an inference path")
+    engines = [e for e in replay.get("engines") or [] if isinstance(e, dict)]
+    for i, e in enumerate(engines):
+        if "infer" not in roles.get(e.get("path"), set()):
+            errors.append(f"$.rollout_replay.engines[{i}].path: {e.get('path')!r} is not an inference path")
+        if e.get("reproduced") is not (e.get("bitwise_equal_fraction") == 1):
+            errors.append(f"$.rollout_replay.engines[{i}]: reproduced must say whether bitwise_equal_fraction is 1")
+    if engines and replay.get("reproduced") is not engines[0].get("reproduced"):
+        errors.append("$.rollout_replay.reproduced: must be the first engine's")
     return errors
 
 

@@ -286,7 +286,12 @@ def test_a_real_vllm_rollout_dumped_by_verl_replays(qwen3: Path, tmp_path: Path)
     assert replay["reproduced"] == (replay["engines"][0]["bitwise_equal_fraction"] == 1.0)
     assert r["pairs"][2]["metrics"] == compare.token_metrics(hf, rollout)  # the recording, read back bit for bit
     dump_json(r, tmp_path / "result.json")
-    assert validate_result(json.loads((tmp_path / "result.json").read_text())) == []
+    saved = json.loads((tmp_path / "result.json").read_text())
+    assert validate_result(saved) == []
+    saved["rollout_replay"]["reproduced"] = not saved["rollout_replay"]["reproduced"]  # negative control
+    saved["rollout_replay"]["engines"][1]["path"] = "hf"
+    assert validate_result(saved) == ["$.rollout_replay.engines[1].path: 'hf' is not an inference path",
+                                      "$.rollout_replay.reproduced: must be the first engine's"]  # fmt: skip
 
 
 @pytest.mark.vllm
