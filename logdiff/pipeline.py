@@ -410,6 +410,9 @@ def scan(
 
         owner = run.engine_of(pairs[0]["infer"])
         diagnose(result, cfg, run.train_engine, owner, Rescanner(lambda c: scan(c, classify=False)), progress)
+        from logdiff.routing import diagnose_routing
+
+        diagnose_routing(result, run, cfg, progress)
     result["cause_groups"] = group_causes(result["causes"])
     result["timings"], result["peak_rss_bytes"] = progress.close(), peak_rss_bytes()
     return result

@@ -23,7 +23,9 @@ How a value becomes a boundary record:
 4. Sinks: the first path's passes go to a ``store.PathStore`` on disk; the
    second path's go to a ``summary.PathComparer`` per stored path, which
    compares on the spot and, with the ``replay.ReplaySpec`` the HF taps attach,
-   re-runs the live op on the stored path's inputs.
+   re-runs the live op on the stored path's inputs. An MoE model's router rows
+   also go to a ``routing.RouterSink`` per (role, path), kept in memory for the
+   routing diagnostics.
 
 ``ProbeSession`` owns the temporary directory, the stores and comparers of one
 scan, and hands ``locate`` what it needs per (train, infer) pair.
@@ -48,6 +50,7 @@ from logdiff.probes.align import HEADS_FIRST, PLAIN, Layout, RowMap
 from logdiff.probes.correspondence import CorrespondenceMap, Tap, build, fallback
 from logdiff.probes.ops import OpTracer
 from logdiff.probes.patching import Patches
+from logdiff.probes.routing import RouterSink, router_boundaries
 from logdiff.probes.store import PathStore
 from logdiff.probes.summary import PathComparer
 
@@ -392,7 +395,7 @@ class Recorder:
             return None
         if b.kind in ("linear", "norm", "router", "moe", "logits") and args and _is_tensor(args[0]) and b.inputs:
             select = tap.select
-            # a split tap (HF's own packed qkv_proj/gate_up_proj, Phi-3) replays the part named ``name``
+            # a split tap (HF's own packed projections, Phi-3) replays the part named ``name``
             part = self.cmap.names_for(tap, b.layer, name).index(name) if len(tap.names) > 1 else 0
 
             def pick(out: Any) -> Any:
@@ -651,6 +654,9 @@ class ProbeSession:
         self.tracers: dict[tuple[str, str], OpTracer] = {}
         self._store_count = 0
         self._recorders: list[Recorder] = []
+        #: MoE router logits per (role, path), in memory (``routing.RouterSink``); empty for dense models
+        self.routers: dict[tuple[str, str], RouterSink] = {}
+        self._has_routers = bool(router_boundaries(cmap))
 
     @property
     def max_len(self) -> int:
@@ -678,17 +684,19 @@ class ProbeSession:
                 # the last run's scores (an HF engine samples, then scores in a separate pass)
                 self.stores.pop(path).close()
                 self.tracers.pop((role, path), None)
+                self.routers.pop((role, path), None)
             rec.tracer = self._tracer_for(role, path)
             if rec.tracer is not None:
                 rec.tracer.active = lambda: not rec._paused
+            extra = [self._router_sink(role, path)] if self._has_routers else []
             if role == "infer":
                 if path not in self.stores:
                     self._store_count += 1
                     root = self.root / f"{self._store_count:02d}"
                     self.stores[path] = StoreSink(root, path, len(self.seqs), max_len)
                     self.owners[path] = rec.owners
-                return [self.stores[path]]
-            sinks = []
+                return [self.stores[path], *extra]
+            sinks = extra
             for infer_path, store in self.stores.items():
                 key = (path, infer_path)
                 if key not in self.comparers:
@@ -704,6 +712,12 @@ class ProbeSession:
         for w in rec.warnings:
             if w not in self.warnings:
                 self.warnings.append(w)
+
+    def _router_sink(self, role: str, path: str) -> RouterSink:
+        """The path's router sink (created on its first pass; dropped with its store when a path reruns)."""
+        if (role, path) not in self.routers:
+            self.routers[(role, path)] = RouterSink(self.cmap, len(self.seqs), self.max_len)
+        return self.routers[(role, path)]
 
     def pairs(self) -> list[PairRecord]:
         out = []

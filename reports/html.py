@@ -375,15 +375,31 @@ def _contracts(contracts: Any) -> dict | None:
 _MISSING = object()
 
 
-def _moe(moe: Any) -> list[dict] | None:
+def _moe(moe: Any) -> dict | None:
+    """One row per router (flip rate bar, flips, largest margin, replay share, class) and the replay line."""
     rates = _dict(_dict(moe).get("router_flip_rate"))
     if not rates:
         return None
     finite = [v for v in rates.values() if is_number(v) and math.isfinite(v)]
     top = max(finite, default=0.0) or 1.0          # bars are relative to the largest rate
-    return [{"boundary": str(k), "rate": fmt_fraction(v),
-             "width": f"{min(100.0, max(0.0, 100.0 * v / top)):.1f}" if is_number(v) and math.isfinite(v) else "0"}
-            for k, v in rates.items()]
+    layers = {str(x.get("boundary")): x for x in _list(_dict(moe).get("layers")) if isinstance(x, dict)}
+    rows = []
+    for k, v in rates.items():
+        layer = layers.get(str(k), {})
+        cls = f"{_text(layer.get('class'))} / {_text(layer.get('kind'))}" if layer.get("class") else "—"
+        rows.append({"boundary": str(k), "rate": fmt_fraction(v),
+                     "width": f"{min(100.0, max(0.0, 100.0 * v / top)):.1f}" if is_number(v) and math.isfinite(v) else "0",
+                     "flips": _text(layer.get("flips", "—")), "margin": fmt_num(layer.get("margin_max")),
+                     "share": fmt_fraction(layer.get("replay_share")), "cls": cls})  # fmt: skip
+    replay = _dict(_dict(moe).get("replay"))
+    line = None
+    if replay:
+        before, after = _dict(replay.get("before")), _dict(replay.get("after"))
+        line = (f"Routing replay ({_text(replay.get('forced_tokens'))} flipped tokens forced to the inference "
+                f"path's experts): mean |Δ logprob| {fmt_num(before.get('abs_diff_mean'))} → "
+                f"{fmt_num(after.get('abs_diff_mean'))}, max {fmt_num(before.get('abs_diff_max'))} → "
+                f"{fmt_num(after.get('abs_diff_max'))}; the flips explain {fmt_fraction(replay.get('share'))} of the gap.")
+    return {"rows": rows, "replay": line}
 
 
 def _flatten(value: Any, prefix: str = "", depth: int = 0) -> list[tuple[str, str]]:

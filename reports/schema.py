@@ -143,6 +143,24 @@ def _cross_field_errors(result: dict) -> list[str]:
     if isinstance(table, dict):
         errors.extend(_table_errors(table))
     errors.extend(_null_metric_errors(result))
+    errors.extend(_moe_errors(result.get("moe")))
+    return errors
+
+
+def _moe_errors(moe: Any) -> list[str]:
+    """``moe.layers`` and ``moe.router_flip_rate`` describe the same routers with the same rates."""
+    if not isinstance(moe, dict) or not isinstance(moe.get("layers"), list):
+        return []
+    rates = moe.get("router_flip_rate") if isinstance(moe.get("router_flip_rate"), dict) else {}
+    errors = []
+    for i, layer in enumerate(moe["layers"]):
+        if not isinstance(layer, dict):
+            continue
+        if layer.get("boundary") not in rates or rates[layer.get("boundary")] != layer.get("flip_rate"):
+            errors.append(f"$.moe.layers[{i}]: flip_rate must equal router_flip_rate[{layer.get('boundary')!r}]")
+        flips, tokens = layer.get("flips"), layer.get("tokens")
+        if isinstance(flips, int) and isinstance(tokens, int) and flips > tokens:
+            errors.append(f"$.moe.layers[{i}]: {flips} flips among {tokens} tokens")
     return errors
 
 

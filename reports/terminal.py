@@ -93,6 +93,10 @@ def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
                       + Text(f"{fd.get('boundary')} (layer {fd.get('layer')}, position {fd.get('position')}), "
                              f"max |Δ| {fmt_num(fd.get('max_abs_diff'))}, {how}"), soft_wrap=True)
 
+    moe = moe_line(result.get("moe"))
+    if moe is not None:
+        console.print(Text("moe routing: ", style="bold") + Text(moe), soft_wrap=True)
+
     if cause_groups(result):
         table, fixes = _causes_table(result, console.width)
         console.print(table)
@@ -101,6 +105,28 @@ def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
     metrics = _metrics_table(result, wide=console.width >= WIDE)
     if metrics is not None:
         console.print(metrics)
+
+
+def moe_line(moe: Any) -> str | None:
+    """One line on MoE routing: flips per layer, their class, and what routing replay closed."""
+    if not isinstance(moe, dict) or not isinstance(moe.get("layers"), list):
+        return None
+    layers = [x for x in moe["layers"] if isinstance(x, dict)]
+    flipped = [x for x in layers if x.get("flips")]
+    if not flipped:
+        line = f"no expert flips in {len(layers)} routers"
+    else:
+        worst = max(flipped, key=lambda x: x.get("flip_rate") or 0)
+        line = (f"{len(flipped)} of {len(layers)} routers flip experts (worst {worst.get('boundary')}: "
+                f"{fmt_fraction(worst.get('flip_rate'))}); {fmt_fraction(moe.get('tokens_flipped_any_layer'))} "
+                "of tokens flip in some layer")
+    if moe.get("class"):
+        line += f"; {moe['class']} ({', '.join(str(k) for k in moe.get('kinds') or [])})"
+    replay = moe.get("replay")
+    if isinstance(replay, dict) and isinstance(replay.get("before"), dict) and isinstance(replay.get("after"), dict):
+        line += (f"; routing replay: mean |Δ| {fmt_num(replay['before'].get('abs_diff_mean'))} → "
+                 f"{fmt_num(replay['after'].get('abs_diff_mean'))}")
+    return line
 
 
 def _context_line(result: dict) -> Text:

@@ -350,6 +350,14 @@ class DecoderAdapter(ArchAdapter):
     #: attribute of an MoE block holding a shared expert (not covered by consistent mode)
     shared_expert = "shared_expert"
 
+    def router(self, layer: Any) -> Any | None:
+        """The HF MoE router of a decoder layer (a TopKRouter returning logits, weights, ids), or None."""
+        return getattr(getattr(layer, "mlp", None), "gate", None) if self.moe else None
+
+    def router_renormalizes_of(self, router: Any) -> bool:
+        """Whether an HF router renormalizes its top-k weights (``norm_topk_prob``, else the family's rule)."""
+        return bool(getattr(router, "norm_topk_prob", self.router_renormalizes))
+
     def is_attention(self, module: Any) -> bool:
         """An attention module (its modeling module holds ``apply_rotary_pos_emb``)."""
         return hasattr(module, "q_proj") and hasattr(module, "o_proj")

@@ -1,0 +1,329 @@
+"""MoE routing diagnostics: expert flips per layer, routing replay, and what caused them.
+
+For every router boundary (``model.layers.N.mlp.gate``) both paths' router
+logits are recorded per token (``probes/routing.py``). Each side's expert set
+is recomputed from *its own* logits with *its own* routing rule (top-k from
+the side's contract; the weights: fp32 softmax at the chosen experts,
+renormalized when that side renormalizes), so a flip means the two engines
+really sent the token to different experts.
+
+Per layer: the flip rate (tokens whose expert set differs), the logit margin
+at each flip (the gap between the k-th and the (k+1)-th expert, the larger of
+the two sides', in logits and in units of the logits' dtype spacing), the
+largest routing-weight difference where the sets agree, and which class the
+routing differences belong to:
+
+* ``framework_difference`` when the router itself computes something else on
+  the two sides: a router setting differs in the contracts (``top_k``,
+  ``norm_topk_prob``: kind ``moe_routing``), the layer's router weight differs
+  (``weights``), or the classifier found this layer's router op to compute a
+  different function (its cause's kind). A flip downstream of another
+  framework difference is one too (kind ``upstream_difference``).
+* ``operator_path`` (kind ``near_tie_flip``) otherwise: the routers agree and
+  the tokens flipped because numeric noise broke a near-tie.
+
+**Routing replay** forces the inference path's expert choice on the training
+path at the flipped tokens (weights recomputed as normal), all layers at once
+and then one layer at a time, and reruns the training path: how much of the
+final logprob gap the flips explain (``share``: the drop of the mean abs
+logprob difference, as a fraction of it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: the float formats router logits come in -> their machine epsilon (spacing at 1.0)
+_EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23, "float64": 2.0**-52}
+#: at most this many flips are listed per layer (the nearest ties first)
+MAX_FLIPS_LISTED = 8
+#: at most this many layers are replayed one at a time (those with the most flips)
+MAX_LAYER_REPLAYS = 8
+#: router settings whose difference makes every router a framework difference
+ROUTER_KEYS = ("num_experts_per_tok", "norm_topk_prob")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One side's routing rule: how many experts, and whether their weights are renormalized."""
+
+    top_k: int
+    renormalize: bool
+
+
+def rule_of(contract: Mapping[str, Any] | None, config: Mapping[str, Any], family_renormalizes: bool | None) -> Rule:
+    """A side's rule from its contract (what the engine runs with), else the model config."""
+    contract = contract or {}
+    k = contract.get("num_experts_per_tok") or config.get("num_experts_per_tok")
+    renorm = contract.get("norm_topk_prob")
+    if renorm is None:
+        renorm = config.get("norm_topk_prob", family_renormalizes)
+    return Rule(int(k), bool(renorm))
+
+
+def route(logits: np.ndarray, rule: Rule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ids [N, k] best first, weights [N, k], margin [N])`` from router logits ``[N, E]``.
+
+    Ties go to the lower expert index (a stable sort); ``margin`` is the logit gap
+    between the k-th and the (k+1)-th expert (inf when every expert is chosen).
+    """
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    ids = order[:, : rule.top_k]
+    x = logits.astype(np.float64)
+    probs = np.exp(x - x.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    weights = np.take_along_axis(probs, ids, -1)
+    if rule.renormalize:
+        weights = weights / weights.sum(-1, keepdims=True)
+    if rule.top_k < logits.shape[-1]:
+        ranked = np.take_along_axis(logits, order[:, rule.top_k - 1 : rule.top_k + 1], -1)
+        margin = ranked[:, 0] - ranked[:, 1]
+    else:
+        margin = np.full(len(logits), np.inf)
+    return ids, weights, margin
+
+
+def spacing(x: np.ndarray, dtype: str) -> np.ndarray:
+    """The dtype's spacing (one unit in the last place) at the magnitude of ``x``."""
+    eps = _EPS.get(dtype, _EPS["float32"])
+    mag = np.maximum(np.abs(x), np.finfo(np.float32).tiny)
+    return np.ldexp(eps, np.floor(np.log2(mag)).astype(np.int64))
+
+
+def compare_layer(train: Any, infer: Any, rule_train: Rule, rule_infer: Rule) -> tuple[dict[str, Any], np.ndarray]:
+    """One router boundary's flip statistics, and the infer ids to force ``[S, P, k]`` (-1: keep)."""
+    both = train.present & infer.present
+    seq, pos = np.nonzero(both)
+    lt, li = train.values[seq, pos], infer.values[seq, pos]
+    ids_t, w_t, m_t = route(lt, rule_train)
+    ids_i, w_i, m_i = route(li, rule_infer)
+    same_k = rule_train.top_k == rule_infer.top_k
+    set_t, set_i = np.sort(ids_t, -1), np.sort(ids_i, -1)
+    flipped = ~(set_t == set_i).all(-1) if same_k else np.ones(len(seq), bool)
+    margin = np.maximum(m_t, m_i)
+    kth = np.take_along_axis(lt, ids_t[:, -1:], -1)[:, 0]
+    margin_ulps = margin / spacing(kth, train.dtype)
+    agree = ~flipped
+    weight_diff = 0.0
+    if same_k and agree.any():
+        # compare each expert's weight: order both sides' weights by expert id
+        wt = np.take_along_axis(w_t, np.argsort(ids_t, -1), -1)[agree]
+        wi = np.take_along_axis(w_i, np.argsort(ids_i, -1), -1)[agree]
+        weight_diff = float(np.abs(wt - wi).max())
+    listed = np.nonzero(flipped)[0]
+    listed = listed[np.argsort(margin[listed], kind="stable")][:MAX_FLIPS_LISTED]
+    flips = [
+        {
+            "sequence": int(seq[j]),
+            "position": int(pos[j]),
+            "train_experts": sorted(int(e) for e in ids_t[j]),
+            "infer_experts": sorted(int(e) for e in ids_i[j]),
+            "margin": float(margin[j]),
+            "margin_ulps": float(margin_ulps[j]),
+        }
+        for j in listed
+    ]
+    n_flips = int(flipped.sum())
+    fm = margin[flipped]
+    stats = {
+        "boundary": train.boundary,
+        "layer": train.layer,
+        "tokens": int(len(seq)),
+        "flips": n_flips,
+        "flip_rate": n_flips / len(seq) if len(seq) else 0.0,
+        "margin_max": float(fm.max()) if n_flips else None,
+        "margin_ulps_max": float(margin_ulps[flipped].max()) if n_flips else None,
+        "logit_max_abs_diff": float(np.abs(lt - li).max()) if len(seq) else 0.0,
+        "weight_max_abs_diff": weight_diff,
+        "flipped": flips,
+        "replay_share": None,
+    }
+    forced = np.full((*train.present.shape, rule_infer.top_k), -1, dtype=np.int64)
+    forced[seq[flipped], pos[flipped]] = ids_i[flipped]
+    return stats, forced
+
+
+def flipped_tokens(forced: Mapping[int, np.ndarray]) -> np.ndarray | None:
+    """``[S, P]``: tokens flipped in at least one layer."""
+    masks = [(f >= 0).any(-1) for f in forced.values()]
+    return np.logical_or.reduce(masks) if masks else None
+
+
+def classify_layer(
+    stats: dict[str, Any], contracts: dict[str, Any] | None, causes: list[dict[str, Any]]
+) -> tuple[str | None, str | None, list[str]]:
+    """(class, kind, evidence) of one layer's routing differences; (None, None, []) when there are none."""
+    contracts = contracts or {}
+    n, boundary = stats["layer"], stats["boundary"]
+    flips, wdiff = stats["flips"], stats["weight_max_abs_diff"]
+    seen = f"{flips} of {stats['tokens']} tokens routed to a different expert set"
+    if wdiff > 0:
+        seen += f"; routing weights differ by up to {wdiff:.3g} where the sets agree"
+    keys = [k for k in ROUTER_KEYS if k in contracts.get("differs", [])]
+    weights = [w for w in (contracts.get("weights") or {}).get("differs", []) if w == f"{boundary}.weight"]
+    if keys or weights:
+        evidence = [seen]
+        evidence += [f"router setting differs: {k} = {contracts['train'][k]!r} (train) vs "
+                     f"{contracts['infer'][k]!r} (infer)" for k in keys]  # fmt: skip
+        evidence += [f"router weight differs: {w}" for w in weights]
+        return "framework_difference", "moe_routing" if keys else "weights", evidence
+    local = next((c for c in causes if c["boundary"] == boundary and c["class"] == "framework_difference"), None)
+    if local is not None:
+        return "framework_difference", local["kind"], [seen, f"the router op itself differs: {local['kind']}"]
+    if flips == 0:
+        return None, None, []
+    upstream = [c for c in causes if c["class"] == "framework_difference" and (c.get("layer") is None or c["layer"] <= n)
+                and c["boundary"] != boundary]  # fmt: skip
+    if upstream:
+        names = ", ".join(sorted({c["boundary"] for c in upstream})[:3])
+        return "framework_difference", "upstream_difference", [
+            seen, f"the router computes the same function on both sides; its inputs already differ "
+            f"because of a framework difference upstream ({names})"]  # fmt: skip
+    return "operator_path", "near_tie_flip", [
+        seen,
+        f"no router setting or weight differs; every flip is at a margin of at most {stats['margin_max']:.3g} "
+        f"({stats['margin_ulps_max']:.3g} units of the logits' spacing): numeric noise broke a near-tie",
+    ]
+
+
+def analyze(
+    train: Mapping[str, Any],
+    infer: Mapping[str, Any],
+    rule_train: Rule,
+    rule_infer: Rule,
+    contracts: dict[str, Any] | None = None,
+    causes: list[dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
+    """The ``moe`` section (without the replay) and the forced ids per layer for the replay."""
+    layers, forced = [], {}
+    for name, t in train.items():
+        i = infer.get(name)
+        if i is None:
+            continue
+        stats, ids = compare_layer(t, i, rule_train, rule_infer)
+        cls, kind, evidence = classify_layer(stats, contracts, causes or [])
+        stats.update({"class": cls, "kind": kind, "evidence": evidence})
+        layers.append(stats)
+        if stats["flips"]:
+            forced[t.layer] = ids
+    layers.sort(key=lambda s: s["layer"])
+    any_flip = flipped_tokens(forced)
+    tokens = max((s["tokens"] for s in layers), default=0)
+    found = [s for s in layers if s["class"] is not None]
+    cls = None
+    if found:
+        classes = {s["class"] for s in found}
+        cls = "framework_difference" if "framework_difference" in classes else "operator_path"
+    section = {
+        "router_flip_rate": {s["boundary"]: s["flip_rate"] for s in layers},
+        "rules": {"train": vars(rule_train), "infer": vars(rule_infer)},
+        "tokens": tokens,
+        "tokens_flipped_any_layer": float(any_flip.sum()) / tokens if any_flip is not None and tokens else 0.0,
+        "layers": layers,
+        "class": cls,
+        "kinds": sorted({s["kind"] for s in found if s["class"] == cls}),
+        "replay": None,
+    }
+    return section, forced
+
+
+def _gap(train: list[np.ndarray], infer: list[np.ndarray], masks: list[Any]) -> dict[str, float]:
+    from logdiff import compare
+
+    m = compare.token_metrics(train, infer, masks=masks)
+    return {"abs_diff_mean": float(m["abs_diff_mean"]), "abs_diff_max": float(m["abs_diff_max"])}
+
+
+def _share(before: float, after: float) -> float | None:
+    return (before - after) / before if before > 0 else None
+
+
+def replay(
+    section: dict[str, Any],
+    forced: dict[int, np.ndarray],
+    engine: Any,
+    seqs: list[Any],
+    infer_logprobs: list[np.ndarray],
+    metrics: Mapping[str, Any],
+    consistent: Any = None,
+) -> None:
+    """Routing replay on the training ``engine``: fill ``section["replay"]`` and each layer's share.
+
+    ``metrics``: the pair's logprob metrics before the replay; ``consistent``: a context
+    factory to rerun under (the scan's consistent mode), or None.
+    """
+    from logdiff.probes.routing import ForcedIds, forced_routing
+
+    masks = [s.response_mask for s in seqs]
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in seqs]
+
+    def rescore(ids: dict[int, np.ndarray]) -> tuple[dict[str, float], int]:
+        with contextlib.ExitStack() as stack:
+            if consistent is not None:
+                stack.enter_context(consistent())
+            counts = stack.enter_context(forced_routing(engine, ForcedIds(ids, lengths)))
+            scores = engine.score(seqs)[0]
+        return _gap(scores.logprobs, infer_logprobs, masks), counts["forced"]
+
+    before = {"abs_diff_mean": float(metrics["abs_diff_mean"]), "abs_diff_max": float(metrics["abs_diff_max"])}
+    after, n_forced = rescore(forced)
+    section["replay"] = {
+        "forced_tokens": n_forced,
+        "before": before,
+        "after": after,
+        "share": _share(before["abs_diff_mean"], after["abs_diff_mean"]),
+    }
+    by_layer = {s["layer"]: s for s in section["layers"]}
+    busiest = sorted(forced, key=lambda n: -by_layer[n]["flips"])[:MAX_LAYER_REPLAYS]
+    if len(forced) > 1:
+        for n in busiest:
+            gap, _ = rescore({n: forced[n]})
+            by_layer[n]["replay_share"] = _share(before["abs_diff_mean"], gap["abs_diff_mean"])
+    elif busiest:
+        by_layer[busiest[0]]["replay_share"] = section["replay"]["share"]
+
+
+def moe_section(
+    routers: Mapping[str, Any],
+    pair: dict[str, Any],
+    contracts: dict[str, Any] | None,
+    causes: list[dict[str, Any]],
+    config: Mapping[str, Any],
+    family_renormalizes: bool | None,
+) -> tuple[dict[str, Any], dict[int, np.ndarray]] | None:
+    """The ``moe`` section of one (train, infer) pair from the router sinks by (role, path), or None."""
+    train, infer = routers.get(("train", pair["train"])), routers.get(("infer", pair["infer"]))
+    if train is None or infer is None or not train.logits or not infer.logits:
+        return None
+    contracts = contracts or {}
+    rule_t = rule_of(contracts.get("train"), config, family_renormalizes)
+    rule_i = rule_of(contracts.get("infer"), config, family_renormalizes)
+    section, forced = analyze(train.logits, infer.logits, rule_t, rule_i, contracts, causes)
+    section["train"], section["infer"] = pair["train"], pair["infer"]
+    return section, forced
+
+
+def diagnose_routing(result: dict[str, Any], run: Any, cfg: Any, progress: Any) -> None:
+    """Fill ``result["moe"]`` for the primary pair of a probed scan of an MoE model (else leave it)."""
+    from logdiff.probes.arch import find
+
+    routers = getattr(run.probes, "routers", None) or {}
+    pair = result["pairs"][0]
+    arch = find(run.architecture)
+    config = run.train_engine.loaded_config().to_dict()
+    family = getattr(arch, "router_renormalizes", None)
+    found = moe_section(routers, pair, result.get("contracts"), result["causes"], config, family)
+    if found is None:
+        return
+    section, forced = found
+    if forced and run.train_engine.name == "hf":
+        progress(f"routing replay: forcing {pair['infer']}'s expert choice on {pair['train']}", phase="routing_replay")
+        infer = next(p for p in run.infers if p.path == pair["infer"])
+        consistent = (lambda: run.train_engine.consistent(cfg.consistent_kernels)) if cfg.consistent else None
+        replay(section, forced, run.train_engine, run.sequences, infer.logprobs, pair["metrics"], consistent)
+    result["moe"] = section

@@ -1,0 +1,165 @@
+"""MoE router logits per token on every path, and routing replay on the HF path.
+
+Two jobs, both engine-side (the analysis lives in ``logdiff/routing.py``):
+
+* **Recording.** ``RouterSink`` is one more sink of the ``Recorder``: it keeps
+  the router boundaries' rows (``kind == "router"`` in the correspondence map,
+  vLLM's ``gate`` linear and HF's TopKRouter logits alike) in memory as fp32,
+  addressed by (sequence, position), the way ``store.PathStore`` addresses
+  everything else. Router logits are ``num_experts`` wide, so keeping them for
+  every layer costs little, and they outlive the probe session's temporary
+  directory. Which experts a side chose is recomputed from its own logits
+  with its own routing rule (``top_k``), so no engine internals beyond the
+  router's output are needed.
+* **Routing replay.** ``forced_routing`` patches every HF router (through
+  the adapter's ``router``) so that each token takes the expert ids another
+  path chose; the router weights are recomputed as normal (fp32 softmax of
+  the HF path's own logits at the forced ids, renormalized when the router
+  does). Which token a router row belongs to comes from ``align.hf_rows``
+  and the engine's ``_begin_pass`` announcements, as in the recorder.
+  Tokens the other path has no ids for keep their own routing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from logdiff.probes import align
+from logdiff.probes.align import RowMap
+from logdiff.probes.correspondence import CorrespondenceMap
+from logdiff.probes.patching import Patches
+
+
+@dataclass
+class RouterLogits:
+    """One router boundary's logits on one path: ``[num_sequences, max_len, num_experts]`` fp32."""
+
+    boundary: str
+    layer: int | None
+    values: np.ndarray
+    present: np.ndarray  # [num_sequences, max_len] bool: which rows the path computed
+    dtype: str  # the engine's dtype of the logits (bfloat16, float32, ...)
+
+
+@dataclass
+class RouterSink:
+    """Keeps one path's router rows (a ``Recorder`` sink; other boundaries are ignored)."""
+
+    cmap: CorrespondenceMap
+    num_sequences: int
+    max_len: int
+    logits: dict[str, RouterLogits] = field(default_factory=dict)
+    wants_replay = False
+
+    def emit(self, name: str, rows: Any, rmap: RowMap, replay: Any = None) -> None:
+        b = self.cmap.get(name)
+        if b is None or b.kind != "router":
+            return
+        idx = np.nonzero(rmap.valid & (rmap.pos < self.max_len))[0]
+        if not len(idx):
+            return
+        values = rows[idx].float().cpu().numpy()
+        rec = self.logits.get(name)
+        if rec is None:
+            dtype = str(rows.dtype).replace("torch.", "")
+            shape = (self.num_sequences, self.max_len, values.shape[-1])
+            rec = RouterLogits(name, b.layer, np.zeros(shape, np.float32), np.zeros(shape[:2], bool), dtype)
+            self.logits[name] = rec
+        rec.values[rmap.seq[idx], rmap.pos[idx]] = values
+        rec.present[rmap.seq[idx], rmap.pos[idx]] = True
+
+
+def router_boundaries(cmap: CorrespondenceMap) -> list[str]:
+    """The correspondence map's router boundaries, in semantic order."""
+    return [b.name for b in cmap.boundaries if b.kind == "router"]
+
+
+@dataclass
+class ForcedIds:
+    """Expert ids to force per token: ``ids[layer]`` is ``[num_sequences, max_len, k]``, -1 where unknown."""
+
+    ids: Mapping[int, np.ndarray]
+    lengths: list[int]  # each sequence's total length (prompt + response)
+
+
+class _Passes:
+    """Stands in for the recorder as the engine's ``listener``: tracks rows -> (sequence, position)."""
+
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+        self.batch: list[int] | None = None
+        self.rmap: RowMap | None = None
+
+    def begin_pass(self, path: str, sequences: list[int], request_base: int | None = None) -> None:
+        self.batch = list(sequences)
+
+    def on_forward(self, _module: Any, args: tuple, kwargs: dict) -> None:
+        import torch
+
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.batch is None or ids is None:
+            self.rmap = None
+            return
+        pos = kwargs.get("position_ids")
+        if pos is None:
+            pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+        self.rmap = align.hf_rows(self.batch, pos, kwargs.get("attention_mask"), self.lengths)
+
+
+@contextlib.contextmanager
+def forced_routing(engine: Any, forced: ForcedIds) -> Iterator[dict[str, int]]:
+    """Inside the block, the HF ``engine``'s routers take ``forced`` expert ids (weights recomputed).
+
+    Yields counters: ``tokens`` routed and ``forced`` (tokens whose ids were replaced).
+    """
+    from logdiff.probes.arch import adapter_of
+
+    model = engine.module()
+    arch = adapter_of(model)
+    passes = _Passes(forced.lengths)
+    counts = {"tokens": 0, "forced": 0}
+    with Patches() as patches:
+        handle = model.register_forward_pre_hook(passes.on_forward, with_kwargs=True)
+        patches.on_exit(handle.remove)
+        patches.set(engine, "listener", passes)
+        for n, layer in enumerate(arch.layers(model)):
+            router = arch.router(layer)
+            if router is not None and n in forced.ids:
+                renormalize = arch.router_renormalizes_of(router)
+                patches.set(router, "forward", _forced_forward(router.forward, forced.ids[n], renormalize, passes, counts))
+        yield counts
+
+
+def _forced_forward(
+    orig: Any, table: np.ndarray, renormalize: bool, passes: _Passes, counts: dict[str, int]
+) -> Any:
+    """A router forward that returns the forced ids where known, with weights from its own logits."""
+    import torch
+
+    def forward(hidden_states: Any) -> tuple[Any, Any, Any]:
+        logits, weights, ids = orig(hidden_states)
+        rmap = passes.rmap
+        counts["tokens"] += int(ids.shape[0])
+        if rmap is None or len(rmap) != ids.shape[0]:
+            return logits, weights, ids
+        inside = rmap.valid & (rmap.seq < table.shape[0]) & (rmap.pos < table.shape[1])
+        want = np.full((len(rmap), table.shape[2]), -1, dtype=np.int64)
+        want[inside] = table[rmap.seq[inside], np.minimum(rmap.pos[inside], table.shape[1] - 1)]
+        known = (want >= 0).all(-1)
+        if want.shape[1] != ids.shape[1] or not known.any():
+            return logits, weights, ids
+        counts["forced"] += int(known.sum())
+        new_ids = torch.as_tensor(want, device=ids.device).clamp(min=0)
+        new_ids = torch.where(torch.as_tensor(known, device=ids.device)[:, None], new_ids, ids)
+        probs = torch.softmax(logits.float(), dim=-1).gather(1, new_ids)
+        if renormalize:
+            probs = probs / probs.sum(-1, keepdim=True)
+        new_weights = torch.where(torch.as_tensor(known, device=ids.device)[:, None], probs.to(weights.dtype), weights)
+        return logits, new_weights, new_ids
+
+    return forward
