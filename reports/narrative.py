@@ -45,6 +45,14 @@ def _impact(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _rollout(result: dict[str, Any]) -> list[str]:
+    """Whether today's inference engine reproduces the recorded rollout logprobs (docs/rollout-dumps.md)."""
+    replay = result.get("rollout_replay")
+    if not isinstance(replay, dict) or not replay.get("summary"):
+        return []
+    return [f"Recorded rollout: {replay['summary']}."]
+
+
 def _where(result: dict[str, Any]) -> list[str]:
     fd = result.get("first_divergence")
     if not fd:
@@ -133,6 +141,7 @@ def explain(result: dict[str, Any]) -> str:
         _non_finite(result),
         [f"Verdict: {result['verdict']}. {VERDICT_LINE.get(result['verdict'], '')}"],
         _impact(result),
+        _rollout(result),
         _where(result),
         _why(result),
         _confidence(result),

@@ -351,3 +351,6 @@ def test_a_rollout_recorded_otherwise_is_not_reproduced(
     print_summary(r, Console(file=out, width=200))
     assert "recorded rollout: vllm does not reproduce" in out.getvalue()
     assert 'id="rollout-replay"' in render_html(r)
+    from logdiff.reports.narrative import explain
+
+    assert "Recorded rollout: vllm does not reproduce the recorded rollout logprobs" in explain(r)
