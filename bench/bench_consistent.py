@@ -13,12 +13,13 @@ loadable on 2 cores), random bf16 weights.
 
 Usage::
 
-    .venv/bin/python bench/bench_consistent.py [--demo DIR] [--skip-large] [--repeats 5]
+    .venv/bin/python bench/bench_consistent.py [--demo DIR] [--skip-large] [--repeats 5] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -93,6 +94,7 @@ def main() -> None:
     ap.add_argument("--demo", type=Path, help="demo model directory (default: a random one of its shape)")
     ap.add_argument("--skip-large", action="store_true", help="skip the 0.5B-class model")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path, help="also write the rows here (bench/run.py reads them)")
     args = ap.parse_args()
     import torch
 
@@ -108,6 +110,9 @@ def main() -> None:
     print(f"{'model':<18} {'workload':<26} {'stock s':>9} {'consistent s':>13} {'ratio':>6}")
     for model, what, s, c in rows:
         print(f"{model:<18} {what:<26} {s:>9.4f} {c:>13.4f} {c / s:>5.2f}x")
+    if args.json:
+        keys = ("model", "workload", "stock_s", "consistent_s")
+        args.json.write_text(json.dumps([{**dict(zip(keys, r)), "ratio": round(r[3] / r[2], 3)} for r in rows]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,224 @@
+"""What a diagnosis costs: every scan depth against the plain RL step, side by side in one run.
+
+Each measurement is a whole process (imports, engine start, the work), as a
+user runs it: ``bench/plain_rl_step.py`` (vLLM samples, vLLM scores prompt
+logprobs, HF one teacher-forced forward: the work an RL step does anyway),
+then ``logdiff scan`` at ``--depth logprobs``, ``modules --no-attribute``,
+``modules`` and (full run) ``ops``, on the same model and sequence shape.
+Runs alternate (every workload once per round, ``--repeats`` rounds) so load
+from other processes hurts all of them alike; the table gives the median and
+the spread (min-max) of the wall time, and each process's peak RSS from
+``wait4`` (the child's own ``ru_maxrss``). Ratios are medians over the
+plain run's median at the same size. Scans also report their per-phase
+``timings`` (result.json), kept in the JSON as the profile.
+
+Scaling: the plain run and ``modules --no-attribute`` at 1x, 2x and 4x the
+tokens (2x only with ``--quick``). Consistent vs stock kernels: the HF
+forward and vLLM generate, from ``bench/bench_consistent.py`` in its own
+process. Models: the demo Qwen3 (``--demo DIR``, else a random model of its
+shape), and in the full run a 0.5B-class and a 1.5B-class Qwen3 built from
+config with random bf16 weights.
+
+Usage::
+
+    .venv/bin/python bench/run.py --quick            # a few minutes on 2 cores
+    .venv/bin/python bench/run.py [--repeats 3] [--out bench/results/NAME.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+PYTHON = sys.executable
+LOGDIFF = [str(Path(PYTHON).parent / "logdiff")]  # the console script next to this interpreter
+
+# 0.5B- and 1.5B-class Qwen3 shapes (vocab 32768 keeps the lm_head realistic but loadable on 2 cores).
+LARGE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+         "head_dim": 64, "intermediate_size": 4864, "vocab_size": 32768}  # fmt: skip
+XLARGE = {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+          "head_dim": 128, "intermediate_size": 8960, "vocab_size": 32768}  # fmt: skip
+
+SCANS = {  # workload -> extra `logdiff scan` arguments
+    "logprobs": ["--depth", "logprobs"],
+    "modules --no-attribute": ["--depth", "modules", "--no-attribute"],
+    "modules": ["--depth", "modules"],
+    "ops": ["--depth", "ops"],
+}
+
+
+@dataclass
+class Shape:
+    sequences: int
+    prompt: int
+    response: int
+
+    def times(self, k: int) -> "Shape":
+        return Shape(self.sequences, self.prompt * k, self.response * k)
+
+    @property
+    def tokens(self) -> int:
+        return self.sequences * (self.prompt + self.response)
+
+
+@dataclass
+class Workload:
+    model: str
+    name: str
+    scale: int
+    argv: list[str]
+    walls: list[float] = field(default_factory=list)
+    rss: list[int] = field(default_factory=list)
+    timings: list[dict[str, float]] = field(default_factory=list)
+    failed: str | None = None
+
+
+def run_process(argv: list[str], json_path: Path | None) -> tuple[float, int, dict[str, float], str | None]:
+    """Wall seconds, peak RSS bytes (this child only), the scan's phase timings, and an error if it failed."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    err = proc.stderr.read() if proc.stderr else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t
+    rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    timings: dict[str, float] = {}
+    if json_path is not None and json_path.is_file():
+        timings = json.loads(json_path.read_text()).get("timings") or {}
+    failed = None if proc.returncode in (0, 1) else f"exit {proc.returncode}: {err.strip().splitlines()[-1:]}"
+    return wall, rss, timings, failed
+
+
+def workloads(model: str, path: Path, base: Shape, depths: list[str], scales: list[int], tmp: Path) -> list[Workload]:
+    out = []
+    for k in scales:
+        s = base.times(k)
+        shape = ["--num-sequences", str(s.sequences), "--prompt-len", str(s.prompt), "--response-len", str(s.response)]
+        out.append(Workload(model, "plain", k, [PYTHON, str(BENCH / "plain_rl_step.py"), str(path), str(s.sequences),
+                                                 str(s.prompt), str(s.response)]))  # fmt: skip
+        for depth in depths if k == 1 else ["modules --no-attribute"]:
+            js = tmp / f"{model}-{depth.replace(' ', '')}-{k}.json".replace("/", "_")
+            out.append(Workload(model, depth, k, [*LOGDIFF, "scan", str(path), *SCANS[depth], *shape, "--quiet",
+                                                  "--json", str(js)]))  # fmt: skip
+    return out
+
+
+def machine() -> dict[str, object]:
+    import torch
+
+    from logdiff import isa
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()  # fmt: skip
+    try:
+        import vllm
+
+        vllm_version, gemm = vllm.__version__, isa.vllm_gemm_dispatch()
+    except Exception as e:  # noqa: BLE001 - the table still says what ran
+        vllm_version, gemm = None, f"unavailable ({type(e).__name__})"
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa": isa.cpu_isa(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "vllm": vllm_version, "vllm_cpu_gemm": gemm,
+            "python": platform.python_version(), "load_avg_start": os.getloadavg()}  # fmt: skip
+
+
+def consistent_vs_stock(demo: Path, skip_large: bool, repeats: int, tmp: Path) -> list[dict[str, object]]:
+    js = tmp / "consistent.json"
+    argv = [PYTHON, str(BENCH / "bench_consistent.py"), "--demo", str(demo), "--repeats", str(repeats), "--json", str(js)]
+    subprocess.run(argv + (["--skip-large"] if skip_large else []), check=True, stdout=subprocess.DEVNULL)
+    return json.loads(js.read_text())
+
+
+def summarize(w: Workload, plain: Workload | None) -> dict[str, object]:
+    row: dict[str, object] = {"model": w.model, "workload": w.name, "scale": w.scale, "runs": len(w.walls),
+                              "failed": w.failed}  # fmt: skip
+    if not w.walls:
+        return row
+    wall, rss = statistics.median(w.walls), int(statistics.median(w.rss))
+    row.update(wall_s=round(wall, 2), wall_min_s=round(min(w.walls), 2), wall_max_s=round(max(w.walls), 2),
+               peak_rss_bytes=rss, walls_s=[round(x, 2) for x in w.walls])  # fmt: skip
+    if w.timings:
+        phases = {k for t in w.timings for k in t}
+        row["timings_median_s"] = {k: round(statistics.median(t.get(k, 0.0) for t in w.timings), 2) for k in sorted(phases)}
+    if plain is not None and plain.walls:
+        row["wall_ratio"] = round(wall / statistics.median(plain.walls), 2)
+        row["rss_ratio"] = round(rss / statistics.median(plain.rss), 2)
+    return row
+
+
+def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object]], info: dict[str, object]) -> None:
+    print(f"\n{info['cpu']} ({info['cores']} cores, {info['isa']}), torch {info['torch']}, vLLM {info['vllm']} "
+          f"GEMM {info['vllm_cpu_gemm']}")  # fmt: skip
+    print(f"{'model':<10} {'workload':<24} {'x':>2} {'wall s (min-max)':>22} {'ratio':>6} {'peak RSS':>9} {'ratio':>6}")
+    for r in rows:
+        if "wall_s" not in r:
+            print(f"{r['model']:<10} {r['workload']:<24} {r['scale']:>2} failed: {r['failed']}")
+            continue
+        spread = f"{r['wall_s']:.1f} ({r['wall_min_s']:.1f}-{r['wall_max_s']:.1f})"
+        print(f"{r['model']:<10} {r['workload']:<24} {r['scale']:>2} {spread:>22} {r.get('wall_ratio', ''):>5}x "
+              f"{r['peak_rss_bytes'] / 2**30:>7.2f}G {r.get('rss_ratio', ''):>5}x")  # fmt: skip
+    for c in consistent:
+        print(f"consistent vs stock, {c['model']}, {c['workload']}: {c['stock_s']:.3f} s -> {c['consistent_s']:.3f} s "
+              f"({c['ratio']:.2f}x)")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="demo model only, 1x and 2x tokens, no --depth ops")
+    ap.add_argument("--demo", type=Path, help="demo model directory (default: a random model of its shape)")
+    ap.add_argument("--repeats", type=int, help="rounds of every workload (default 1 quick, 3 full)")
+    ap.add_argument("--out", type=Path, help="JSON path (default bench/results/run-ISA-DATE.json)")
+    args = ap.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    from logdiff.demo import build_random_model
+
+    info = machine()
+    with tempfile.TemporaryDirectory(prefix="logdiff-bench-") as t:
+        tmp = Path(t)
+        demo = args.demo or build_random_model(tmp / "demo")
+        plan = workloads("demo", demo, Shape(4, 32, 32), ["logprobs", "modules --no-attribute", "modules"],
+                         [1, 2] if args.quick else [1, 2, 4], tmp)  # fmt: skip
+        if not args.quick:
+            for name, shape in (("0.5B", LARGE), ("1.5B", XLARGE)):
+                path = build_random_model(tmp / name, **shape)
+                plan += workloads(name, path, Shape(4, 128, 64), list(SCANS), [1, 2, 4], tmp)
+        started = time.time()
+        for round_ in range(repeats):
+            for w in plan:
+                if w.failed:
+                    continue
+                print(f"[round {round_ + 1}/{repeats}] {w.model} {w.name} x{w.scale}", file=sys.stderr, flush=True)
+                js = Path(w.argv[-1]) if "--json" in w.argv else None
+                wall, rss, timings, failed = run_process(w.argv, js)
+                if failed:
+                    w.failed = failed
+                    continue
+                w.walls.append(wall)
+                w.rss.append(rss)
+                if timings:
+                    w.timings.append(timings)
+        consistent = consistent_vs_stock(demo, args.quick, 3 if args.quick else 5, tmp)
+    plain = {(w.model, w.scale): w for w in plan if w.name == "plain"}
+    rows = [summarize(w, plain.get((w.model, w.scale))) for w in plan]
+    info["load_avg_end"], info["bench_seconds"] = os.getloadavg(), round(time.time() - started, 1)
+    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "quick": args.quick,
+              "repeats": repeats, "machine": info, "runs": rows, "consistent_vs_stock": consistent}  # fmt: skip
+    out = args.out or BENCH / "results" / f"run-{info['isa']}-{datetime.date.today()}{'-quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print_table(rows, consistent, info)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
