@@ -69,7 +69,15 @@ def load(path: Path) -> tuple[list[Sequence], str]:
         )
     read = {"logdiff": _logdiff_row, "verl": _verl_row, "openrlhf-agent": _agent_row,
             "openrlhf-experience": _experience_row}[layout]  # fmt: skip
-    return [read(row, f"{path}:{where(i)}") for i, row in enumerate(rows)], layout
+    seqs = []
+    for i, row in enumerate(rows):
+        missing = [c for c in LAYOUTS[layout] if c not in row]
+        if layout == "verl" and "prompts" not in row and "input_ids" not in row:
+            missing.append("prompts")
+        if missing:  # a JSONL line may lack what the first line had
+            raise InputError(f"{path}:{where(i)}: no {', '.join(missing)} (every {layout} row needs it)")
+        seqs.append(read(row, f"{path}:{where(i)}"))
+    return seqs, layout
 
 
 def _first_line_keys(path: Path) -> set[str]:
