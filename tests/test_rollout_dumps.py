@@ -76,7 +76,7 @@ def agent_rows(seqs: list[Sequence]) -> list[dict]:
 
 
 def experience_batch(seqs: list[Sequence]) -> dict[str, list]:
-    """OpenRLHF ``Experience`` fields, right-padded: action_mask/rollout_log_probs shifted by one (samples_generator.py)."""
+    """OpenRLHF ``Experience`` fields, right-padded; action_mask and rollout_log_probs shifted by one."""
     width = max(len(s) for s in seqs) + 1
     out: dict[str, list] = {"sequences": [], "attention_mask": [], "action_mask": [], "rollout_log_probs": []}
     for row in agent_rows(seqs):
@@ -104,8 +104,8 @@ def write(columns_or_rows: dict | list, path: Path) -> Path:
         pd.DataFrame(rows).to_parquet(path)
     else:
         cols = {k: [r[k] for r in rows] for k in rows[0]}
-        torch.save({k: torch.tensor(v, dtype=torch.float32 if "log_prob" in k else torch.long) for k, v in cols.items()},
-                   path)  # fmt: skip
+        dtype = {k: torch.float32 if "log_prob" in k else torch.long for k in cols}
+        torch.save({k: torch.tensor(v, dtype=dtype[k]) for k, v in cols.items()}, path)
     return path
 
 
@@ -170,7 +170,8 @@ def test_missing_columns_are_named(tmp_path: Path) -> None:
     batch = verl_batch(synthetic(2))
     del batch["attention_mask"]
     msg = _bad(tmp_path, "d.parquet", batch)
-    assert "no known rollout layout in columns [input_ids, position_ids, prompts, response_mask, responses, rollout_log_probs]" in msg
+    found = "input_ids, position_ids, prompts, response_mask, responses, rollout_log_probs"
+    assert f"no known rollout layout in columns [{found}]" in msg
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
@@ -199,7 +200,8 @@ def test_mismatched_lengths_are_refused(tmp_path: Path) -> None:
 
 def test_left_padded_responses_are_refused(tmp_path: Path) -> None:
     batch = verl_batch(synthetic(5))
-    batch["attention_mask"][0] = [1] * len(batch["prompts"][0]) + batch["attention_mask"][0][len(batch["prompts"][0]):][::-1]
+    width = len(batch["prompts"][0])
+    batch["attention_mask"][0] = [1] * width + batch["attention_mask"][0][width:][::-1]
     assert "not right-padded" in _bad(tmp_path, "d.jsonl", batch)
 
 
@@ -319,7 +321,8 @@ def test_multiturn_dump_gives_verls_metrics_and_is_reproduced(qwen3: Path, tmp_p
     assert r["rollout_replay"]["summary"].startswith("vllm reproduces the recorded rollout logprobs bitwise")
     # the same rollout in OpenRLHF's layout gives the same comparison
     o = logdiff.scan(qwen3, infer=["vllm"], sequences=write(agent_rows(seqs), tmp_path / "openrlhf.jsonl"), **SCAN)
-    assert o["sequences"]["format"] == "openrlhf-agent" and o["rollout_replay"]["engines"] == r["rollout_replay"]["engines"]
+    assert o["sequences"]["format"] == "openrlhf-agent"
+    assert o["rollout_replay"]["engines"] == r["rollout_replay"]["engines"]
     assert o["pairs"][2]["metrics"] == ours
 
 
