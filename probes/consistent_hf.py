@@ -22,7 +22,11 @@ attention core                        ``AttentionInterface`` +               ``a
                                       ``AttentionMaskInterface`` entry
                                       ``"logdiff_consistent"``;
                                       ``config._attn_implementation``
-gated MLP (``gate/up/down_proj``)     instance ``forward``                   ``silu_and_mul``
+``*RMSNorm``, ``(1 + w)`` (Gemma)     instance ``forward``                   ``gemma_rms_norm``
+gated MLP (``gate/up/down_proj``)     instance ``forward``                   ``silu_and_mul`` or
+                                                                             ``gelu_tanh_and_mul``
+``lm_head`` with a final soft cap     instance ``forward`` (+ config's cap   ``linear`` + ``softcap``
+(Gemma 2)                             set to None while inside)
 MoE router (``*TopKRouter``)          instance ``forward`` (fp32 weights)    ``moe_route``
 MoE experts (``*Experts``, 3-D)       instance ``forward``                   ``moe_experts``
 ====================================  =====================================  ====================
@@ -32,7 +36,9 @@ batch (prefill) and a boolean 4-D mask. Each sequence's visible keys are
 compacted to the front (left padding removed) so key ``j`` of the kernel is the
 sequence's ``j``-th real token, and each query's position is its number of
 visible keys minus one. The mask must therefore be a causal prefix per
-sequence; a sliding window or packed sequences raise ``NotImplementedError``.
+sequence; a sliding window that can hide a key (shorter than the context) or
+packed sequences raise ``NotImplementedError``. Soft-capped scores (Gemma 2's
+``softcap``) go to the kernel's ``softcap``.
 The layout is computed once per mask object (every layer gets the same one).
 
 Logprobs: consistent mode covers the model up to the logits. Engines compute
@@ -62,6 +68,8 @@ from logdiff.probes.patching import Patches
 ATTN_IMPLEMENTATION = "logdiff_consistent"
 _ROPE_TAG = "_logdiff_consistent_rope"
 _SILU = {"silu", "swish"}
+#: HF activation name -> the gated-MLP kernel that covers it
+_GATED = {"silu": "silu_and_mul", "swish": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
 
 
 @dataclass
@@ -127,6 +135,9 @@ class _Plan:
     norms: list[tuple[str, Any]] = field(default_factory=list)
     rotaries: list[tuple[str, Any, float, int]] = field(default_factory=list)
     mlps: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, mlp_parts)
+    gated: str = "silu_and_mul"  # the gated-MLP kernel (by the adapter's activation)
+    norm_offset: bool = False  # (1 + w) RMSNorm (Gemma)
+    final_softcap: float | None = None  # the logits' soft cap (Gemma 2)
     routers: list[tuple[str, Any, bool]] = field(default_factory=list)  # (name, module, renormalize)
     experts: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, experts_parts)
     modeling_modules: set[str] = field(default_factory=set)
@@ -161,11 +172,13 @@ def _plan(model: Any) -> _Plan:
     if config is None:
         raise NotImplementedError("consistent_hf: the model has no config")
     arch = adapter_of(model)
-    if arch.sliding_window(config):
-        raise NotImplementedError("consistent_hf: sliding-window attention")
-    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
-        raise NotImplementedError("consistent_hf: layers other than full attention (sliding window)")
-    plan = _Plan()
+    window, context = arch.sliding_window(config), int(getattr(config, "max_position_embeddings", 0) or 0)
+    if window and window < context:  # a window as long as the context never hides a key
+        raise NotImplementedError(f"consistent_hf: sliding-window attention (window {window} < context {context})")
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if layer_types - ({"full_attention", "sliding_attention"} if window else {"full_attention"}):
+        raise NotImplementedError(f"consistent_hf: layer types {sorted(layer_types)}")
+    plan = _Plan(norm_offset=arch.norm_offset, final_softcap=arch.final_softcap(config))
     for name, module in model.named_modules():
         cls = type(module).__name__
         if isinstance(module, nn.Linear):
@@ -191,8 +204,10 @@ def _plan(model: Any) -> _Plan:
                 raise NotImplementedError(f"consistent_hf: experts activation {config.hidden_act!r}")
             plan.experts.append((name, module, arch.experts_parts))
         elif all(hasattr(module, a) for a in arch.mlp_parts):
-            if config.hidden_act not in _SILU:
-                raise NotImplementedError(f"consistent_hf: MLP activation {config.hidden_act!r}")
+            activation = arch.mlp_activation(config)
+            if activation not in _GATED:
+                raise NotImplementedError(f"consistent_hf: MLP activation {activation!r}")
+            plan.gated = _GATED[activation]
             plan.mlps.append((name, module, arch.mlp_parts))
         elif hasattr(module, arch.shared_expert):
             raise NotImplementedError(f"consistent_hf: {name} has a shared expert")
@@ -220,13 +235,24 @@ def _linear_forward(module: Any) -> Callable:
     return forward
 
 
-def _norm_forward(module: Any) -> Callable:
+def _norm_forward(module: Any, offset: bool) -> Callable:
+    """``rms_norm``, or ``gemma_rms_norm`` for a ``(1 + w)`` norm (whose eps HF calls ``eps``)."""
     from logdiff import kernels
+
+    if offset:
+        return lambda hidden_states: kernels.gemma_rms_norm(hidden_states, module.weight, module.eps)
 
     def forward(hidden_states: Any) -> Any:
         return kernels.rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
     return forward
+
+
+def _softcapped_logits_forward(module: Any, cap: float) -> Callable:
+    """``lm_head`` with the final soft cap folded in (HF's own cap is switched off meanwhile)."""
+    from logdiff import kernels
+
+    return lambda x: kernels.softcap(kernels.linear(x, module.weight, module.bias), cap)
 
 
 def _rotary_forward(theta: float, rotary_dim: int) -> Callable:
@@ -266,21 +292,23 @@ def _apply_rotary(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _mlp_forward(module: Any, parts: tuple[str, ...]) -> Callable:
-    """``down(silu(gate(x)) * up(x))``; three parts (gate_up, down, act) mean a packed gate/up (Phi-3)."""
+def _mlp_forward(module: Any, parts: tuple[str, ...], gated: str = "silu_and_mul") -> Callable:
+    """``down(act(gate(x)) * up(x))`` with the ``gated`` kernel; three parts (gate_up, down, act) mean a
+    packed gate/up (Phi-3)."""
     from logdiff import kernels
 
+    act_mul = getattr(kernels, gated)
     if len(parts) == 3:
         gate_up, down = getattr(module, parts[0]), getattr(module, parts[1])
 
         def fused(x: Any) -> Any:
-            return down(kernels.silu_and_mul(*gate_up(x).chunk(2, dim=-1)))
+            return down(act_mul(*gate_up(x).chunk(2, dim=-1)))
 
         return fused
     gate, up, down = (getattr(module, p) for p in parts[:3])
 
     def forward(x: Any) -> Any:
-        return down(kernels.silu_and_mul(gate(x), up(x)))
+        return down(act_mul(gate(x), up(x)))
 
     return forward
 
@@ -365,12 +393,11 @@ def _attention_function() -> Callable:
         sliding_window: int | None = None,
         **kwargs: Any,
     ) -> tuple[Any, None]:
-        if sliding_window is not None:
-            raise NotImplementedError("consistent attention: sliding window")
+        # a sliding window is planned only where it cannot hide a key; the mask check below still holds it
         if dropout:
             raise NotImplementedError("consistent attention: dropout (call model.eval())")
-        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-            raise NotImplementedError("consistent attention: softcap / attention sinks")
+        if kwargs.get("s_aux") is not None:
+            raise NotImplementedError("consistent attention: attention sinks")
         b, _, t, d = query.shape
         s = key.shape[2]
         q_pos, key_index, kv_lens = layouts.get(attention_mask, b, t, s, query.device)
@@ -379,7 +406,8 @@ def _attention_function() -> Callable:
             key, value = key.gather(2, index), value.gather(2, index)
         scale = d**-0.5 if scaling is None else float(scaling)
         out = kernels.attention_batched(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), q_pos, scale, kv_lens
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), q_pos, scale, kv_lens,
+            kwargs.get("softcap"),
         )
         return out, None
 
@@ -420,8 +448,13 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
         for name, module in plan.linears if want("linear") else []:
             patches.set(module, "forward", _linear_forward(module))
             report.add("linear", name)
+        if plan.final_softcap is not None and want("linear"):
+            head = model.get_output_embeddings()
+            patches.set(model.config, "final_logit_softcapping", None)
+            patches.set(head, "forward", _softcapped_logits_forward(head, plan.final_softcap))
+            report.add("linear", "final_logit_softcapping")
         for name, module in plan.norms if want("rms_norm") else []:
-            patches.set(module, "forward", _norm_forward(module))
+            patches.set(module, "forward", _norm_forward(module, plan.norm_offset))
             report.add("rms_norm", name)
         for name, module, theta, rotary_dim in plan.rotaries if want("rope") else []:
             patches.set(module, "forward", _rotary_forward(theta, rotary_dim))
@@ -436,7 +469,7 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
             )
             report.add("rope", f"{mod_name}.apply_rotary_pos_emb")
         for name, module, parts in plan.mlps if want("silu_and_mul") else []:
-            patches.set(module, "forward", _mlp_forward(module, parts))
+            patches.set(module, "forward", _mlp_forward(module, parts, plan.gated))
             report.add("silu_and_mul", name)
         for name, module, renormalize in plan.routers if want("moe") else []:
             patches.set(module, "forward", _router_forward(module, renormalize))

@@ -14,7 +14,11 @@ linear layers, lm_head      ``layer.cpu_linear`` (layers/utils.py,      ``linear
 (anything with a CPU GEMM)  ``dispatch_cpu_unquantized_gemm``)
 ``RMSNorm``                 ``forward`` (with/without fused residual)   ``rms_norm``
 ``RotaryEmbedding``         ``forward``                                 ``rope``
+``GemmaRMSNorm``            ``forward`` (``(1 + w)``, same fusions)      ``gemma_rms_norm``
 ``SiluAndMul``              ``forward``                                 ``silu_and_mul``
+``GeluAndMul`` (tanh)       ``forward``                                 ``gelu_tanh_and_mul``
+``LogitsProcessor`` with    ``forward`` (its ``_get_logits``, then the  ``softcap``
+a ``soft_cap`` (Gemma 2)    kernel's cap)
 ``Attention.impl``          ``forward`` (v1/attention/backends/         ``attention``
 (CPUAttentionBackendImpl)   cpu_attn.py); the cache write is kept
 ``MoERunner``               ``forward`` (fused_moe/runner/moe_runner;   ``moe_route``,
@@ -166,11 +170,17 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
             plan.append(("rope", module, "forward", ops.rope_forward(module)))
             summary.add("rope", name)
             replaced_parents.append(name + ".")
+        elif type(module).__name__ == "GemmaRMSNorm":
+            plan.append(("rms_norm", module, "forward", ops.gemma_rms_norm_forward(module)))
+            summary.add("rms_norm", name)
         elif type(module) is SiluAndMul:
             plan.append(("silu_and_mul", module, "forward", ops.silu_and_mul_forward()))
             summary.add("silu_and_mul", name)
+        elif type(module).__name__ == "GeluAndMul" and getattr(module, "approximate", None) == "tanh":
+            plan.append(("silu_and_mul", module, "forward", ops.gelu_tanh_and_mul_forward()))
+            summary.add("silu_and_mul", name)
         elif isinstance(module, Attention):
-            problem = _attention_problem(module)
+            problem = _attention_problem(module, config.model_config.max_model_len)
             if problem:
                 unsupported.append(f"{name} ({problem})")
             else:
@@ -185,8 +195,11 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
                 summary.add("moe", name)
                 replaced_parents.append(name + ".")
         elif isinstance(module, LogitsProcessor):
-            if module.soft_cap is not None or module.scale != 1.0 or module.logits_as_input:
-                unsupported.append(f"{name} (logit soft cap or scale)")
+            if module.scale != 1.0 or module.logits_as_input:
+                unsupported.append(f"{name} (logit scale or logits as input)")
+            elif module.soft_cap is not None:
+                plan.append(("linear", module, "forward", ops.softcapped_logits_forward(module)))
+                summary.add("linear", name)
         elif isinstance(module, (CustomOp, PluggableLayer)) or next(module.parameters(recurse=False), None) is not None:
             unsupported.append(f"{name} ({type(module).__name__})")
     if unsupported:
@@ -196,7 +209,11 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
     return plan, summary
 
 
-def _attention_problem(layer: Any) -> str | None:
+def _attention_problem(layer: Any, max_model_len: int) -> str | None:
+    """Why the consistent kernel cannot stand in for ``layer``, or None.
+
+    A sliding window is covered only where it spans ``max_model_len`` (it never hides a key).
+    """
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
@@ -205,10 +222,12 @@ def _attention_problem(layer: Any) -> str | None:
         return f"attention backend {type(impl).__name__}; only the CPU backend is covered"
     if impl.attn_type != AttentionType.DECODER:
         return f"{impl.attn_type} attention"
-    if impl.sliding_window != -1 or impl.alibi_slopes is not None:
-        return "sliding-window or ALiBi attention"
-    if impl.logits_soft_cap or impl.sinks is not None:
-        return "attention soft cap or sinks"
+    if impl.sliding_window != -1 and impl.sliding_window < max_model_len:
+        return f"sliding-window attention (window {impl.sliding_window} < max_model_len {max_model_len})"
+    if impl.alibi_slopes is not None:
+        return "ALiBi attention"
+    if impl.sinks is not None:
+        return "attention sinks"
     if impl.kv_cache_dtype != "auto" or impl.kv_sharing_target_layer_name is not None:
         return f"KV cache dtype {impl.kv_cache_dtype} or shared KV cache"
     return None

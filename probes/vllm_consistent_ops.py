@@ -11,11 +11,17 @@ implement:
   (the lm_head) call through ``cpu_unquantized_gemm``.
 * ``rms_norm_forward``: ``RMSNorm.forward(x, residual=None)``; with a residual
   it returns ``(norm(x + residual), x + residual)`` like the fused op.
+* ``gemma_rms_norm_forward``: the same for ``GemmaRMSNorm`` (``(1 + w)``).
 * ``rope_forward``: ``RotaryEmbedding.forward(positions, query, key)``.
-* ``silu_and_mul_forward``: ``SiluAndMul.forward(x)`` on ``[..., 2d]``.
+* ``silu_and_mul_forward``: ``SiluAndMul.forward(x)`` on ``[..., 2d]``;
+  ``gelu_tanh_and_mul_forward``: ``GeluAndMul(approximate="tanh")`` alike.
+* ``softcapped_logits_forward``: ``LogitsProcessor.forward`` with a soft cap
+  (Gemma 2): vLLM's own ``_get_logits`` (its lm_head GEMM is already the
+  kernel's), then ``softcap``.
 * ``attention_forward``: ``CPUAttentionBackendImpl.forward``; reads each
   request's whole context back from the paged cache and runs the kernel with
-  absolute query positions, all requests of the step in one padded batch.
+  absolute query positions, all requests of the step in one padded batch
+  (soft-capped scores where the layer has ``logits_soft_cap``).
 * ``moe_forward``: ``MoERunner.forward``; router GEMM (``linear``),
   ``moe_route``, then ``moe_experts`` (kernel linears and SiLU-and-mul per
   expert, fixed-order ``moe_combine``) on the recovered plain expert weights.
@@ -69,6 +75,18 @@ def rms_norm_forward(module: Any) -> Callable[..., Any]:
     return forward
 
 
+def gemma_rms_norm_forward(module: Any) -> Callable[..., Any]:
+    """``GemmaRMSNorm.forward`` replacement: ``(1 + w)`` in fp32, with or without the fused residual add."""
+    kernels = _kernels()
+    weight = module.weight.data
+    eps = float(module.variance_epsilon)
+
+    def forward(x: Any, residual: Any = None) -> Any:
+        return kernels.gemma_rms_norm(x, weight, eps, residual=residual)
+
+    return forward
+
+
 def rope_forward(module: Any) -> Callable[..., Any]:
     """``RotaryEmbedding.forward`` replacement: cos/sin from theta and absolute positions."""
     kernels = _kernels()
@@ -99,6 +117,29 @@ def silu_and_mul_forward() -> Callable[..., Any]:
     return forward
 
 
+def gelu_tanh_and_mul_forward() -> Callable[..., Any]:
+    """``GeluAndMul(approximate="tanh").forward`` replacement on the packed ``[gate | up]`` input."""
+    kernels = _kernels()
+
+    def forward(x: Any) -> Any:
+        d = x.shape[-1] // 2
+        return kernels.gelu_tanh_and_mul(x[..., :d].contiguous(), x[..., d:].contiguous())
+
+    return forward
+
+
+def softcapped_logits_forward(module: Any) -> Callable[..., Any]:
+    """``LogitsProcessor.forward`` replacement that soft-caps with the kernel (Gemma 2's final logits)."""
+    kernels = _kernels()
+    cap = float(module.soft_cap)
+
+    def forward(lm_head: Any, hidden_states: Any, embedding_bias: Any = None, skip_gather: bool = False) -> Any:
+        logits = module._get_logits(hidden_states, lm_head, embedding_bias, skip_gather)
+        return None if logits is None else kernels.softcap(logits, cap)
+
+    return forward
+
+
 def log_softmax() -> Callable[..., Any]:
     """``Sampler.compute_logprobs`` replacement (a staticmethod: no ``self``)."""
     kernels = _kernels()
@@ -115,6 +156,7 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
 
     kernels = _kernels()
     scale = float(impl.scale)
+    softcap = float(impl.logits_soft_cap) if impl.logits_soft_cap else None  # 0: none
 
     def forward(
         layer: Any,
@@ -150,7 +192,7 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
         for i, (_, start, stop, seq_len) in enumerate(requests):
             q[i, : stop - start] = query[start:stop]
             positions[i, : stop - start] = torch.arange(seq_len - (stop - start), seq_len)
-        out = kernels.attention_batched(q, k, v, positions, scale, kv_lens)
+        out = kernels.attention_batched(q, k, v, positions, scale, kv_lens, softcap)
         for i, (_, start, stop, _) in enumerate(requests):
             output[start:stop] = out[i, : stop - start]
         return output

@@ -30,7 +30,7 @@ NEW = {
     "llama3": "--consistent: consistent_hf: rope_type 'llama3'",
     "mixtral": None,
     "phi3": None,
-    "gemma2": "--consistent: consistent_hf: sliding-window attention",
+    "gemma2": None,
 }
 
 

@@ -343,6 +343,17 @@ class DecoderAdapter(ArchAdapter):
     def hf_norm_classes(self) -> frozenset[str]:
         return frozenset({f"{self.hf_prefix}RMSNorm"})
 
+    #: RMSNorm scales by ``(1 + w)`` (Gemma) rather than ``w``
+    norm_offset = False
+
+    def mlp_activation(self, config: Any) -> str:
+        """The gated MLP's activation name in the HF config."""
+        return str(config.hidden_act)
+
+    def final_softcap(self, config: Any) -> float | None:
+        """The soft cap HF applies to the logits after ``lm_head``, or None."""
+        return None
+
     #: attribute names of a gated MLP module: gate, up, down, activation (three: packed gate_up, down, activation)
     mlp_parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
     #: attribute names of a fused-experts module: gate_up, down

@@ -27,9 +27,10 @@ How the engines expose it:
 
 Contract keys of their own: ``attn_logit_softcapping`` (attention core),
 ``final_logit_softcapping`` (logits) and ``embed_scale`` (embeddings), read
-from the loaded modules (``contract_extras``). The demo keeps its sequences
-shorter than the sliding window (64), so the window never masks a key;
-consistent mode refuses the sliding-window layers (docs/architectures.md).
+from the loaded modules (``contract_extras``). Consistent mode covers the
+sliding-window layers only where the window spans the whole context (it then
+never hides a key; the demo's window is its 2048-token context) and refuses a
+shorter window, as real Gemma 2 checkpoints have (4096 of 8192).
 """
 
 from __future__ import annotations
@@ -160,6 +161,15 @@ class Gemma2Adapter(DecoderAdapter):
     def key_boundary(self) -> dict[str, tuple[str, str]]:
         return {**KEY_BOUNDARY, **_GEMMA_KEYS}
 
+    norm_offset = True
+
+    def mlp_activation(self, config: Any) -> str:
+        return str(config.hidden_activation)
+
+    def final_softcap(self, config: Any) -> float | None:
+        cap = getattr(config, "final_logit_softcapping", None)
+        return float(cap) if cap else None
+
     def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
         """Soft-caps and the embedding scale as each engine's loaded modules hold them."""
         if family == "hf":
@@ -191,13 +201,14 @@ GEMMA2 = register(
         {
             "intermediate_size": 768,
             "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_act": "gelu_pytorch_tanh",  # not read by Gemma 2; set so nothing mistakes it for SiLU
             "query_pre_attn_scalar": 64,
-            "sliding_window": 64,  # longer than the demo's sequences: the window never masks a key
+            "sliding_window": 2048,  # the whole context (max_position_embeddings): the window never hides a key
             "attn_logit_softcapping": 50.0,
             "final_logit_softcapping": 30.0,
             "tie_word_embeddings": True,  # vLLM's Gemma 2 always ties lm_head to the embeddings
             "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
         },
-        "Gemma 2: (1 + w) norms, soft-capping, sliding window 64",
+        "Gemma 2: (1 + w) norms, soft-capping, sliding-window layers",
     ),
 )
