@@ -186,6 +186,13 @@ def _cause(
     }
 
 
+def framework_cause(
+    boundary: str, op_kind: str, kind: str, evidence: list[str], fix: str, differs: list[str] | None = None
+) -> dict[str, Any]:
+    """A ``framework_difference`` found outside the per-op classification (sampling semantics, alignment)."""
+    return _cause(OpEvidence(boundary, op_kind, None, 0.0, None, None), "framework_difference", kind, evidence, fix, differs)
+
+
 def verdict(causes: list[dict[str, Any]], consistent: bool) -> str:
     """The overall verdict from the classified causes."""
     if consistent:
@@ -229,8 +236,10 @@ def preflight_only_causes(
     covered = {d for c in causes for d in c.get("differs", [])}
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
+    from logdiff.sampling import SAMPLER_KEYS  # the sampler's settings are logdiff.sampling's causes
+
     for item in [*contracts.get("differs", []), *weights]:
-        if item in covered or item == "dtype":
+        if item in covered or item == "dtype" or item in SAMPLER_KEYS:
             continue
         is_weight = item in weights
         boundary, kind = arch.weight_boundary(item) if is_weight else arch.key_boundary.get(item, ("model", "module"))

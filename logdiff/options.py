@@ -29,6 +29,14 @@ def _count(v: Any) -> str | None:
     return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "an integer >= 1"
 
 
+def _top_k(v: Any) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= -1 else "an integer >= -1 (0 or -1: off)"
+
+
+def _top_p(v: Any) -> str | None:
+    return None if _positive_number(v) is None and v <= 1 else "a number in (0, 1]"
+
+
 def _one_of(*choices: str) -> Callable[[Any], str | None]:
     return lambda v: None if v in choices else "one of " + ", ".join(choices)
 
@@ -40,6 +48,8 @@ def _bool(v: Any) -> str | None:
 #: well-known option -> check (None when the value is fine, else what it must be)
 RULES: dict[str, Callable[[Any], str | None]] = {
     "temperature": _positive_number,
+    "top_k": _top_k,
+    "top_p": _top_p,
     "attn_implementation": _one_of(*ATTN_IMPLEMENTATIONS),
     "batch_size": _count,
     "padding_side": _one_of("right", "left"),

@@ -77,6 +77,8 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": getattr(cfg, "norm_topk_prob", None),
         "temperature": float(options.get("temperature", 1.0)),  # logits / T before log_softmax
         "logprobs_mode": "processed_logprobs" if options.get("temperature", 1.0) != 1.0 else "raw_logprobs",
+        # The distribution it samples from (hf-decode) or scores under (the trainer): full support.
+        **sampler(options),
         **arch.contract_extras(model, "hf"),
     }
 
@@ -93,8 +95,9 @@ def vllm_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     experts = _moe_experts(model)
     lm_head = getattr(model, "lm_head", None)
     embed = arch.embed(model)
-    mode = options.get("logprobs_mode", "raw_logprobs")
-    processed = mode.startswith("processed")
+    drawn = sampler(options)
+    # Processed logprobs equal the raw ones unless a temperature or a truncation processes them.
+    processed = options.get("logprobs_mode", "raw_logprobs").startswith("processed") and drawn != sampler({})
     return {
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "vocab_size": int(getattr(model.config, "vocab_size", embed.weight.shape[0])),
@@ -110,9 +113,24 @@ def vllm_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         "num_experts_per_tok": getattr(experts, "top_k", None),
         "norm_topk_prob": getattr(experts, "renormalize", None),
         # Raw logprobs are taken before the temperature; only processed ones see it.
-        "temperature": float(options.get("temperature", 1.0)) if processed else 1.0,
-        "logprobs_mode": mode,
+        "temperature": drawn["sampling_temperature"] if processed else 1.0,
+        "logprobs_mode": "processed_logprobs" if processed else "raw_logprobs",
+        **drawn,
         **arch.contract_extras(model, "vllm"),
+    }
+
+
+def sampler(options: dict[str, Any]) -> dict[str, Any]:
+    """The sampler's settings: temperature, top-k (0: off) and top-p (1.0: off), whatever the logprobs mode.
+
+    In RL these define the behaviour policy (the distribution the tokens were
+    drawn from); the trainer's ratio is right only if it scores under the same one.
+    """
+    top_k = int(options.get("top_k", 0))
+    return {
+        "sampling_temperature": float(options.get("temperature", 1.0)),
+        "sampling_top_k": top_k if top_k > 0 else 0,  # vLLM spells "off" as 0 or -1
+        "sampling_top_p": float(options.get("top_p", 1.0)),
     }
 
 

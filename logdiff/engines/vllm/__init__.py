@@ -84,8 +84,9 @@ class VLLMEngine(Engine):
     fuses_add_norm = True
     probe_family = "vllm"
     options = frozenset(
-        {"temperature", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "logprobs_mode", "enable_prefix_caching"}
-    )
+        {"temperature", "top_k", "top_p", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "logprobs_mode",
+         "enable_prefix_caching"}
+    )  # fmt: skip
 
     @classmethod
     def check_available(cls) -> None:
@@ -127,7 +128,9 @@ class VLLMEngine(Engine):
     def _params(self, **kw: Any) -> Any:
         from vllm import SamplingParams
 
-        return SamplingParams(temperature=float(self.spec.option("temperature", 1.0)), **kw)
+        sampler = {"temperature": float(self.spec.option("temperature", 1.0)),
+                   "top_k": int(self.spec.option("top_k", 0)), "top_p": float(self.spec.option("top_p", 1.0))}
+        return SamplingParams(**sampler, **kw)
 
     def generate(self, prompts: list[list[int]], params: list[Any], path: str = "vllm") -> list[Any]:
         inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -222,6 +225,8 @@ class VLLMEngine(Engine):
         vc = self.llm.llm_engine.vllm_config
         return {
             "temperature": float(self._params().temperature),
+            "top_k": int(self._params().top_k),
+            "top_p": float(self._params().top_p),
             "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
             "max_num_seqs": vc.scheduler_config.max_num_seqs,
             "max_model_len": vc.model_config.max_model_len,

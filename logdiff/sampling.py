@@ -1,0 +1,497 @@
+"""Sampling semantics: are the tokens scored under the distribution they were drawn from?
+
+In RL the behaviour policy is the distribution the sampler drew the tokens
+from: the logits divided by its temperature, cut to its top-k / top-p support.
+A trainer that scores them under another distribution computes a wrong
+importance ratio, however close the kernels are. Two kinds of evidence, both
+``framework_difference`` causes (docs/causes.md):
+
+1. **The contract** (``contract_cause``). Each engine's contract reports the
+   sampler's settings (``sampling_temperature``, ``sampling_top_k``,
+   ``sampling_top_p``: the distribution it draws from, or, for a trainer, scores
+   under) next to what its logprobs are of (``temperature``, ``logprobs_mode``).
+   A difference is a ``sampling_semantics`` cause whatever the logprobs mode:
+   raw rollout logprobs can match the trainer bit for bit while the tokens came
+   from a sharper distribution.
+2. **The numbers** (``analyse_pair`` and ``bos_finding``, pure numpy; a
+   recorded rollout has no contract). In order, each a hypothesis tested against
+   every pair that is not bitwise equal:
+
+   * an off-by-one alignment: the logprobs match the trainer's shifted by one
+     position (``token_alignment``);
+   * a temperature on one side only: the training model's full-vocabulary
+     log-probabilities at the scored positions (``reference_logprobs``,
+     compressed by ``Reference``) predict any path's logprob of a token at any
+     temperature, ``log_softmax(ref / T)[token]``; each path's T is fitted alone
+     (least absolute error over a log grid, then golden-section), so a one-sided
+     temperature shows as two different fits (``sampling_semantics``);
+   * processed logprobs over a truncated support: what the fit leaves is a
+     per-position offset ``-log(kept mass) >= 0`` that one top-k or one top-p
+     reproduces (``sampling_semantics``);
+   * a BOS on one side only: the trainer's model rescored with its BOS toggled
+     matches the path (``tokens``).
+
+Every hypothesis must leave at most ``EXPLAINS`` of the plain mean |diff|
+unexplained; kernel noise never does, so a pure numerics gap gets no cause here
+and is left to the operator-level diagnosis.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+#: the sampler's settings in each engine's contract (the distribution it draws tokens from)
+SAMPLER_KEYS = ("sampling_temperature", "sampling_top_k", "sampling_top_p")
+#: what each engine's logprobs are of
+SCORING_KEYS = ("temperature", "logprobs_mode")
+#: the synthetic boundary of the final log-probabilities (docs/result-schema.md)
+BOUNDARY = "log_softmax"
+
+#: a hypothesis is accepted when it leaves at most this fraction of the mean |diff| unexplained
+EXPLAINS = 0.25
+#: temperatures closer than this (in |log T|) count as equal
+SAME_TEMPERATURE = 0.03
+#: the temperature search range
+T_MIN, T_MAX = 0.05, 20.0
+#: at most this many scored positions feed the fits (the full-vocabulary reference is [positions, vocab])
+MAX_FIT_POSITIONS = 256
+#: an offset below this many nats is no truncation (float32 log_softmax of a sharp distribution)
+MIN_OFFSET = 1e-3
+
+
+# ----------------------------------------------------------------------------- numpy core
+
+
+def tempered(ref: np.ndarray, tokens: np.ndarray, temperature: float) -> np.ndarray:
+    """``log_softmax(ref / T)[token]`` per row of ``ref`` ([N, V] logits or log-probabilities), exactly."""
+    z = np.asarray(ref, np.float64) / temperature
+    top = z.max(-1)
+    lse = top + np.log(np.exp(z - top[:, None]).sum(-1))
+    return z[np.arange(len(tokens)), tokens] - lse
+
+
+@dataclass
+class Reference:
+    """The training model's distribution at some positions, compressed for the fits.
+
+    Per row: the scored token's log-probability at T = 1 (``chosen``) and the
+    vocabulary as ``(values, weights)``: the ``EXACT`` largest log-probabilities
+    one by one, the rest in ``BINS`` equal-width bins, each held as its count and
+    the log of its mean probability. The log-partition ``log sum_v w exp(v / T)``
+    is then exact at T = 1 and close elsewhere, at [N, EXACT + BINS] instead of
+    [N, vocab] (a 150k vocabulary costs the same as a 4k one).
+    """
+
+    chosen: np.ndarray  # [N]
+    values: np.ndarray  # [N, M], descending within the exact part
+    weights: np.ndarray  # [N, M]
+
+    EXACT: ClassVar[int] = 128
+    BINS: ClassVar[int] = 256
+
+    @classmethod
+    def of(cls, logprobs: np.ndarray, tokens: np.ndarray) -> Reference:
+        """Compress [N, V] log-probabilities (T = 1) and their scored tokens."""
+        lp = np.asarray(logprobs, np.float64)
+        n = len(lp)
+        chosen = lp[np.arange(n), np.asarray(tokens, np.int64)]
+        ordered = -np.sort(-lp, axis=-1)
+        exact, tail = ordered[:, : cls.EXACT], ordered[:, cls.EXACT :]
+        if tail.shape[1] == 0:
+            return cls(chosen, exact, np.ones_like(exact))
+        hi, lo = tail[:, :1], tail[:, -1:]
+        width = np.maximum(hi - lo, 1e-12) / cls.BINS
+        idx = np.minimum(((hi - tail) / width).astype(np.int64), cls.BINS - 1) + cls.BINS * np.arange(n)[:, None]
+        counts = np.bincount(idx.ravel(), minlength=n * cls.BINS).reshape(n, cls.BINS)
+        mass = np.bincount(idx.ravel(), weights=np.exp(tail - hi).ravel(), minlength=n * cls.BINS).reshape(n, cls.BINS)
+        with np.errstate(divide="ignore"):
+            binned = np.where(counts > 0, hi + np.log(np.maximum(mass, 1e-300) / np.maximum(counts, 1)), -1e4)
+        return cls(chosen, np.concatenate([exact, binned], 1), np.concatenate([np.ones_like(exact), counts], 1))
+
+    @classmethod
+    def concat(cls, parts: Sequence[Reference]) -> Reference:
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("chosen", "values", "weights")))
+
+    def rows(self, keep: np.ndarray) -> Reference:
+        return Reference(self.chosen[keep], self.values[keep], self.weights[keep])
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    def tempered(self, temperature: float) -> np.ndarray:
+        """Each row's scored-token logprob under ``softmax(logits / T)``."""
+        z = self.values / temperature
+        top = z[:, 0]  # the largest log-probability sits first
+        lse = top + np.log((self.weights * np.exp(z - top[:, None])).sum(-1))
+        return self.chosen / temperature - lse
+
+    def kept_mass(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
+        """(number of tokens, their probability mass) of each top-j prefix of every row, at T."""
+        z = self.values / temperature
+        p = self.weights * np.exp(z - z[:, :1])
+        return np.cumsum(self.weights, -1), np.cumsum(p, -1) / p.sum(-1, keepdims=True)
+
+
+def _mean_abs(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)))) if len(a) else 0.0
+
+
+def fit_temperature(ref: Reference, observed: np.ndarray) -> tuple[float, float]:
+    """(T, mean |observed - the reference's logprob at T|) at the best-fitting temperature."""
+
+    def err(log_t: float) -> float:
+        return _mean_abs(observed, ref.tempered(math.exp(log_t)))
+
+    grid = np.linspace(math.log(T_MIN), math.log(T_MAX), 49)
+    errs = [err(g) for g in grid]
+    i = int(np.argmin(errs))
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(30):  # golden-section search inside the best grid cell's neighbourhood
+        c, d = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        if err(c) <= err(d):
+            hi = d
+        else:
+            lo = c
+    best = (lo + hi) / 2
+    return math.exp(best), err(best)
+
+
+def alignment_errors(
+    train: Sequence[np.ndarray], other: Sequence[np.ndarray], masks: Sequence[Sequence[int] | None]
+) -> dict[int, float]:
+    """Mean |train[t + s] - other[t]| over scored positions, for shifts s = -1, 0, +1."""
+    out = {}
+    for s in (-1, 0, 1):
+        diffs = []
+        for a, b, m in zip(train, other, masks):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            n = len(b)
+            keep = np.ones(n, bool) if m is None else np.asarray(m, bool)
+            t = np.arange(max(0, -s), min(n, n - s))
+            t = t[keep[t] & keep[t + s]]
+            diffs.append(np.abs(a[t + s] - b[t]))
+        d = np.concatenate(diffs) if diffs else np.zeros(0)
+        out[s] = float(d.mean()) if len(d) else math.inf
+    return out
+
+
+def truncation(ref: Reference, observed: np.ndarray, temperature: float) -> dict[str, Any] | None:
+    """Processed logprobs over a truncated support: a per-position offset ``-log(kept mass) >= 0``.
+
+    Renormalising over the kept tokens adds ``-log(kept mass)`` to every kept
+    token's logprob at that position. Reported only when one top-k, or one
+    top-p, reproduces the offsets at every position (leaving at most
+    ``EXPLAINS`` of the gap): an offset of the right sign alone is not enough.
+    """
+    rest = np.asarray(observed, np.float64) - ref.tempered(temperature)
+    offset = np.maximum(rest, 0.0)
+    if not (offset > MIN_OFFSET).any():
+        return None
+    counts, kept = ref.kept_mass(temperature)  # [N, M]: each top-j prefix's size and mass
+    exact = min(Reference.EXACT, counts.shape[1])  # top-k is named only where every row counts tokens one by one
+    by_k = np.mean(np.abs(-np.log(np.clip(kept[:, :exact], 1e-300, 1.0)) - rest[:, None]), axis=0)
+    j = int(np.argmin(by_k))
+    by_p = {}
+    for p in np.round(np.linspace(0.5, 0.995, 100), 3):
+        first = np.argmax(kept >= p, axis=1)  # vLLM keeps the smallest prefix whose mass reaches p
+        by_p[float(p)] = _mean_abs(-np.log(kept[np.arange(len(rest)), first]), rest)
+    top_p = min(by_p, key=by_p.get)
+    gap = float(np.mean(np.abs(rest)))
+    err, setting = min((by_k[j], {"top_k": int(counts[0, j]), "top_p": None}),
+                       (by_p[top_p], {"top_k": None, "top_p": top_p}), key=lambda x: x[0])  # fmt: skip
+    if err > EXPLAINS * gap:
+        return None
+    return {"positions": int((offset > MIN_OFFSET).sum()), "offset_max": float(offset.max()),
+            "offset_mean": float(offset.mean()), "explained": err, **setting}  # fmt: skip
+
+
+def analyse_pair(
+    train: Sequence[np.ndarray],
+    other: Sequence[np.ndarray],
+    masks: Sequence[Sequence[int] | None],
+    ref: Sequence[Reference] | None = None,
+) -> dict[str, Any] | None:
+    """The sampling finding for one (train, other) pair of per-token logprobs, or None.
+
+    ``ref``: the training model's distribution at the response positions of
+    the first sequences (``reference_logprobs``); without it only the
+    alignment is tested.
+    """
+    align = alignment_errors(train, other, masks)
+    as_is = align[0]
+    if as_is == 0.0:
+        return None
+    shift = min((-1, 1), key=lambda s: align[s])
+    if align[shift] <= EXPLAINS * as_is:
+        return {"kind": "token_alignment", "shift": shift, "mean_abs_diff": {"as_is": as_is, "explained": align[shift]}}
+    if not ref:
+        return None
+    n = len(ref)
+    keep = [np.ones(len(r), bool) if m is None else np.asarray(m, bool) for r, m in zip(ref, masks[:n])]
+    R = Reference.concat([r.rows(k) for r, k in zip(ref, keep)])
+    a = np.concatenate([np.asarray(x, np.float64)[k] for x, k in zip(train[:n], keep)])
+    b = np.concatenate([np.asarray(x, np.float64)[k] for x, k in zip(other[:n], keep)])
+    t_train, _ = fit_temperature(R, a)
+    t_train = 1.0 if abs(math.log(t_train)) < SAME_TEMPERATURE else t_train
+    t_other, err_other = fit_temperature(R, b)
+    t_other = 1.0 if abs(math.log(t_other)) < SAME_TEMPERATURE else t_other
+    plain = _mean_abs(b, R.tempered(t_train))  # the other path under the trainer's temperature
+    finding: dict[str, Any] = {"kind": "sampling_semantics", "positions": len(R), "temperature": None,
+                               "truncation": None}  # fmt: skip
+    if abs(math.log(t_other / t_train)) >= SAME_TEMPERATURE and err_other <= EXPLAINS * plain:
+        finding["temperature"] = {"train": round(t_train, 3), "other": round(t_other, 3)}
+        finding["mean_abs_diff"] = {"as_is": plain, "explained": err_other}
+    cut = truncation(R, b, t_other if finding["temperature"] else t_train)
+    if cut is not None:
+        finding["truncation"] = cut
+        finding.setdefault("mean_abs_diff", {"as_is": plain, "explained": cut.pop("explained")})
+        cut.pop("explained", None)
+    return finding if finding["temperature"] or finding["truncation"] else None
+
+
+def bos_finding(
+    other: Sequence[np.ndarray],
+    masks: Sequence[Sequence[int] | None],
+    ref: Sequence[Reference],
+    toggled: Sequence[Reference],
+    added: bool,
+) -> dict[str, Any] | None:
+    """A BOS on one side only: ``other`` matches the trainer's logprobs with the BOS toggled far better.
+
+    ``ref`` / ``toggled``: the training model on the sequences as given and with
+    the BOS prepended (``added``) or removed, both from the same unpadded forward.
+    """
+    n = len(ref)
+    keep = [np.ones(len(r), bool) if m is None else np.asarray(m, bool) for r, m in zip(ref, masks[:n])]
+    b = np.concatenate([np.asarray(x, np.float64)[k] for x, k in zip(other[:n], keep)])
+    as_is = _mean_abs(b, np.concatenate([r.chosen[k] for r, k in zip(ref, keep)]))
+    explained = _mean_abs(b, np.concatenate([r.chosen[k] for r, k in zip(toggled, keep)]))
+    if as_is == 0.0 or explained > EXPLAINS * as_is:
+        return None
+    return {"kind": "tokens", "bos": "missing" if added else "extra", "positions": len(b),
+            "mean_abs_diff": {"as_is": as_is, "explained": explained}}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the training model's distribution
+
+
+def reference_logprobs(
+    model: Any, seqs: Sequence[Any], limit: int = MAX_FIT_POSITIONS, prompt: Callable[[list[int]], list[int]] = list
+) -> list[Reference] | None:
+    """The training model's fp32 ``log_softmax`` at the response positions of the first sequences, compressed.
+
+    One unpadded teacher-forced forward per sequence (its prompt passed through
+    ``prompt``: the BOS test toggles a BOS), until ``limit`` positions are
+    covered. ``model`` is a transformers causal LM (the training engine's
+    module); anything else gives None: the numbers are then tested for
+    alignment only.
+    """
+    import torch
+
+    if not callable(model) or not hasattr(model, "config"):
+        return None
+    device = next(model.parameters()).device
+    out: list[Reference] = []
+    total = 0
+    with torch.no_grad():
+        for s in seqs:
+            if total >= limit:
+                break
+            head = prompt(list(s.prompt_ids))
+            p, n = len(head), len(s.response_ids)
+            ids = torch.tensor([head + list(s.response_ids)], device=device)
+            logits = model(input_ids=ids).logits[0, p - 1 : p + n - 1].float()
+            out.append(Reference.of(torch.log_softmax(logits, dim=-1).cpu().numpy(), np.asarray(s.response_ids)))
+            total += n
+    return out
+
+
+# ----------------------------------------------------------------------------- causes
+
+_LABEL = {"sampling_temperature": "temperature", "sampling_top_k": "top-k", "sampling_top_p": "top-p"}
+
+
+def _reports(contract: dict[str, Any]) -> str:
+    """What one side's logprobs are of, from its contract."""
+    if contract.get("logprobs_mode") == "processed_logprobs":
+        return (f"processed logprobs (after temperature {contract.get('temperature'):g}, top-k "
+                f"{contract.get('sampling_top_k') or 'off'}, top-p {contract.get('sampling_top_p', 1.0):g})")  # fmt: skip
+    return "raw logprobs (log_softmax of the unscaled logits, full vocabulary)"
+
+
+def contract_cause(contracts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The ``sampling_semantics`` cause of differing sampler or scoring settings, or None."""
+    from logdiff.classify import framework_cause
+
+    differs = [k for k in (*SAMPLER_KEYS, *SCORING_KEYS) if k in ((contracts or {}).get("differs") or [])]
+    if not differs:
+        return None
+    train, infer = contracts["train"], contracts["infer"]
+    evidence = [f"the sampler draws tokens with {_LABEL[k]} = {infer[k]!r}; the trainer scores them with "
+                f"{_LABEL[k]} = {train[k]!r}" for k in differs if k in SAMPLER_KEYS]  # fmt: skip
+    evidence += [f"contract differs: {k} = {train[k]!r} (train) vs {infer[k]!r} (infer)" for k in differs if k in SCORING_KEYS]
+    evidence.append(f"logprobs reported: train {_reports(train)}; infer {_reports(infer)}")
+    if any(k in SAMPLER_KEYS for k in differs):
+        evidence.append("the behaviour policy is the distribution the tokens were drawn from: scored under another "
+                        "one, the importance ratio is wrong whatever logprobs the engine reports")  # fmt: skip
+        t = infer["sampling_temperature"]
+        cut = infer["sampling_top_k"] != train.get("sampling_top_k") or infer["sampling_top_p"] != train.get("sampling_top_p")
+        fix = (f"score with the sampler's distribution in the trainer: divide the logits by {t:g} before log_softmax"
+               + (" and apply the same top-k/top-p" if cut else "")
+               + ", and have the engine report that distribution's logprobs (vLLM logprobs_mode=processed_logprobs); "
+               "or sample with the trainer's settings")  # fmt: skip
+    else:
+        fix = (f"report the sampled distribution's logprobs on both sides: vLLM logprobs_mode=processed_logprobs, "
+               f"trainer logits divided by the sampler's temperature {infer.get('sampling_temperature', 1.0):g}")
+    return framework_cause(BOUNDARY, "log_softmax", "sampling_semantics", evidence, fix, differs)
+
+
+def _finding_lines(path: str, f: dict[str, Any]) -> tuple[list[str], str]:
+    """(evidence, fix) of one path's numeric finding."""
+    mad = f["mean_abs_diff"]
+    if f["kind"] == "token_alignment":
+        s = f["shift"]
+        held = "the next response token's" if s == 1 else "the previous response token's"
+        evidence = [f"the {path} logprobs match the trainer's shifted by {s:+d} position (mean |diff| {mad['explained']:.3g}) "
+                    f"far better than as given ({mad['as_is']:.3g}): each holds {held} logprob"]  # fmt: skip
+        drop = "is missing its first entry" if s == 1 else "has an extra leading entry (e.g. the prompt's last token)"
+        fix = (f"align the recorded logprobs with the response tokens: logprob i must be that of response token i; "
+               f"the {path} list {drop}")
+        return evidence, fix
+    if f["kind"] == "tokens":
+        missing = f["bos"] == "missing"
+        evidence = [f"the {path} logprobs match the trainer's with the BOS (id {f['bos_id']}) "
+                    f"{'prepended' if missing else 'removed'} (mean |diff| {mad['explained']:.3g}) far better than as "
+                    f"given ({mad['as_is']:.3g}): the {path} side {'saw a BOS the trainer' if missing else 'lacked the BOS the trainer'}"
+                    f"{' lacks' if missing else ' has'}"]  # fmt: skip
+        fix = ("tokenize the trainer's prompts exactly as the rollout did: "
+               + ("add the BOS (add_special_tokens / the chat template)" if missing else "drop the extra BOS"))
+        return evidence, fix
+    evidence, fixes = [], []
+    temp = f.get("temperature")
+    if temp:
+        tt, to = temp["train"], temp["other"]
+        evidence.append(f"the {path} logprobs are the training model's at temperature {to:g} (fit over {f['positions']} "
+                        f"positions: mean |diff| {mad['as_is']:.3g} at the trainer's temperature {tt:g}, "
+                        f"{mad['explained']:.3g} at {to:g})")  # fmt: skip
+        if tt == 1.0:
+            evidence.append(f"logprobs reported: train raw (T = 1); {path} processed, after temperature {to:g}")
+            fixes.append(f"divide the trainer's logits by the rollout temperature {to:g} before log_softmax (the "
+                         "distribution the tokens were drawn from; verl applies rollout.temperature in the actor)")
+        elif to == 1.0:
+            evidence.append(f"logprobs reported: train at temperature {tt:g}; {path} raw (T = 1)")
+            fixes.append(f"have the engine report processed logprobs (vLLM logprobs_mode=processed_logprobs) at the "
+                         f"sampling temperature {tt:g} the trainer scores with")
+        else:
+            fixes.append(f"use one temperature on both sides (trainer {tt:g}, {path} {to:g})")
+    cut = f.get("truncation")
+    if cut:
+        support = f"top-k = {cut['top_k']}" if cut["top_k"] else f"top-p = {cut['top_p']:g}"
+        evidence.append(f"the {path} logprobs exceed the trainer's by a per-position offset >= 0 at {cut['positions']} "
+                        f"positions (up to {cut['offset_max']:.3g} nats): processed logprobs renormalised over a "
+                        f"truncated support ({support})")  # fmt: skip
+        fixes.append(f"compare like with like: vLLM logprobs_mode=raw_logprobs against an untruncated trainer, or "
+                     f"apply the sampler's {support} in the trainer")
+    return evidence, "; ".join(fixes)
+
+
+def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One cause per finding kind, over the paths (pairs with the trainer) that show it."""
+    from logdiff.classify import framework_cause
+
+    out: list[dict[str, Any]] = []
+    for kind in ("sampling_semantics", "token_alignment", "tokens"):
+        paths = {p: f for p, f in findings.items() if f["kind"] == kind}
+        if not paths:
+            continue
+        evidence, fixes = [], []
+        for path, f in paths.items():
+            lines, fix = _finding_lines(path, f)
+            evidence += lines
+            fixes += [fix] if fix not in fixes else []
+        cause = framework_cause(BOUNDARY, "log_softmax", kind, evidence, "; ".join(fixes))
+        cause["paths"] = list(paths)
+        cause["sampling"] = paths
+        out.append(cause)
+    return out
+
+
+def merge(causes: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
+    """Add ``new`` to ``causes``; one already at the same boundary with the same kind takes its evidence."""
+    for c in new:
+        same = next((x for x in causes if (x["boundary"], x["kind"]) == (c["boundary"], c["kind"])), None)
+        if same is None:
+            causes.append(c)
+            continue
+        same["evidence"] += [e for e in c["evidence"] if e not in same["evidence"]]
+        same["differs"] = list(dict.fromkeys([*same.get("differs", []), *c.get("differs", [])]))
+        for key in ("paths", "sampling"):
+            if key in c:
+                same[key] = c[key]
+        if "sampling" in c:  # a fit from the numbers names the concrete setting
+            same["fix"] = c["fix"]
+
+
+def _bos_test(run: Any, other: Sequence[np.ndarray], masks: list, ref: list[Reference], cache: dict) -> dict[str, Any] | None:
+    """Rescore with the model's BOS prepended (or removed where every prompt starts with it) and compare.
+
+    The rescored references are computed once per scan (``cache``) and shared by every pair.
+    """
+    model = run.train_engine.module()
+    bos = getattr(getattr(model, "config", None), "bos_token_id", None)
+    if bos is None:
+        return None
+    added = not all(s.prompt_ids[:1] == [bos] and len(s.prompt_ids) > 1 for s in run.sequences)
+
+    def toggle(prompt: list[int]) -> list[int]:
+        return [bos, *prompt] if added else prompt[1:]
+
+    if "toggled" not in cache:
+        cache["toggled"] = reference_logprobs(model, run.sequences, prompt=toggle) or []
+    toggled = cache["toggled"]
+    f = bos_finding(other, masks, ref, toggled, added) if toggled else None
+    if f is not None:
+        f["bos_id"] = int(bos)
+    return f
+
+
+def diagnose(result: dict[str, Any], run: Any, infer: Any) -> None:
+    """Add the sampling causes of a scan to ``result["causes"]`` and update its verdict.
+
+    ``run`` is the scan's ``PathRun``, ``infer`` the primary pair's inference
+    engine (its contract; the preflight's, when ``result["contracts"]`` holds one).
+    """
+    from logdiff import classify
+    from logdiff.preflight import preflight
+
+    contracts = result.get("contracts") or preflight(run.train_engine, infer, weights=False)
+    masks = [s.response_mask for s in run.sequences]
+    findings: dict[str, dict[str, Any]] = {}
+    ref: list[Reference] | None = None
+    bos_cache: dict[str, Any] = {}
+    for scores, pair in zip(run.infers, result["pairs"]):
+        if pair["metrics"]["bitwise_equal_fraction"] == 1.0:
+            continue
+        f = analyse_pair(run.train.logprobs, scores.logprobs, masks)
+        if f is None:
+            if ref is None:
+                try:
+                    ref = reference_logprobs(run.train_engine.module(), run.sequences) or []
+                except Exception as e:  # noqa: BLE001 - the alignment test and the contract still stand
+                    result["warnings"].append(f"sampling fit skipped ({type(e).__name__}: {e})")
+                    ref = []
+            f = analyse_pair(run.train.logprobs, scores.logprobs, masks, ref)
+        if f is None and ref:
+            f = _bos_test(run, scores.logprobs, masks, ref, bos_cache)
+        if f is not None:
+            findings[scores.path] = f
+    new = [c for c in [contract_cause(contracts)] if c is not None] + numeric_causes(findings)
+    if new:
+        merge(result["causes"], new)
+        result["verdict"] = classify.verdict(result["causes"], consistent=False)
