@@ -171,7 +171,7 @@ def classify_layer(
         evidence += [f"router setting differs: {k} = {contracts['train'][k]!r} (train) vs "
                      f"{contracts['infer'][k]!r} (infer)" for k in keys]  # fmt: skip
         evidence += [f"router weight differs: {w}" for w in weights]
-        return "framework_difference", "moe_routing" if keys else "weights", evidence
+        return "framework_difference", "weights" if weights else "moe_routing", evidence  # the layer's own first
     local = next((c for c in causes if c["boundary"] == boundary and c["class"] == "framework_difference"), None)
     if local is not None:
         return "framework_difference", local["kind"], [seen, f"the router op itself differs: {local['kind']}"]

@@ -11,6 +11,8 @@ occurred, the test is skipped with the reason.
 from __future__ import annotations
 
 import contextlib
+import io
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,13 +20,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 
 import logdiff
 from logdiff import routing
 from logdiff.engines import base
 from logdiff.probes import checkpoint
 from logdiff.probes.routing import RouterLogits
+from logdiff.reports.html import render_html
 from logdiff.reports.schema import validate_result
+from logdiff.reports.terminal import print_summary
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 RULE = routing.Rule(top_k=2, renormalize=True)
@@ -111,65 +116,88 @@ def test_identical_paths_flip_nothing(qwen3_moe: Path) -> None:
     assert validate_result(r) == []
 
 
-def test_one_sided_norm_topk_prob_is_a_framework_difference(qwen3_moe: Path) -> None:
-    r = logdiff.scan(qwen3_moe, infer=["hf"], infer_set={"norm_topk_prob": False}, **SMALL)
+def test_planted_router_differences_are_framework_differences_at_their_layers(qwen3_moe: Path, tmp_path: Path) -> None:
+    """A one-sided ``norm_topk_prob`` (every router) and a stale router weight in layer 1, at once."""
+    stale = stale_router(qwen3_moe, tmp_path, 1)
+    r = logdiff.scan(qwen3_moe, infer=["hf"], infer_set={"norm_topk_prob": False}, infer_ckpt=stale, **SMALL)
     moe = r["moe"]
     assert moe["rules"]["infer"]["renormalize"] is False and moe["rules"]["train"]["renormalize"] is True
-    assert moe["class"] == "framework_difference" and moe["kinds"] == ["moe_routing"]
-    assert [x["layer"] for x in moe["layers"] if x["kind"] == "moe_routing"] == [0, 1, 2, 3]
-    # the renormalisation changes weights, never which experts win in the first router
-    assert moe["layers"][0]["flips"] == 0 and moe["layers"][0]["weight_max_abs_diff"] > 0
-
-
-def test_stale_router_weight_is_found_at_its_layer_and_replayed(qwen3_moe: Path, tmp_path: Path) -> None:
-    r = logdiff.scan(qwen3_moe, infer=["hf"], infer_ckpt=stale_router(qwen3_moe, tmp_path, 1), **SMALL)
-    layers = {x["layer"]: x for x in r["moe"]["layers"]}
-    assert layers[0]["flips"] == 0 and layers[0]["class"] is None  # upstream of the fault: untouched
-    assert layers[1]["flips"] > 0
-    assert (layers[1]["class"], layers[1]["kind"]) == ("framework_difference", "weights")
-    replay = r["moe"]["replay"]
+    layers = {x["layer"]: x for x in moe["layers"]}
+    assert [(n, x["class"], x["kind"]) for n, x in layers.items()] == [
+        (0, "framework_difference", "moe_routing"), (1, "framework_difference", "weights"),
+        (2, "framework_difference", "moe_routing"), (3, "framework_difference", "moe_routing")]  # fmt: skip
+    assert [n for n, x in layers.items() if any("router weight differs" in e for e in x["evidence"])] == [1]
+    # the renormalisation changes the weights, never which experts win; the stale router changes them all
+    assert layers[0]["flips"] == 0 and layers[0]["weight_max_abs_diff"] > 0
+    assert layers[1]["flips"] == layers[1]["tokens"] > 0
+    replay = moe["replay"]
     assert replay["forced_tokens"] > 0
     assert replay["after"]["abs_diff_mean"] < replay["before"]["abs_diff_mean"]
     assert validate_result(r) == []
+    # the reports: one table row per router with its cause, the replay line, one terminal line
+    html = render_html(r)
+    row = re.search(r'<tr><td class="mono">model\.layers\.1\.mlp\.gate</td>(.*?)</tr>', html)
+    assert row and "framework_difference / weights" in row.group(1)
+    assert 'id="moe-replay"' in html
+    console = Console(record=True, no_color=True, width=400, file=io.StringIO())
+    print_summary(r, console)
+    line = next(x for x in console.export_text().splitlines() if x.startswith("moe routing: "))
+    assert "framework_difference (moe_routing, weights)" in line and "routing replay" in line
 
 
 @contextlib.contextmanager
-def one_ulp_router_noise(router: Any, renormalize: bool) -> Iterator[None]:
-    """Plant rounding noise in a router: its bf16 logits moved by one ulp up or down (a fixed pattern).
+def rounding_against_the_tie(router: Any, renormalize: bool) -> Iterator[None]:
+    """Plant rounding noise in a router's output: per token, the k-th logit one ulp down, the (k+1)-th one up.
 
-    The same function with a different last bit: operator path by construction.
+    Every logit moves by at most one unit in the last place, against the tie, and the
+    expert choice is recomputed from the moved logits: the same function with other
+    last bits, operator path by construction. Only tokens at most two ulps from a tie flip.
     """
-    orig = router.forward
 
-    def forward(hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, weights, _ = orig(hidden_states)
-        up = torch.arange(logits.numel()).reshape(logits.shape) % 3 == 0
-        noisy = torch.where(up, torch.nextafter(logits, logits + 1), torch.nextafter(logits, logits - 1))
-        probs = torch.softmax(noisy, dtype=torch.float, dim=-1)
+    def hook(_module: Any, _args: Any, out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        logits, weights, _ = out
+        order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+        kth, nxt = order[:, router.top_k - 1 : router.top_k], order[:, router.top_k : router.top_k + 1]
+        moved = logits.clone()
+        moved.scatter_(1, kth, torch.nextafter(logits.gather(1, kth), torch.full_like(kth, -1e4, dtype=logits.dtype)))
+        moved.scatter_(1, nxt, torch.nextafter(logits.gather(1, nxt), torch.full_like(nxt, 1e4, dtype=logits.dtype)))
+        probs = torch.softmax(moved, dtype=torch.float, dim=-1)
         top, ids = torch.topk(probs, router.top_k, dim=-1)
         if renormalize:
             top = top / top.sum(-1, keepdim=True)
-        return noisy, top.to(weights.dtype), ids
+        return moved, top.to(weights.dtype), ids
 
-    router.forward = forward
+    handle = router.register_forward_hook(hook)
     try:
         yield
     finally:
-        del router.forward
+        handle.remove()
 
 
 def test_near_tie_flips_from_rounding_noise_are_operator_path(qwen3_moe: Path) -> None:
+    """Two HF engines that compute bitwise alike; rounding noise planted in the inference side's first router."""
+    from logdiff.config import ScanConfig
+    from logdiff.pipeline import _spec, run_paths
+    from logdiff.preflight import preflight
     from logdiff.probes.arch import adapter_of
 
-    engine = base.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3_moe).path)))  # the pooled engine
-    arch = adapter_of(engine.model)
-    with contextlib.ExitStack() as stack:
-        for layer in arch.layers(engine.model):
-            router = arch.router(layer)
-            stack.enter_context(one_ulp_router_noise(router, arch.router_renormalizes_of(router)))
-        r = logdiff.scan(qwen3_moe, infer=["hf-decode"], **{**SMALL, "num_sequences": 4, "response_len": 16})
-    flipped = [x for x in r["moe"]["layers"] if x["flips"]]
-    if not flipped:
-        pytest.skip("no router logits within one ulp of a tie among these tokens: the noise flips nothing here")
-    assert all((x["class"], x["kind"]) == ("operator_path", "near_tie_flip") for x in flipped), flipped
-    assert r["moe"]["class"] == "operator_path"
+    cfg = ScanConfig(model=qwen3_moe, infer=["hf"], infer_set={"batch_size": 4}, num_sequences=4, prompt_len=28,
+                     response_len=4, depth="modules")  # fmt: skip
+    infer = base.acquire("hf", _spec("hf", checkpoint.stage(qwen3_moe), cfg, cfg.infer_set))  # what the scan acquires
+    arch = adapter_of(infer.model)
+    router = arch.router(arch.layers(infer.model)[0])
+    with rounding_against_the_tie(router, arch.router_renormalizes_of(router)):
+        run = run_paths(cfg)
+    run.probes.close()
+    assert run.infer_engines[0] is infer and run.train_engine is not infer
+    pair = {"train": run.train.path, "infer": run.infers[0].path}
+    contracts = preflight(run.train_engine, infer)
+    config = run.train_engine.loaded_config().to_dict()
+    section, _ = routing.moe_section(run.probes.routers, pair, contracts, [], config, arch.router_renormalizes)
+    first = section["layers"][0]
+    assert first["logit_max_abs_diff"] > 0  # the plant reached the recorded logits
+    if not first["flips"]:
+        pytest.skip("no router-0 logits within two ulps of a tie among these tokens: the noise flips nothing here")
+    assert (first["class"], first["kind"]) == ("operator_path", "near_tie_flip")
+    # one ulp against the tie on each side of it swaps only experts at most two ulps apart (four across a binade)
+    assert first["margin_ulps_max"] <= 4.0, first["flipped"]
