@@ -13,8 +13,8 @@ and each split boundary reads its packed tensor, so a stale ``qkv_proj`` is
 blamed on the projection whose output it changes. Consistent mode replaces
 the fused MLP with one ``linear`` and ``silu_and_mul`` on its halves
 (``mlp_parts`` of three names: gate_up, down, activation). vLLM needs
-``pad_token_id`` inside the vocabulary (Phi3Config defaults to 32000); the
-demo builder sets it from its tokenizer.
+``pad_token_id`` inside the vocabulary (Phi3Config defaults to 32000): the
+demo config sets 0, and the demo builder its tokenizer's ids.
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ PHI3 = register(
         "Phi3ForCausalLM",
         "Phi3Config",
         {"intermediate_size": 768, "sliding_window": None, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+         # inside any vocabulary (Phi3Config's defaults are 32000); the demo builder sets its tokenizer's ids
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
          "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 1.0}},
         "Phi-3: fused qkv_proj and gate_up_proj in HF too",
     ),
