@@ -176,7 +176,7 @@ def test_grad_option_refuses_dropout(tmp_path: Path) -> None:
 
 @pytest.mark.vllm
 def test_scan_with_grad_verifies_the_training_step(qwen3: Path, stock_varies: Any) -> None:
-    """A consistent scan with the training path in train mode and a backward: bitwise equal to the rollout."""
+    """A consistent scan whose training path runs a real step (train mode, backward) equals vLLM bitwise."""
     import logdiff
 
     small = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "logprobs", "train_set": {"grad": True}}
