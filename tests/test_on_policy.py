@@ -187,3 +187,14 @@ def test_scan_with_grad_verifies_the_training_step(qwen3: Path, stock_varies: An
     stock = logdiff.scan(qwen3, infer=["vllm"], **small)
     stock_varies(stock["logprobs"]["abs_diff_max"] == 0.0, "stock HF (train mode) and stock vLLM agreed bitwise")
     assert stock["verdict"] != "consistent"
+
+
+@pytest.mark.parametrize("item,fragment", [
+    ("train.grad=1", "train.grad=1: must be true or false"),
+    ("infer.grad=true", "grad is an option of hf, not used by hf-decode"),
+])  # fmt: skip
+def test_bad_grad_option_exit_2_before_loading(tmp_path: Path, item: str, fragment: str) -> None:
+    from tests.test_bad_inputs import FAST, error, invoke
+
+    code, out = invoke("scan", tmp_path / "not-loaded", "--infer", "hf-decode", *FAST, "--set", item)
+    assert code == 2 and fragment in error(out), out
