@@ -46,6 +46,9 @@ class ScanConfig:
     #: let transformers and vLLM run Python code that ships with the model (auto_map)
     trust_remote_code: bool = False
     device: str = "auto"  # where the HF paths compute (vLLM uses its own platform's device)
+    #: score exactly these sequences (responses included) instead of loading or sampling any:
+    #: the diagnosis's rescans replay the first scan's tokens (Python API only, not a CLI option)
+    replay: tuple[Any, ...] | None = None
     #: truncated-IS / rejection bounds [1/T, T] of the rollout_is_* and rollout_rs_* metrics (verl's default 2.0)
     is_threshold: float = 2.0
 

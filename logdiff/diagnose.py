@@ -4,15 +4,18 @@ Runs after ``locate`` at ``--depth modules|ops``, on the primary pair (the
 training path against the first inference path):
 
 1. the semantic preflight of the two engines (``contracts`` in result.json);
-2. one rescan at module depth with the reference kernels on both sides: an
-   introducing op whose boundary becomes bitwise equal there differed only in
-   how it computed;
+2. one rescan with the reference kernels on both sides, at logprobs depth
+   first: bitwise-equal logprobs there mean every introducing op differed only
+   in how it computed; otherwise a rescan at module depth says which ops still
+   introduce error;
 3. ``classify.classify_op`` per introducing op, fused add+norm merged;
 4. ``attribute.attribute``: share and necessity from rescans at logprobs depth.
 
 Every rerun goes through a ``Rescanner``: the one object that knows how to scan
-the same sequences again with other settings (the pooled engines are reused,
-so each costs one pass) and that remembers each configuration's logdiff.
+the same tokens again with other settings (the pooled engines are reused and
+only the primary pair is scored, so each costs one pass of each) and that
+remembers each configuration's logdiff (the logprobs-depth reference rescan is
+also attribution's "everything fixed" when the causes span every kernel family).
 """
 
 from __future__ import annotations
@@ -48,11 +51,18 @@ class Rescanner:
 
     def logdiff(self, cfg: ScanConfig) -> float:
         """The primary pair's max |logprob difference| under ``cfg``, each configuration scanned once."""
-        key = (cfg.consistent_kernels, cfg.consistent, cfg.infer_ckpt, tuple(sorted(cfg.train_set.items())),
-               tuple(sorted(cfg.infer_set.items())))  # fmt: skip
-        if key not in self._logdiffs:
-            self._logdiffs[key] = float(self._scan(cfg)["pairs"][0]["metrics"]["abs_diff_max"])
-        return self._logdiffs[key]
+        if self._key(cfg) not in self._logdiffs:
+            self.remember(cfg, float(self._scan(cfg)["pairs"][0]["metrics"]["abs_diff_max"]))
+        return self._logdiffs[self._key(cfg)]
+
+    def remember(self, cfg: ScanConfig, logdiff: float) -> None:
+        """Record ``cfg``'s logdiff, measured elsewhere (the scan being diagnosed)."""
+        self._logdiffs[self._key(cfg)] = logdiff
+
+    @staticmethod
+    def _key(cfg: ScanConfig) -> tuple:
+        return (cfg.consistent_kernels, cfg.consistent, cfg.infer_ckpt, tuple(sorted(cfg.train_set.items())),
+                tuple(sorted(cfg.infer_set.items())))  # fmt: skip
 
 
 def _reference_rerun(cfg: ScanConfig, rescanner: Rescanner, warnings: list[str]) -> Callable[[str], bool | None] | None:
@@ -63,8 +73,11 @@ def _reference_rerun(cfg: ScanConfig, rescanner: Rescanner, warnings: list[str])
     itself still *introduces* error (replay, or equal inputs), not whether
     its output is equal.
     """
+    reference = replace(cfg, consistent=True, consistent_kernels=None, drill=None)
     try:
-        ref = rescanner.rescan(replace(cfg, depth="modules", consistent=True, consistent_kernels=None, drill=None))
+        if rescanner.logdiff(replace(reference, depth="logprobs")) == 0.0:
+            return lambda boundary: True  # bitwise-equal logprobs: no op introduces error any more
+        ref = rescanner.rescan(replace(reference, depth="modules"))
     except Exception as e:  # noqa: BLE001 - a path without consistent mode still gets classified
         warnings.append(f"reference-kernel rerun unavailable ({type(e).__name__}: {e}); classified by contract and noise floor")
         return None
@@ -134,6 +147,7 @@ def diagnose(
     causes += classify.preflight_only_causes(contracts, causes, arch)
     progress("attributing the logdiff to its causes", phase="attribute")
     baseline = float(pair["metrics"]["abs_diff_max"])
+    rescanner.remember(cfg, baseline)  # "every other lever" of a single cause is this scan itself
     try:
         if cfg.attribute:
             result["attribution"] = attribute.attribute(causes, cfg, baseline, rescanner.logdiff, progress)

@@ -10,11 +10,12 @@ each engine once.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime as dt
 import platform
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from typing import Any
 
@@ -52,6 +53,8 @@ def _spec(engine: str, staged: checkpoint.StagedModel, cfg: ScanConfig, settings
 
 
 def _load_sequences(cfg: ScanConfig, staged: checkpoint.StagedModel) -> tuple[list[sequences.Sequence], str]:
+    if cfg.replay is not None:  # a rescan: the first scan's tokens, validated then
+        return [copy.deepcopy(s) for s in cfg.replay], "replay"
     if cfg.sequences is not None:
         from logdiff import dumps
 
@@ -409,7 +412,10 @@ def scan(
         from logdiff.diagnose import Rescanner, diagnose
 
         owner = run.engine_of(pairs[0]["infer"])
-        diagnose(result, cfg, run.train_engine, owner, Rescanner(lambda c: scan(c, classify=False)), progress)
+        # Rescans score the primary pair only, on this scan's tokens: a lever changes numbers, never the tokens.
+        replay = {"replay": tuple(seqs), "infer": [owner.name]}
+        rescanner = Rescanner(lambda c: scan(replace(c, **replay), classify=False))
+        diagnose(result, cfg, run.train_engine, owner, rescanner, progress)
         from logdiff.routing import diagnose_routing
 
         diagnose_routing(result, run, cfg, progress)
