@@ -7,7 +7,9 @@ the side's contract; the weights: fp32 softmax at the chosen experts,
 renormalized when that side renormalizes), so a flip means the two engines
 really sent the token to different experts.
 
-Per layer: the flip rate (tokens whose expert set differs), the logit margin
+Per layer: the flip rate (tokens whose expert set differs whichever way each
+engine breaks an exact tie at the k-th place; tokens that differ only through
+such a tie are counted apart, ``tied_tokens``), the logit margin
 at each flip (the gap between the k-th and the (k+1)-th expert, the larger of
 the two sides', in logits and in units of the logits' dtype spacing), the
 largest routing-weight difference where the sets agree, and which class the
@@ -88,6 +90,21 @@ def route(logits: np.ndarray, rule: Rule) -> tuple[np.ndarray, np.ndarray, np.nd
     return ids, weights, margin
 
 
+def _sure(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(surely in, surely out)`` of the top-k ``[N, E]``, whichever way an exact tie at the k-th place is broken."""
+    ranked = -np.sort(-logits, axis=-1)
+    if k >= logits.shape[-1]:
+        return np.ones(logits.shape, bool), np.zeros(logits.shape, bool)
+    return logits > ranked[:, k : k + 1], logits < ranked[:, k - 1 : k]
+
+
+def _certain_flip(lt: np.ndarray, li: np.ndarray, k_train: int, k_infer: int) -> np.ndarray:
+    """Tokens whose expert sets differ under every tie-break: an expert surely in on one side, surely out on the other."""
+    in_t, out_t = _sure(lt, k_train)
+    in_i, out_i = _sure(li, k_infer)
+    return ((in_t & out_i) | (in_i & out_t)).any(-1)
+
+
 def spacing(x: np.ndarray, dtype: str) -> np.ndarray:
     """The dtype's spacing (one unit in the last place) at the magnitude of ``x``."""
     eps = _EPS.get(dtype, _EPS["float32"])
@@ -104,11 +121,13 @@ def compare_layer(train: Any, infer: Any, rule_train: Rule, rule_infer: Rule) ->
     ids_i, w_i, m_i = route(li, rule_infer)
     same_k = rule_train.top_k == rule_infer.top_k
     set_t, set_i = np.sort(ids_t, -1), np.sort(ids_i, -1)
-    flipped = ~(set_t == set_i).all(-1) if same_k else np.ones(len(seq), bool)
+    differ = ~(set_t == set_i).all(-1) if same_k else np.ones(len(seq), bool)
+    # an exact tie at the k-th place is broken by each engine's own top-k: count only certain flips
+    flipped = differ & _certain_flip(lt, li, rule_train.top_k, rule_infer.top_k) if same_k else differ
     margin = np.maximum(m_t, m_i)
     kth = np.take_along_axis(lt, ids_t[:, -1:], -1)[:, 0]
     margin_ulps = margin / spacing(kth, train.dtype)
-    agree = ~flipped
+    agree = ~differ
     weight_diff = 0.0
     if same_k and agree.any():
         # compare each expert's weight: order both sides' weights by expert id
@@ -135,6 +154,7 @@ def compare_layer(train: Any, infer: Any, rule_train: Rule, rule_infer: Rule) ->
         "layer": train.layer,
         "tokens": int(len(seq)),
         "flips": n_flips,
+        "tied_tokens": int((differ & ~flipped).sum()),
         "flip_rate": n_flips / len(seq) if len(seq) else 0.0,
         "margin_max": float(fm.max()) if n_flips else None,
         "margin_ulps_max": float(margin_ulps[flipped].max()) if n_flips else None,
@@ -187,7 +207,8 @@ def classify_layer(
     return "operator_path", "near_tie_flip", [
         seen,
         f"no router setting or weight differs; every flip is at a margin of at most {stats['margin_max']:.3g} "
-        f"({stats['margin_ulps_max']:.3g} units of the logits' spacing): numeric noise broke a near-tie",
+        f"({stats['margin_ulps_max']:.3g} units of the logits' spacing): numeric differences moved the router "
+        "logits across a near-tie",
     ]
 
 

@@ -65,6 +65,14 @@ def test_one_ulp_near_tie_flip_is_operator_path() -> None:
     assert forced[0][0, 0].tolist() == [0, 2] and (forced[0][0, 1] == -1).all()
 
 
+def test_an_exact_tie_broken_another_way_is_no_flip() -> None:
+    # experts 1 and 2 tie exactly on the training side: which one it takes is its top-k's business
+    t = _logits([[1.0, 0.5, 0.5, -1.0]])
+    i = _logits([[1.0, 0.5 - 2**-8, 0.5, -1.0]])
+    layer = routing.analyze({t.boundary: t}, {t.boundary: i}, RULE, RULE)[0]["layers"][0]
+    assert (layer["flips"], layer["tied_tokens"], layer["class"]) == (0, 1, None)
+
+
 def test_differing_router_setting_is_a_framework_difference_in_every_layer() -> None:
     t0, t1 = _logits([[1.0, 0.5, 0.0, -1.0]], 0), _logits([[0.0, 1.0, 0.5, 2.0]], 1)
     contracts = {"differs": ["norm_topk_prob"], "train": {"norm_topk_prob": True}, "infer": {"norm_topk_prob": False}}
@@ -201,3 +209,20 @@ def test_near_tie_flips_from_rounding_noise_are_operator_path(qwen3_moe: Path) -
     assert (first["class"], first["kind"]) == ("operator_path", "near_tie_flip")
     # one ulp against the tie on each side of it swaps only experts at most two ulps apart (four across a binade)
     assert first["margin_ulps_max"] <= 4.0, first["flipped"]
+
+
+@pytest.mark.vllm
+def test_vllm_routers_are_recorded_and_compared_per_layer(qwen3_moe: Path) -> None:
+    """Against a real vLLM: every router's logits come out of its ``gate`` on both paths, per token."""
+    r = logdiff.scan(qwen3_moe, infer=["vllm"], **SMALL)
+    moe = r["moe"]
+    assert (moe["train"], moe["infer"]) == ("hf", "vllm")
+    assert list(moe["router_flip_rate"]) == [f"model.layers.{n}.mlp.gate" for n in range(4)]
+    seqs = r["sequences"]  # vLLM never feeds a sequence's last response token
+    compared = sum(p + n - 1 for p, n in zip(seqs["prompt_lens"], seqs["response_lens"]))
+    assert all(x["tokens"] == compared and x["logit_max_abs_diff"] < 1.0 for x in moe["layers"])
+    assert moe["rules"]["train"] == moe["rules"]["infer"] == {"top_k": 2, "renormalize": True}
+    flipped = [x for x in moe["layers"] if x["flips"]]
+    assert all(x["class"] is not None and x["flipped"] for x in flipped)
+    assert (moe["replay"] is None) == (not flipped)
+    assert validate_result(r) == []
