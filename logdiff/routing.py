@@ -1,6 +1,6 @@
 """MoE routing diagnostics: expert flips per layer, routing replay, and what caused them.
 
-For every router boundary (``model.layers.N.mlp.gate``) both paths' router
+For every router boundary (``kind == "router"`` in the correspondence) both paths' router
 logits are recorded per token (``probes/routing.py``). Each side's expert set
 is recomputed from *its own* logits with *its own* routing rule (top-k from
 the side's contract; the weights: fp32 softmax at the chosen experts,

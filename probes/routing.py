@@ -4,7 +4,7 @@ Two jobs, both engine-side (the analysis lives in ``logdiff/routing.py``):
 
 * **Recording.** ``RouterSink`` is one more sink of the ``Recorder``: it keeps
   the router boundaries' rows (``kind == "router"`` in the correspondence map,
-  vLLM's ``gate`` linear and HF's TopKRouter logits alike) in memory as fp32,
+  vLLM's router linear and HF's TopKRouter logits alike) in memory as fp32,
   addressed by (sequence, position), the way ``store.PathStore`` addresses
   everything else. Router logits are ``num_experts`` wide, so keeping them for
   every layer costs little, and they outlive the probe session's temporary
@@ -17,7 +17,8 @@ Two jobs, both engine-side (the analysis lives in ``logdiff/routing.py``):
   the HF path's own logits at the forced ids, renormalized when the router
   does). Which token a router row belongs to comes from ``align.hf_rows``
   and the engine's ``_begin_pass`` announcements, as in the recorder.
-  Tokens the other path has no ids for keep their own routing.
+  Tokens the other path has no ids for keep their own routing, and so does
+  every token when the two paths route to a different number of experts.
 """
 
 from __future__ import annotations
