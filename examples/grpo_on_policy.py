@@ -100,7 +100,7 @@ def run_one(mode: str, engine: Any, model_dir: Path, args: argparse.Namespace) -
 
     consistent = mode == "consistent"
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).train()
-    logdiff.sync_vllm_weights(engine.llm, policy.named_parameters())  # every run starts from the checkpoint
+    logdiff.sync_vllm_weights(engine.llm, policy)  # every run starts from the checkpoint
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     vocab = policy.config.vocab_size
     switch = logdiff.consistent_training(policy) if consistent else contextlib.nullcontext()
@@ -127,7 +127,7 @@ def run_one(mode: str, engine: Any, model_dir: Path, args: argparse.Namespace) -
             optimizer.zero_grad(set_to_none=True)
             changed = sum(int((p.detach() != b).sum()) for p, b in zip(policy.parameters(), before))
             if not args.no_sync:
-                logdiff.sync_vllm_weights(engine.llm, policy.named_parameters())
+                logdiff.sync_vllm_weights(engine.llm, policy)
             r = ratio.detach()
             steps.append(
                 {

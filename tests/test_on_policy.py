@@ -133,7 +133,7 @@ def test_sync_refuses_inside_consistent_mode(example_engine: Any) -> None:
     example, args, engine = example_engine
     policy = AutoModelForCausalLM.from_pretrained(args.model)
     with consistent_vllm(engine.llm), pytest.raises(RuntimeError, match="leave consistent_vllm"):
-        sync_vllm_weights(engine.llm, policy.named_parameters())
+        sync_vllm_weights(engine.llm, policy)
 
 
 def _hf_step_engine(model: Path, grad: bool) -> Any:
