@@ -222,17 +222,22 @@ def analyze(
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     """The ``moe`` section (without the replay) and the forced ids per layer for the replay."""
     layers, forced = [], {}
-    for name, t in train.items():
+    earlier = None  # tokens flipped at an earlier router
+    for name, t in sorted(train.items(), key=lambda item: item[1].layer or 0):
         i = infer.get(name)
         if i is None:
             continue
         stats, ids = compare_layer(t, i, rule_train, rule_infer)
         cls, kind, evidence = classify_layer(stats, contracts, causes or [])
+        here = (ids >= 0).all(-1)
+        if earlier is not None and cls == "operator_path" and (here & earlier).any():
+            evidence.append(f"{int((here & earlier).sum())} of these tokens flipped at an earlier router already: "
+                            "their inputs differ by a different expert mix, so their margins can be wider")  # fmt: skip
+        earlier = here if earlier is None else earlier | here
         stats.update({"class": cls, "kind": kind, "evidence": evidence})
         layers.append(stats)
         if stats["flips"]:
             forced[t.layer] = ids
-    layers.sort(key=lambda s: s["layer"])
     any_flip = flipped_tokens(forced)
     tokens = max((s["tokens"] for s in layers), default=0)
     found = [s for s in layers if s["class"] is not None]

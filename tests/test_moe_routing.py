@@ -65,6 +65,16 @@ def test_one_ulp_near_tie_flip_is_operator_path() -> None:
     assert forced[0][0, 0].tolist() == [0, 2] and (forced[0][0, 1] == -1).all()
 
 
+def test_a_flip_after_an_earlier_flip_of_the_same_token_says_so() -> None:
+    t0, t1 = _logits([[1.0, 0.5, 0.5 - 2**-8, -1.0]], 0), _logits([[1.0, 0.5, 0.25, -1.0]], 1)
+    i0, i1 = _logits([[1.0, 0.5 - 2**-8, 0.5, -1.0]], 0), _logits([[1.0, 0.25, 0.5, -1.0]], 1)
+    section = routing.analyze({t1.boundary: t1, t0.boundary: t0}, {t0.boundary: i0, t1.boundary: i1}, RULE, RULE)[0]
+    assert [x["layer"] for x in section["layers"]] == [0, 1]
+    assert [x["flips"] for x in section["layers"]] == [1, 1]
+    assert not any("earlier router" in e for e in section["layers"][0]["evidence"])
+    assert any("earlier router" in e for e in section["layers"][1]["evidence"])
+
+
 def test_an_exact_tie_broken_another_way_is_no_flip() -> None:
     # experts 1 and 2 tie exactly on the training side: which one it takes is its top-k's business
     t = _logits([[1.0, 0.5, 0.5, -1.0]])
