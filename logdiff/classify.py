@@ -236,10 +236,10 @@ def preflight_only_causes(
     covered = {d for c in causes for d in c.get("differs", [])}
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
-    from logdiff.sampling import SAMPLER_KEYS  # the sampler's settings are logdiff.sampling's causes
+    from logdiff import sampling  # sampler and scoring keys: one sampling_semantics cause (logdiff/sampling.py)
 
     for item in [*contracts.get("differs", []), *weights]:
-        if item in covered or item == "dtype" or item in SAMPLER_KEYS:
+        if item in covered or item == "dtype" or item in (*sampling.SAMPLER_KEYS, *sampling.SCORING_KEYS):
             continue
         is_weight = item in weights
         boundary, kind = arch.weight_boundary(item) if is_weight else arch.key_boundary.get(item, ("model", "module"))
@@ -254,6 +254,9 @@ def preflight_only_causes(
                         "so it did not show in these logprobs but will on other inputs")
         kind_name = _framework_kind([] if is_weight else [item], [item] if is_weight else [])
         out.append(_cause(ev, "framework_difference", kind_name, evidence, fix, [item]))
+    semantics = sampling.contract_cause(contracts)
+    if semantics is not None and not any((c["boundary"], c["kind"]) == (semantics["boundary"], semantics["kind"]) for c in causes):
+        out.append(semantics)  # else the op's own cause takes this evidence (sampling.diagnose merges it)
     return out
 
 

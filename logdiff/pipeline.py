@@ -419,7 +419,7 @@ def scan(
         from logdiff.routing import diagnose_routing
 
         diagnose_routing(result, run, cfg, progress)
-    if classify and result["non_finite"] is None:  # at every depth: contract and numbers (logdiff/sampling.py)
+    if classify and cfg.depth != "logprobs" and result["non_finite"] is None:  # contract and numbers (logdiff/sampling.py)
         from logdiff import sampling
 
         progress("checking the sampling semantics (temperature, truncation, alignment, BOS)", phase="sampling")

@@ -27,7 +27,9 @@ importance ratio, however close the kernels are. Two kinds of evidence, both
      temperature shows as two different fits (``sampling_semantics``);
    * processed logprobs over a truncated support: what the fit leaves is a
      per-position offset ``-log(kept mass) >= 0`` that one top-k or one top-p
-     reproduces (``sampling_semantics``);
+     reproduces; a temperature and a truncation together are fitted jointly
+     (``joint_temperature``), since each biases the other's fit alone
+     (``sampling_semantics``);
    * a BOS on one side only: the trainer's model rescored with its BOS toggled
      matches the path (``tokens``).
 
@@ -181,34 +183,65 @@ def alignment_errors(
     return out
 
 
-def truncation(ref: Reference, observed: np.ndarray, temperature: float) -> dict[str, Any] | None:
-    """Processed logprobs over a truncated support: a per-position offset ``-log(kept mass) >= 0``.
+#: the top-p values a truncation fit tries
+TOP_P_GRID = np.round(np.linspace(0.5, 0.995, 100), 3)
+
+
+def _truncation_fit(ref: Reference, observed: np.ndarray, temperature: float) -> tuple[float, dict[str, Any]]:
+    """(mean |observed - prediction|, {"top_k", "top_p"}) of the best top-k or top-p renormalisation at T.
 
     Renormalising over the kept tokens adds ``-log(kept mass)`` to every kept
-    token's logprob at that position. Reported only when one top-k, or one
-    top-p, reproduces the offsets at every position (leaving at most
-    ``EXPLAINS`` of the gap): an offset of the right sign alone is not enough.
+    token's logprob at that position; top-k keeps a fixed count, top-p the
+    smallest prefix whose mass reaches p (vLLM's rule).
+    """
+    rest = np.asarray(observed, np.float64) - ref.tempered(temperature)
+    counts, kept = ref.kept_mass(temperature)  # [N, M]: each top-j prefix's size and mass
+    exact = min(Reference.EXACT, counts.shape[1])  # top-k is named only where every row counts tokens one by one
+    by_k = np.mean(np.abs(-np.log(np.clip(kept[:, :exact], 1e-300, 1.0)) - rest[:, None]), axis=0)
+    j = int(np.argmin(by_k))
+    first = np.stack([np.minimum(np.searchsorted(row, TOP_P_GRID), len(row) - 1) for row in kept])  # [N, P]
+    offsets = -np.log(np.clip(np.take_along_axis(kept, first, 1), 1e-300, 1.0))
+    by_p = np.mean(np.abs(offsets - rest[:, None]), axis=0)
+    i = int(np.argmin(by_p))
+    if by_k[j] <= by_p[i]:
+        return float(by_k[j]), {"top_k": int(counts[0, j]), "top_p": None}
+    return float(by_p[i]), {"top_k": None, "top_p": float(TOP_P_GRID[i])}
+
+
+def truncation(ref: Reference, observed: np.ndarray, temperature: float, plain: float) -> dict[str, Any] | None:
+    """Processed logprobs over a truncated support at T, or None.
+
+    Reported only when one top-k or one top-p reproduces the per-position
+    offsets ``-log(kept mass) >= 0`` at every position, leaving at most
+    ``EXPLAINS`` of the ``plain`` gap and of the gap at T without a
+    truncation: an offset of the right sign alone is not enough.
     """
     rest = np.asarray(observed, np.float64) - ref.tempered(temperature)
     offset = np.maximum(rest, 0.0)
     if not (offset > MIN_OFFSET).any():
         return None
-    counts, kept = ref.kept_mass(temperature)  # [N, M]: each top-j prefix's size and mass
-    exact = min(Reference.EXACT, counts.shape[1])  # top-k is named only where every row counts tokens one by one
-    by_k = np.mean(np.abs(-np.log(np.clip(kept[:, :exact], 1e-300, 1.0)) - rest[:, None]), axis=0)
-    j = int(np.argmin(by_k))
-    by_p = {}
-    for p in np.round(np.linspace(0.5, 0.995, 100), 3):
-        first = np.argmax(kept >= p, axis=1)  # vLLM keeps the smallest prefix whose mass reaches p
-        by_p[float(p)] = _mean_abs(-np.log(kept[np.arange(len(rest)), first]), rest)
-    top_p = min(by_p, key=by_p.get)
-    gap = float(np.mean(np.abs(rest)))
-    err, setting = min((by_k[j], {"top_k": int(counts[0, j]), "top_p": None}),
-                       (by_p[top_p], {"top_k": None, "top_p": top_p}), key=lambda x: x[0])  # fmt: skip
-    if err > EXPLAINS * gap:
+    err, setting = _truncation_fit(ref, observed, temperature)
+    if err > EXPLAINS * min(plain, float(np.mean(np.abs(rest)))):  # better than this T without a truncation, too
         return None
     return {"positions": int((offset > MIN_OFFSET).sum()), "offset_max": float(offset.max()),
             "offset_mean": float(offset.mean()), "explained": err, **setting}  # fmt: skip
+
+
+def joint_temperature(ref: Reference, observed: np.ndarray) -> tuple[float, float]:
+    """(T, error) of the best temperature *with* its best truncation: both processed on one side."""
+    grid = np.linspace(math.log(0.1), math.log(10.0), 41)
+    errs = [_truncation_fit(ref, observed, math.exp(g))[0] for g in grid]
+    i = int(np.argmin(errs))
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    golden = (math.sqrt(5) - 1) / 2
+    for _ in range(20):
+        c, d = hi - golden * (hi - lo), lo + golden * (hi - lo)
+        if _truncation_fit(ref, observed, math.exp(c))[0] <= _truncation_fit(ref, observed, math.exp(d))[0]:
+            hi = d
+        else:
+            lo = c
+    best = math.exp((lo + hi) / 2)
+    return best, _truncation_fit(ref, observed, best)[0]
 
 
 def analyse_pair(
@@ -247,11 +280,17 @@ def analyse_pair(
     if abs(math.log(t_other / t_train)) >= SAME_TEMPERATURE and err_other <= EXPLAINS * plain:
         finding["temperature"] = {"train": round(t_train, 3), "other": round(t_other, 3)}
         finding["mean_abs_diff"] = {"as_is": plain, "explained": err_other}
-    cut = truncation(R, b, t_other if finding["temperature"] else t_train)
+    cut = truncation(R, b, t_other if finding["temperature"] else t_train, plain)
+    if cut is None:  # a temperature and a truncation together bias the temperature-only fit: fit both
+        t_joint, err_joint = joint_temperature(R, b)
+        t_joint = t_train if abs(math.log(t_joint / t_train)) < SAME_TEMPERATURE else t_joint
+        joint = truncation(R, b, t_joint, plain)
+        if joint is not None and (finding["temperature"] is None or err_joint <= EXPLAINS * err_other):
+            cut = joint
+            finding["temperature"] = {"train": round(t_train, 3), "other": round(t_joint, 3)} if t_joint != t_train else None
     if cut is not None:
         finding["truncation"] = cut
-        finding.setdefault("mean_abs_diff", {"as_is": plain, "explained": cut.pop("explained")})
-        cut.pop("explained", None)
+        finding["mean_abs_diff"] = {"as_is": plain, "explained": cut.pop("explained")}
     return finding if finding["temperature"] or finding["truncation"] else None
 
 
