@@ -2,10 +2,12 @@
 
 Before any numerics, compare what each engine actually runs with: the
 effective contract (eps, RoPE theta and style, attention scale, sliding
-window, tied head, MoE routing settings, temperature, logprobs mode) and a
-fingerprint of every loaded weight under its HF name. Any difference here is
-by itself enough for a ``framework_difference`` verdict: no kernel can make two
-different functions agree.
+window, tied head, MoE routing settings, temperature, logprobs mode, and the
+sampler's temperature, top-k and top-p) and a fingerprint of every loaded
+weight under its HF name. Any difference here is by itself enough for a
+``framework_difference`` verdict: no kernel can make two different functions
+agree, and a trainer scoring tokens under another distribution than the one
+they were drawn from computes a wrong ratio (``logdiff.sampling``).
 """
 
 from __future__ import annotations
