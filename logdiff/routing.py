@@ -335,8 +335,14 @@ def moe_section(
 
 
 def diagnose_routing(result: dict[str, Any], run: Any, cfg: Any, progress: Any) -> None:
-    """Fill ``result["moe"]`` for the primary pair of a probed scan of an MoE model (else leave it)."""
+    """Fill ``result["moe"]`` for the primary pair of a probed scan of an MoE model (else leave it).
+
+    Not with NaN/inf on a path (``non_finite``): router logits that are not numbers rank nothing.
+    """
     from logdiff.probes.arch import find
+
+    if result.get("non_finite"):
+        return
 
     routers = getattr(run.probes, "routers", None) or {}
     pair = result["pairs"][0]
