@@ -288,6 +288,8 @@ def analyse_pair(
         if joint is not None and (finding["temperature"] is None or err_joint <= EXPLAINS * err_other):
             cut = joint
             finding["temperature"] = {"train": round(t_train, 3), "other": round(t_joint, 3)} if t_joint != t_train else None
+    if cut is not None and cut["top_k"] == 1:  # over a single kept token every logprob is 0 whatever T: none to report
+        finding["temperature"] = None
     if cut is not None:
         finding["truncation"] = cut
         finding["mean_abs_diff"] = {"as_is": plain, "explained": cut.pop("explained")}

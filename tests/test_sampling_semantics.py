@@ -123,6 +123,13 @@ def test_processed_logprobs_over_top_p_name_the_p(t: float) -> None:
         assert f["temperature"]["other"] == pytest.approx(t, abs=0.02)
 
 
+def test_logprobs_of_a_single_kept_token_are_top_k_1_without_a_temperature() -> None:
+    """All zeros (e.g. a forced-token replay in processed mode): a support of one token, T unidentifiable."""
+    ref, tok = _model()
+    f = _pair(sampling.tempered(ref, tok, 1.0), np.zeros(len(tok)), ref, tok)
+    assert f["truncation"]["top_k"] == 1 and f["temperature"] is None
+
+
 def test_off_by_one_is_an_alignment() -> None:
     ref, tok = _model()
     train = sampling.tempered(ref, tok, 1.0)
