@@ -413,8 +413,8 @@ def scan(
 
         owner = run.engine_of(pairs[0]["infer"])
         # Rescans score the primary pair only, on this scan's tokens: a lever changes numbers, never the tokens.
-        replay = {"replay": tuple(seqs), "infer": [owner.name]}
-        rescanner = Rescanner(lambda c: scan(replace(c, **replay), classify=False))
+        same_tokens = {"replay": tuple(seqs), "infer": [owner.name]}
+        rescanner = Rescanner(lambda c: scan(replace(c, **same_tokens), classify=False))
         diagnose(result, cfg, run.train_engine, owner, rescanner, progress)
         from logdiff.routing import diagnose_routing
 
