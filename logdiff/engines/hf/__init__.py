@@ -111,7 +111,7 @@ class HFEngine(Engine):
 
         installer = consistent_hf(self.model, only)
         if self.spec.option("grad", False) and only is None:
-            from logdiff.training import consistent_training  # the trainer's switch: refuses active dropout
+            from logdiff.probes.consistent_training import consistent_training  # refuses active dropout
 
             installer = consistent_training(self.model)
         with unsupported_as_input_error(), installer:
@@ -234,7 +234,7 @@ class HFForward(HFEngine):
             with torch.no_grad():
                 yield False
             return
-        from logdiff.training import active_dropout
+        from logdiff.probes.consistent_training import active_dropout
 
         dropout = active_dropout(self.model)
         if dropout:
