@@ -412,8 +412,9 @@ def scan(
         from logdiff.diagnose import Rescanner, diagnose
 
         owner = run.engine_of(pairs[0]["infer"])
-        # Rescans score the primary pair only, on this scan's tokens: a lever changes numbers, never the tokens.
-        same_tokens = {"replay": tuple(seqs), "infer": [owner.name]}
+        # Rescans score the primary pair only, on this scan's tokens where the engine can replay them as it
+        # sampled them (a lever changes numbers, never the tokens); else they sample again with the same seed.
+        same_tokens = {"infer": [owner.name], "replay": tuple(seqs) if owner.replays_as_sampled else None}
         rescanner = Rescanner(lambda c: scan(replace(c, **same_tokens), classify=False))
         diagnose(result, cfg, run.train_engine, owner, rescanner, progress)
         from logdiff.routing import diagnose_routing

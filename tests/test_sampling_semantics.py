@@ -313,3 +313,21 @@ def test_vllm_rollout_at_temperature_is_sampling_semantics(qwen3: Path, tmp_path
         else:
             assert c["sampling"]["rollout"]["temperature"]["other"] == pytest.approx(0.7, abs=0.01)
         assert replay["verdict"] == "framework_difference" and any(g["kind"] == kind for g in replay["cause_groups"])
+
+
+@pytest.mark.vllm
+def test_vllm_refuses_to_replay_given_tokens_in_processed_mode(qwen3: Path, tmp_path: Path) -> None:
+    """vLLM computes processed logprobs after the processor that forces replayed tokens: refused, not 0s."""
+    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.probes import checkpoint
+    from logdiff.sequences import Sequence
+
+    seqs = [Sequence([5, 6, 7, 8], [9, 10, 11])]
+    spec = EngineSpec(str(checkpoint.stage(qwen3).path), options=(("logprobs_mode", "processed_logprobs"),
+                                                                    ("temperature", 0.7)))  # fmt: skip
+    engine = acquire("vllm", spec)
+    assert not engine.replays_as_sampled
+    with pytest.raises(InputError, match="cannot replay given tokens"):
+        engine.score(seqs)
+    raw = acquire("vllm", EngineSpec(spec.model_dir))  # the control: raw logprobs replay as sampled
+    assert raw.replays_as_sampled and all(np.all(lp < 0) for lp in raw.score(seqs)[0].logprobs)

@@ -95,6 +95,11 @@ class Engine(ABC):
     def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
         """Teacher-forced logprobs of each sequence's response tokens, per path."""
 
+    @property
+    def replays_as_sampled(self) -> bool:
+        """Whether ``score`` of given tokens reports the logprobs ``sample`` would have reported for them."""
+        return True
+
     def sample(self, prompts: list[list[int]], response_len: int, seed: int) -> Sampled:
         """Sample responses as a rollout would; only inference engines that sample implement it."""
         raise InputError(f"engine {self.name!r} cannot sample responses; use --sequences or --infer vllm")

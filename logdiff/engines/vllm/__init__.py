@@ -153,7 +153,18 @@ class VLLMEngine(Engine):
         responses = [list(o.outputs[0].token_ids) for o in outs]
         return Sampled(responses, [self._decode_scores(outs, responses)])
 
+    @property
+    def replays_as_sampled(self) -> bool:
+        """Not with processed logprobs: vLLM computes them after the processor that forces the tokens (all 0)."""
+        return str(self.spec.option("logprobs_mode", "raw_logprobs")).startswith("raw")
+
     def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
+        if not self.replays_as_sampled:
+            raise InputError(
+                "vLLM cannot replay given tokens with --set infer.logprobs_mode=processed_*: it computes processed "
+                "logprobs after the processor that forces the tokens (0 for each); replay with raw_logprobs, or let "
+                "vLLM sample the responses (no --sequences)"
+            )
         prompts = [list(s.prompt_ids) for s in seqs]
         responses = [list(s.response_ids) for s in seqs]
         forced = [
