@@ -64,6 +64,8 @@ T_MIN, T_MAX = 0.05, 20.0
 MAX_FIT_POSITIONS = 256
 #: an offset below this many nats is no truncation (float32 log_softmax of a sharp distribution)
 MIN_OFFSET = 1e-3
+#: a truncation is named only from offsets at this many positions at least (one odd token is noise)
+MIN_CUT_POSITIONS = 3
 
 
 # ----------------------------------------------------------------------------- numpy core
@@ -218,7 +220,7 @@ def truncation(ref: Reference, observed: np.ndarray, temperature: float, plain: 
     """
     rest = np.asarray(observed, np.float64) - ref.tempered(temperature)
     offset = np.maximum(rest, 0.0)
-    if not (offset > MIN_OFFSET).any():
+    if (offset > MIN_OFFSET).sum() < MIN_CUT_POSITIONS:
         return None
     err, setting = _truncation_fit(ref, observed, temperature)
     if err > EXPLAINS * min(plain, float(np.mean(np.abs(rest)))):  # better than this T without a truncation, too

@@ -331,3 +331,21 @@ def test_vllm_refuses_to_replay_given_tokens_in_processed_mode(qwen3: Path, tmp_
         engine.score(seqs)
     raw = acquire("vllm", EngineSpec(spec.model_dir))  # the control: raw logprobs replay as sampled
     assert raw.replays_as_sampled and all(np.all(lp < 0) for lp in raw.score(seqs)[0].logprobs)
+
+
+def test_one_odd_token_is_no_truncation() -> None:
+    """Negative control: one position above the trainer's logprob (kernel noise) names no top-k/top-p.
+
+    On sharp distributions some top-k's offsets are ~0 everywhere but at that one
+    position (seed 23 here), so a fit alone would name it: a cut needs several positions.
+    """
+    for seed in (21, 22, 23, 24):
+        rng = np.random.default_rng(seed)
+        logits = rng.normal(0, 8.0, (16, 512))
+        ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        tok = np.array([rng.choice(512, p=np.exp(r)) for r in ref])
+        train = sampling.tempered(ref, tok, 1.0)
+        for pos in range(16):
+            other = train.copy()
+            other[pos] += 0.0147
+            assert _pair(train, other, ref, tok) is None, (seed, pos)
