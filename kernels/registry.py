@@ -260,18 +260,23 @@ def _check_attention(gen: Any) -> tuple[bool, float, str]:
     return invariant, err, "full prefill vs chunked prefill vs one-token decode steps, GQA 4/2, fp32 and bf16"
 
 
-def _check_silu_and_mul(gen: Any) -> tuple[bool, float, str]:
+def _check_gated(gen: Any, kernel: Callable[..., Any], reference: Callable[..., Any]) -> tuple[bool, float, str]:
+    """A gated activation ``act(gate) * up``: rows at shifted tensor offsets, and the fp64 error."""
     import torch
-
-    from .activation import silu_and_mul, silu_and_mul_reference
 
     g, u = torch.randn(9, 300, generator=gen) * 4, torch.randn(9, 300, generator=gen)
     invariant = True
     for dtype in (torch.float32, torch.bfloat16):
         gd, ud = g.to(dtype), u.to(dtype)
-        invariant &= _same_rows(lambda m, gd=gd, ud=ud: silu_and_mul(gd[-m:].flip(0), ud[-m:].flip(0)), (1, 2, 5, 9))
-    err = _rel_error(silu_and_mul(g, u), silu_and_mul_reference(g.double(), u.double()))
+        invariant &= _same_rows(lambda m, gd=gd, ud=ud: kernel(gd[-m:].flip(0), ud[-m:].flip(0)), (1, 2, 5, 9))
+    err = _rel_error(kernel(g, u), reference(g.double(), u.double()))
     return invariant, err, "rows at M=1,2,5,9 (elements at shifted tensor offsets), fp32 and bf16"
+
+
+def _check_silu_and_mul(gen: Any) -> tuple[bool, float, str]:
+    from .activation import silu_and_mul, silu_and_mul_reference
+
+    return _check_gated(gen, silu_and_mul, silu_and_mul_reference)
 
 
 def _check_log_softmax(gen: Any) -> tuple[bool, float, str]:
@@ -337,17 +342,9 @@ def _check_gemma_rms_norm(gen: Any) -> tuple[bool, float, str]:
 
 
 def _check_gelu_tanh_and_mul(gen: Any) -> tuple[bool, float, str]:
-    import torch
-
     from .activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference
 
-    g, u = torch.randn(9, 300, generator=gen) * 4, torch.randn(9, 300, generator=gen)
-    invariant = True
-    for dtype in (torch.float32, torch.bfloat16):
-        gd, ud = g.to(dtype), u.to(dtype)
-        invariant &= _same_rows(lambda m, gd=gd, ud=ud: gelu_tanh_and_mul(gd[-m:].flip(0), ud[-m:].flip(0)), (1, 2, 5, 9))
-    err = _rel_error(gelu_tanh_and_mul(g, u), gelu_tanh_and_mul_reference(g.double(), u.double()))
-    return invariant, err, "rows at M=1,2,5,9 (elements at shifted tensor offsets), fp32 and bf16"
+    return _check_gated(gen, gelu_tanh_and_mul, gelu_tanh_and_mul_reference)
 
 
 def _check_softcap(gen: Any) -> tuple[bool, float, str]:
