@@ -3,18 +3,9 @@
 What is specific to an architecture (q/k norms, biases, MoE, RoPE scaling,
 its transformers config class) lives with its adapter, as a ``Demo`` entry in
 ``logdiff/probes/arch/`` (``demos()`` lists them, in registration order); this
-module adds the shape every demo shares, at a size that trains and runs on two
-CPU cores:
-
-| arch      | hidden | layers | heads / kv | head_dim | MLP                               |
-|-----------|--------|--------|------------|----------|-----------------------------------|
-| qwen3     | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768           |
-| llama     | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768           |
-| qwen3-moe | 256    | 4      | 4 / 2      | 64       | 8 experts, top-2, expert size 256 |
-| qwen2     | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768; q/k/v bias |
-| mistral   | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768; no window  |
-| llama3    | 256    | 4      | 4 / 2      | 64       | dense, intermediate 768; llama3 RoPE |
-| mixtral   | 256    | 4      | 4 / 2      | 64       | 8 experts, top-2, expert size 256   |
+module adds the shape every demo shares (hidden 256, 4 layers, 4 query / 2
+kv heads of 64), at a size that trains and runs on two CPU cores. The table of
+every demo (MLP, experts, biases, norms, parameters) is in docs/demo-model.md.
 
 Grouped-query attention (2 kv heads for 4 query heads) is kept on purpose:
 it is where engines differ in how they lay out and repeat K/V.
