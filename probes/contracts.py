@@ -186,8 +186,8 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
             for part, chunk in zip(packed[short], param.split(list(layer.output_sizes), dim=0)):
                 out[f"{prefix}.{part}.{leaf}"] = fingerprint(chunk)
             continue
-        if name in ("lm_head.weight", "model.embed_tokens.weight") and param.shape[0] > vocab_size:
-            param = param[:vocab_size]  # vLLM pads the vocabulary dimension
+        if hasattr(layer, "num_embeddings_padded") and param.shape[0] > vocab_size:
+            param = param[:vocab_size]  # vLLM pads the vocabulary dimension of its embedding and LM head
         out[name] = fingerprint(param)
     return {arch.hf_name(k): v for k, v in out.items()}
 

@@ -104,7 +104,8 @@ class CorrespondenceMap:
             if "{PREV_RES}" in template:
                 out.append(None if not layer else f"model.layers.{layer - 1}.residual_mlp")
             elif "{RES_IN}" in template:
-                out.append("model.embed_tokens" if not layer else f"model.layers.{layer - 1}.residual_mlp")
+                embed = next(b.name for b in self.boundaries if b.kind == "embed")  # the adapter's name for it
+                out.append(embed if not layer else f"model.layers.{layer - 1}.residual_mlp")
             elif "{LAST_RES}" in template:
                 out.append(f"model.layers.{self.num_layers - 1}.residual_mlp")
             elif "{name}" in template:
