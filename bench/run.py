@@ -22,7 +22,7 @@ config with random bf16 weights.
 Usage::
 
     .venv/bin/python bench/run.py --quick            # a few minutes on 2 cores
-    .venv/bin/python bench/run.py [--repeats 3] [--out bench/results/NAME.json]
+    .venv/bin/python bench/run.py [--repeats 3] [--models demo,0.5B,1.5B] [--scales 1,2,4] [--out PATH]
 """
 
 from __future__ import annotations
@@ -177,6 +177,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="demo model only, 1x and 2x tokens, no --depth ops")
     ap.add_argument("--demo", type=Path, help="demo model directory (default: a random model of its shape)")
     ap.add_argument("--repeats", type=int, help="rounds of every workload (default 1 quick, 3 full)")
+    ap.add_argument("--models", default="demo,0.5B,1.5B", help="full run: which of demo, 0.5B, 1.5B")
+    ap.add_argument("--scales", default="1,2,4", help="full run: token multiples for the scaling rows")
+    ap.add_argument("--skip-consistent", action="store_true", help="skip the consistent-vs-stock rows")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/run-ISA-DATE.json)")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
@@ -186,12 +189,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="logdiff-bench-") as t:
         tmp = Path(t)
         demo = args.demo or build_random_model(tmp / "demo")
-        plan = workloads("demo", demo, Shape(4, 32, 32), ["logprobs", "modules --no-attribute", "modules"],
-                         [1, 2] if args.quick else [1, 2, 4], tmp)  # fmt: skip
-        if not args.quick:
-            for name, shape in (("0.5B", LARGE), ("1.5B", XLARGE)):
-                path = build_random_model(tmp / name, **shape)
-                plan += workloads(name, path, Shape(4, 128, 64), list(SCANS), [1, 2, 4], tmp)
+        models = ["demo"] if args.quick else args.models.split(",")
+        scales = [1, 2] if args.quick else [int(k) for k in args.scales.split(",")]
+        plan = []
+        if "demo" in models:
+            plan += workloads("demo", demo, Shape(4, 32, 32), ["logprobs", "modules --no-attribute", "modules"], scales, tmp)
+        for name, shape in (("0.5B", LARGE), ("1.5B", XLARGE)):
+            if name in models:
+                plan += workloads(name, build_random_model(tmp / name, **shape), Shape(4, 128, 64), list(SCANS), scales, tmp)
         started = time.time()
         for round_ in range(repeats):
             for w in plan:
@@ -207,7 +212,7 @@ def main() -> None:
                 w.rss.append(rss)
                 if timings:
                     w.timings.append(timings)
-        consistent = consistent_vs_stock(demo, args.quick, 3 if args.quick else 5, tmp)
+        consistent = [] if args.skip_consistent else consistent_vs_stock(demo, args.quick, 3 if args.quick else 5, tmp)
     plain = {(w.model, w.scale): w for w in plan if w.name == "plain"}
     rows = [summarize(w, plain.get((w.model, w.scale))) for w in plan]
     info["load_avg_end"], info["bench_seconds"] = os.getloadavg(), round(time.time() - started, 1)
