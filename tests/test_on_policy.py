@@ -78,14 +78,21 @@ def test_consistent_training_handle_installs_and_undoes() -> None:
 
 
 @pytest.fixture(scope="module")
-def example_engine(qwen3: Path) -> Any:
-    """The example module, its parsed CI-size args and one vLLM engine for this module (released after)."""
+def example_setup(qwen3: Path) -> Any:
+    """The example module and its parsed CI-size args, with an engine pool for this module (released after)."""
     from logdiff.engines.base import engine_pool
 
     example = _example()
     args = example.parse_args([str(qwen3), "--steps", "2", *CI_SIZE])
     with engine_pool():
-        yield example, args, example.open_engine(args)
+        yield example, args
+
+
+@pytest.fixture
+def example_engine(example_setup: Any) -> Any:
+    """(example, args, engine): the pooled vLLM engine, loaded again if a test in between evicted it."""
+    example, args = example_setup
+    return example, args, example.open_engine(args)
 
 
 @pytest.mark.vllm
