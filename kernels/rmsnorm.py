@@ -102,10 +102,8 @@ def gemma_rms_norm_reference(
     if residual is not None:
         summed = x + residual
         return gemma_rms_norm_reference(summed, weight, eps), summed
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xw = x.to(dtype)
-    y = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + weight.to(dtype))).to(x.dtype)
+    y = _normalized_reference(x, eps)
+    return (y * (1.0 + weight.to(y.dtype))).to(x.dtype)
 
 
 def rms_norm_reference(
@@ -115,7 +113,10 @@ def rms_norm_reference(
     if residual is not None:
         summed = x + residual
         return rms_norm_reference(summed, weight, eps), summed
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xw = x.to(dtype)
-    y = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    return weight * _normalized_reference(x, eps).to(x.dtype)
+
+
+def _normalized_reference(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps)`` in fp32 (fp64 for fp64 input), as HF's norms compute it."""
+    xw = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    return xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)
