@@ -27,7 +27,6 @@ cache is keyed by a storage pointer the reload keeps.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from logdiff.probes.consistent_training import ConsistentTraining, active_dropout, consistent_training
