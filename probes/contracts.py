@@ -142,7 +142,22 @@ def _window(value: Any) -> int | None:
 
 
 def hf_fingerprints(model: Any) -> dict[str, str]:
-    return {name: fingerprint(p) for name, p in model.state_dict().items()}
+    dtype = next(model.parameters()).dtype
+    return {name: fingerprint(narrowest(p, dtype)) for name, p in model.state_dict().items()}
+
+
+def narrowest(tensor: Any, dtype: Any) -> Any:
+    """``tensor`` in the model's ``dtype`` when it is wider and holds values of that dtype exactly.
+
+    Engines keep some tensors in fp32 whatever the model dtype (vLLM's fp32 MoE gate,
+    HF's fp32 ``e_score_correction_bias``), each its own choice: the same bf16 values
+    read from the checkpoint then hash alike on both sides, while a value the model
+    dtype cannot hold keeps its width and its difference.
+    """
+    if not tensor.is_floating_point() or tensor.dtype == dtype or tensor.element_size() <= dtype.itemsize:
+        return tensor
+    narrow = tensor.detach().to(dtype)
+    return narrow if narrow.to(tensor.dtype).equal(tensor.detach()) else tensor
 
 
 def _moe_experts(model: Any) -> Any:
@@ -163,6 +178,7 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
 
     arch = adapter_of(model)
     packed, moe_params = arch.packed, arch.moe_params
+    dtype = arch.embed(model).weight.dtype  # the model dtype (vLLM keeps some tensors in fp32)
     out: dict[str, str | None] = {}
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
@@ -188,7 +204,7 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
             continue
         if hasattr(layer, "num_embeddings_padded") and param.shape[0] > vocab_size:
             param = param[:vocab_size]  # vLLM pads the vocabulary dimension of its embedding and LM head
-        out[name] = fingerprint(param)
+        out[name] = fingerprint(narrowest(param, dtype))
     return {arch.hf_name(k): v for k, v in out.items()}
 
 

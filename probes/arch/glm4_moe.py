@@ -1,0 +1,231 @@
+"""GLM-4.5 MoE (``Glm4MoeForCausalLM``): a Llama-like decoder with a shared expert and sigmoid grouped routing.
+
+What differs from Qwen3-MoE, and how the adapter covers it:
+
+* **First layers dense.** Layers below ``first_k_dense_replace`` hold a plain
+  gated MLP (``mlp.gate_proj/up_proj/down_proj``); the others an MoE block.
+* **A shared expert.** The MoE block is ``gate`` (router), ``experts``
+  (routed, 3-D fused in HF, a FusedMoE in vLLM) and ``shared_experts`` (a
+  gated MLP of ``moe_intermediate_size * n_shared_experts``, run on every
+  token). HF adds ``experts(x) + shared_experts(x)``; vLLM's fused-MoE runner
+  calls the shared expert itself and returns the sum. The shared expert gets
+  its own boundaries (``mlp.shared_experts.gate_proj/up_proj/act_mul/down_proj``,
+  vLLM's packed ``gate_up_proj`` split as in the dense MLP) and the block
+  boundary ``mlp`` reads it as an input, so a fault in it is found there and
+  the routed sum is judged on its own.
+* **Routing.** ``sigmoid`` scores of fp32 router logits (vLLM keeps the gate
+  in fp32), experts chosen on ``scores + e_score_correction_bias`` within the
+  best ``topk_group`` of ``n_group`` groups (a group scores the sum of its top
+  two), weights from the unbiased scores, renormalized (``norm_topk_prob``)
+  and scaled by ``routed_scaling_factor``. The rule's settings are contract
+  keys read from both engines' routers (``contract_extras``); the per-layer
+  bias is a weight (``mlp.gate.e_score_correction_bias``, read by the router)
+  and the routing diagnostics read it from each engine (``router_bias``).
+* **Partial rotary.** RoPE on the first ``partial_rotary_factor`` of each head
+  (default 0.5); ``rotary_dim`` is a contract key read from both engines.
+* **Optional q/k norm** (``use_qk_norm``), switched on per config.
+
+The demo: 8 routed experts of 128 in 2 groups (top-1 group, top-2 experts),
+one shared expert, layer 0 dense, partial rotary 0.5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from logdiff.probes.arch.base import Demo, register
+from logdiff.probes.arch.decoder import (
+    FUNCTION_BOUNDARIES,
+    HF_TAPS,
+    KEY_BOUNDARY,
+    VLLM_TAPS,
+    DecoderAdapter,
+    _layer_boundaries,
+)
+from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
+
+_S = r"model\.layers\.{N}\.mlp\.shared_experts"
+#: vLLM's fused-MoE runner calls the shared expert through its own wrapper: that call-stack name, or the plain one
+_S_VLLM = r"model\.layers\.{N}\.mlp(?:\.shared_experts|\.experts\._shared_experts\._layer)"
+_SB = "model.layers.{N}.mlp.shared_experts"
+
+SHARED_HF_TAPS = (
+    Tap(_S + r"\.gate_proj", "output", "tensor", (f"{_SB}.gate_proj",)),
+    Tap(_S + r"\.up_proj", "output", "tensor", (f"{_SB}.up_proj",)),
+    Tap(_S + r"\.down_proj", "input", "tensor", (f"{_SB}.act_mul",)),
+    Tap(_S + r"\.down_proj", "output", "tensor", (f"{_SB}.down_proj",)),
+)
+SHARED_VLLM_TAPS = (
+    Tap(_S_VLLM + r"\.gate_up_proj", "output", "split_half", (f"{_SB}.gate_proj", f"{_SB}.up_proj")),
+    Tap(_S_VLLM + r"\.act_fn", "output", "tensor", (f"{_SB}.act_mul",)),
+    Tap(_S_VLLM + r"\.down_proj", "output", "first", (f"{_SB}.down_proj",)),
+)
+
+#: routing-rule contract keys (besides top-k and renormalisation), read from both engines' routers
+ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
+ROTARY_KEYS = ("rotary_dim",)
+BIAS = "e_score_correction_bias"
+
+
+def _shared_boundaries(n: int, norm: str) -> list[Boundary]:
+    s = f"model.layers.{n}.mlp.shared_experts"
+    return [
+        Boundary(f"{s}.gate_proj", "linear", n, (norm,)),
+        Boundary(f"{s}.up_proj", "linear", n, (norm,)),
+        Boundary(f"{s}.act_mul", "act", n, (f"{s}.gate_proj", f"{s}.up_proj")),
+        Boundary(f"{s}.down_proj", "linear", n, (f"{s}.act_mul",)),
+    ]
+
+
+def _with_shared_expert(layer: list[Boundary], n: int) -> list[Boundary]:
+    """An MoE layer's boundaries with the shared expert before the block, which reads it."""
+    out: list[Boundary] = []
+    norm = f"model.layers.{n}.post_attention_layernorm"
+    for b in layer:
+        if b.kind == "moe":
+            shared = _shared_boundaries(n, norm)
+            out += [*shared, Boundary(b.name, b.kind, n, (*b.inputs, shared[-1].name))]
+        else:
+            out.append(b)
+    return out
+
+
+@dataclass(frozen=True)
+class Glm4MoeAdapter(DecoderAdapter):
+    """GLM-4.5 MoE: ``DecoderAdapter`` plus dense first layers, a shared expert, sigmoid grouped routing."""
+
+    first_moe_layer: int = 1  # the default first_k_dense_replace, for key_boundary (config-free)
+
+    def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
+        n_layers = int(config["num_hidden_layers"])
+        dense = int(config.get("first_k_dense_replace", 1) or 0)
+        qk_norm = bool(config.get("use_qk_norm", False))
+        boundaries = [Boundary("model.embed_tokens", "embed", None)]
+        for n in range(n_layers):
+            sparse = n >= dense
+            layer = _layer_boundaries(n, qk_norm, sparse)
+            boundaries += _with_shared_expert(layer, n) if sparse and config.get("n_shared_experts") else layer
+        last = f"model.layers.{n_layers - 1}.residual_mlp"
+        boundaries += [
+            Boundary("model.norm", "norm", None, (last,)),
+            Boundary("logits", "logits", None, ("model.norm",)),
+            Boundary("log_softmax", "log_softmax", None, ("logits",)),
+        ]
+        taps = {"hf": [*HF_TAPS, *SHARED_HF_TAPS], "vllm": list(self.vllm_taps)}
+        return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
+
+    @property
+    def vllm_taps(self) -> tuple[Tap, ...]:
+        return (*VLLM_TAPS, *SHARED_VLLM_TAPS)
+
+    # ---- classification ----------------------------------------------------------------------
+
+    def contract_keys(self, boundary: str, kind: str) -> tuple[list[str], list[str]]:
+        keys, weights = super().contract_keys(boundary, kind)
+        if kind in ("router", "moe"):
+            keys += list(ROUTING_KEYS)
+            prefix = boundary if kind == "moe" else boundary.rsplit(".", 1)[0]
+            weights.insert(1, f"{prefix}.gate.{BIAS}")
+        elif kind == "rope":
+            keys += list(ROTARY_KEYS)
+        return keys, weights
+
+    @property
+    def key_boundary(self) -> dict[str, tuple[str, str]]:
+        router = (f"model.layers.{self.first_moe_layer}.mlp.gate", "router")
+        keys = {**KEY_BOUNDARY, "num_experts_per_tok": router, "norm_topk_prob": router}
+        keys.update({k: router for k in ROUTING_KEYS})
+        keys.update({k: KEY_BOUNDARY["rope_theta"] for k in ROTARY_KEYS})
+        return keys
+
+    def weight_boundary(self, name: str) -> tuple[str, str]:
+        if name.endswith(f".gate.{BIAS}"):
+            return name[: -len(f".{BIAS}")], "router"
+        return super().weight_boundary(name)
+
+    # ---- contract readers ----------------------------------------------------------------------
+
+    def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
+        """The routing rule (read from the first MoE layer's router) and the rotary width, on either engine."""
+        layers = self.layers(model)
+        block = next((layer.mlp for layer in layers if hasattr(layer.mlp, "gate")), None)
+        rotary = getattr(self.attention(layers[0]), "rotary_emb", None)  # vLLM: per attention module
+        if rotary is None:
+            rotary = getattr(model.model, "rotary_emb", None)  # HF: one per model
+        out: dict[str, Any] = {"rotary_dim": _rotary_dim(rotary)}
+        if block is None:
+            return out | dict.fromkeys(ROUTING_KEYS)
+        if family == "hf":
+            gate = block.gate
+            return out | {
+                "scoring_func": "sigmoid",  # Glm4MoeTopkRouter: scores = router_logits.sigmoid()
+                "n_group": int(gate.num_group),
+                "topk_group": int(gate.topk_group),
+                "routed_scaling_factor": float(gate.routed_scaling_factor),
+            }
+        router = getattr(block.experts, "router", None) or block.experts
+        return out | {
+            "scoring_func": str(getattr(router, "scoring_func", None)),
+            "n_group": _int(getattr(router, "num_expert_group", None)),
+            "topk_group": _int(getattr(router, "topk_group", None)),
+            "routed_scaling_factor": float(getattr(router, "routed_scaling_factor", 1.0)),
+        }
+
+    # ---- routing (diagnostics, replay, consistent mode) ----------------------------------------
+
+    def router_bias(self, layer: Any) -> Any | None:
+        """The layer's expert-choice correction bias (HF and vLLM keep it on ``mlp.gate``), or None."""
+        return getattr(getattr(getattr(layer, "mlp", None), "gate", None), BIAS, None)
+
+    def routing_rule_of(self, router: Any) -> dict[str, Any]:
+        """The HF router's rule, as ``kernels.moe_route_grouped`` takes it."""
+        return {
+            "scoring": "sigmoid",
+            "n_group": int(router.num_group),
+            "topk_group": int(router.topk_group),
+            "scaling": float(router.routed_scaling_factor),
+        }
+
+    #: attribute of an MoE block holding its shared expert (a plain gated MLP)
+    shared_expert = "shared_experts"
+
+
+def _rotary_dim(rotary: Any) -> int | None:
+    if rotary is None:
+        return None
+    if hasattr(rotary, "rotary_dim"):  # vLLM
+        return int(rotary.rotary_dim)
+    return 2 * int(rotary.inv_freq.numel())  # HF: inv_freq has rotary_dim / 2 entries
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+GLM4_MOE = register(
+    Glm4MoeAdapter("Glm4Moe", "glm4-moe", moe=True, sliding_window_flag=None),
+    Demo(
+        "glm4-moe",
+        "Glm4MoeForCausalLM",
+        "Glm4MoeConfig",
+        {
+            "intermediate_size": 768,  # the dense first layer
+            "moe_intermediate_size": 128,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 1.0,
+            "first_k_dense_replace": 1,
+            "use_qk_norm": False,
+            "num_nextn_predict_layers": 0,
+            "output_router_logits": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+        },
+        "GLM-4.5 MoE: 8 routed experts in 2 groups + 1 shared, top-2, layer 0 dense, partial rotary",
+    ),
+)
