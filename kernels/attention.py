@@ -34,6 +34,15 @@ Design (all fp32 after an exact widening of q, k, v):
 
 Queries with no visible key (padding rows, position ``-1``) give zeros.
 
+Sliding window (Mistral, Gemma 2 and 3): with ``window = W`` a query at position
+``p`` sees keys ``p - W < j <= p`` only (``W`` keys, its own included), as in HF's
+``sliding_window_overlay`` and vLLM. The window is one more mask term, a
+function of absolute positions like the causal one, so hidden keys give the same
+exact zeros and every invariance above holds unchanged. Blocks wholly before a
+query's window still take part (as exact zeros, in the same pairwise order in
+prefill and decode); callers whose cache drops old keys place the kept ones at
+their absolute indices and may leave the dropped ones as zeros.
+
 Soft-capping (Gemma 2's ``attn_logit_softcapping``): each score becomes
 ``cap * tanh(score / cap)`` right after the scaling, with the
 position-independent :func:`fixed_order.tanh`, so the invariance above holds
@@ -71,11 +80,13 @@ def attention(
     scale: float,
     kv_len: int | None = None,
     softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One sequence: q ``[T, Hq, D]``, k/v ``[S, Hkv, D]`` (keys at positions 0..S-1) -> ``[T, Hq, D]``.
 
-    Query ``i`` sees key ``j`` iff ``j <= q_positions[i]`` (and ``j < kv_len``). ``softcap``: scores
-    become ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
+    Query ``i`` sees key ``j`` iff ``j <= q_positions[i]`` (and ``j < kv_len``, and
+    ``j > q_positions[i] - window`` with a ``window``). ``softcap``: scores become
+    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
     """
     s = k.shape[0] if kv_len is None else int(kv_len)
     kv_lens = torch.tensor([s], dtype=torch.int64, device=q.device)
@@ -87,6 +98,7 @@ def attention(
         scale,
         kv_lens,
         softcap,
+        window,
     )
     return out[0].transpose(0, 1)
 
@@ -99,11 +111,12 @@ def attention_batched(
     scale: float,
     kv_lens: torch.Tensor,
     softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Padded batch: q ``[B, T, Hq, D]``, k/v ``[B, S, Hkv, D]``, q_positions ``[B, T]`` (-1: no query),
     kv_lens ``[B]`` -> ``[B, T, Hq, D]``. Sequence ``b``'s keys are ``k[b, :kv_lens[b]]``."""
     out = attention_heads_first(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_positions, scale, kv_lens, softcap
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_positions, scale, kv_lens, softcap, window
     )
     return out.transpose(1, 2)
 
@@ -116,13 +129,16 @@ def attention_heads_first(
     scale: float,
     kv_lens: torch.Tensor,
     softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """:func:`attention_batched` in the heads-first layout of HF: q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]``
     -> ``[B, Hq, T, D]``."""
-    if softcap:
+    if window is not None and int(window) < 1:
+        raise ValueError(f"attention: window must be at least 1, got {window}")
+    if softcap or window:
         if needs_grad(q, k, v):
-            raise NotImplementedError("attention: no backward with a softcap")
-        return _attention_forward(q, k, v, q_positions, scale, kv_lens, softcap)
+            raise NotImplementedError("attention: no backward with a softcap or a sliding window")
+        return _attention_forward(q, k, v, q_positions, scale, kv_lens, softcap, window)
     if needs_grad(q, k, v):
         from .attention_backward import Attention  # the backward builds on this module
 
@@ -138,9 +154,10 @@ def _attention_forward(
     scale: float,
     kv_lens: torch.Tensor,
     softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     b, hq, t, d = q.shape
-    layout, g = _layout_of(q, k, q_positions, kv_lens)
+    layout, g = _layout_of(q, k, q_positions, kv_lens, window)
     q_tiles = _query_tiles(q, k.shape[1], layout.n_qt)
     k_blocks, v_blocks = _kv_blocks(k, v, layout.n_kb)
     acc = torch.empty(*q_tiles.shape[:-1], d + 1, dtype=torch.float32, device=q.device)
@@ -153,12 +170,14 @@ def _attention_forward(
     return out.reshape(b, hq, t, d).to(q.dtype)
 
 
-def _layout_of(q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, kv_lens: torch.Tensor) -> tuple:
+def _layout_of(
+    q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, kv_lens: torch.Tensor, window: int | None = None
+) -> tuple:
     """``(layout, G)`` for heads-first q ``[B, Hq, T, D]`` and k ``[B, Hkv, S, D]``."""
     hq, d, hkv = q.shape[1], q.shape[3], k.shape[1]
     if hq % hkv:
         raise ValueError(f"attention: {hq} query heads are not a multiple of {hkv} kv heads")
-    return _layout(q_positions, kv_lens, hq // hkv, hkv, d, q.device), hq // hkv
+    return _layout(q_positions, kv_lens, hq // hkv, hkv, d, q.device, window), hq // hkv
 
 
 def _query_tiles(x: torch.Tensor, hkv: int, n_qt: int) -> torch.Tensor:
@@ -196,7 +215,9 @@ class _Layout:
     same ``q_positions`` and ``kv_lens`` tensors (unchanged) come back.
     """
 
-    def __init__(self, q_positions: torch.Tensor, kv_lens: torch.Tensor, g: int, hkv: int, d: int) -> None:
+    def __init__(
+        self, q_positions: torch.Tensor, kv_lens: torch.Tensor, g: int, hkv: int, d: int, window: int | None = None
+    ) -> None:
         b, t = q_positions.shape
         rows = t * g
         self.n_qt = max(1, -(-rows // Q_TILE))
@@ -221,6 +242,8 @@ class _Layout:
             n_blocks = min(self.n_kb, max(0, max(tile_last[q0:q1])) // KV_BLOCK + 1)
             visible = key_pos[None, None, :n_blocks, None, :] <= row_pos[:, q0:q1, None, :, None]
             visible &= key_ok[:, None, :n_blocks, None, :]  # [B, nq, nk, Q_TILE, KV_BLOCK]
+            if window:  # the sliding window: only the last ``window`` keys up to the query's own
+                visible &= key_pos[None, None, :n_blocks, None, :] > row_pos[:, q0:q1, None, :, None] - window
             self.groups.append((q0, q1, n_blocks, ~visible.unsqueeze(1)))
 
 
@@ -232,16 +255,22 @@ def _version(t: torch.Tensor) -> int:
 
 
 def _layout(
-    q_positions: torch.Tensor, kv_lens: torch.Tensor, g: int, hkv: int, d: int, device: torch.device
+    q_positions: torch.Tensor,
+    kv_lens: torch.Tensor,
+    g: int,
+    hkv: int,
+    d: int,
+    device: torch.device,
+    window: int | None = None,
 ) -> _Layout:
-    key = (q_positions, _version(q_positions), kv_lens, _version(kv_lens), g, hkv, d, device)
+    key = (q_positions, _version(q_positions), kv_lens, _version(kv_lens), g, hkv, d, device, window)
     caches = active()
     last = caches.attention_layout if caches is not None else None
     if last is not None and len(key) == len(last[0]):
         if all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, last[0], strict=True)):
             return last[1]
     layout = _Layout(
-        q_positions.to(device=device, dtype=torch.int64), kv_lens.to(device=device, dtype=torch.int64), g, hkv, d
+        q_positions.to(device=device, dtype=torch.int64), kv_lens.to(device=device, dtype=torch.int64), g, hkv, d, window
     )
     if caches is not None:
         caches.attention_layout = (key, layout)
@@ -286,8 +315,10 @@ def attention_reference(
     scale: float,
     kv_len: int | None = None,
     softcap: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Plain masked softmax attention for one sequence, fp32 (fp64 for fp64 input), scores optionally soft-capped."""
+    """Plain masked softmax attention for one sequence, fp32 (fp64 for fp64 input), scores optionally soft-capped,
+    keys optionally limited to the last ``window`` positions."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     s = k.shape[0] if kv_len is None else int(kv_len)
     g = q.shape[1] // k.shape[1]
@@ -297,6 +328,8 @@ def attention_reference(
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     visible = torch.arange(s)[None, :] <= q_positions.long()[:, None]  # [T, S]
+    if window:
+        visible &= torch.arange(s)[None, :] > q_positions.long()[:, None] - window
     scores = scores.masked_fill(~visible[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hts,shd->thd", probs, vv)
