@@ -24,7 +24,15 @@ from .attention import KV_BLOCK, Q_TILE, attention, attention_batched, attention
 from .fixed_order import exp, halving_sum, log, pairwise_sum, tanh
 from .logsoftmax import log_softmax, log_softmax_reference, token_log_probs
 from .matmul import M_TILE, N_TILE, N_TILED_MAX, fp32_weight_cache, linear, linear_reference, weight_cache
-from .moe import moe_combine, moe_combine_reference, moe_experts, moe_route, moe_route_reference
+from .moe import (
+    moe_combine,
+    moe_combine_reference,
+    moe_experts,
+    moe_route,
+    moe_route_grouped,
+    moe_route_grouped_reference,
+    moe_route_reference,
+)
 from .registry import KERNELS, KernelInfo, SelfTestResult, consistent_kernels, self_test
 from .rmsnorm import gemma_rms_norm, gemma_rms_norm_reference, rms_norm, rms_norm_reference
 from .softcap import softcap, softcap_reference
@@ -62,6 +70,8 @@ __all__ = [
     "moe_combine_reference",
     "moe_experts",
     "moe_route",
+    "moe_route_grouped",
+    "moe_route_grouped_reference",
     "moe_route_reference",
     "pairwise_sum",
     "rms_norm",

@@ -7,6 +7,19 @@ lower expert index (a stable descending sort, not ``torch.topk``, whose tie
 order is unspecified), optionally renormalised by their sum added in rank order.
 Returns fp32 weights ``[T, k]`` and int64 expert ids ``[T, k]``.
 
+:func:`moe_route_grouped` is the routing of DeepSeek-V3 and GLM-4.5 (and,
+with ``scoring="softmax"`` and no bias, DeepSeek-V2's group-limited greedy):
+scores are ``sigmoid`` (or softmax) of the fp32 logits, position-independent
+(:func:`fixed_order.exp`); experts are *chosen* on ``scores + bias`` (the
+correction bias; none: the scores) within the ``topk_group`` best of
+``n_group`` contiguous groups, a group scored by the rank-order sum of its
+``group_top`` best choice scores (2 with a bias, as V3/GLM, else 1: the
+maximum, as V2); ties in either ranking go to the lower index. The
+*weights* are the unbiased scores at the chosen experts, renormalised by
+their rank-order sum (``+ 1e-20``, as HF) when asked, times
+``routed_scaling_factor`` (``scaling``), all in fp32. HF scales the weights,
+vLLM the routed output; consistent mode runs both through this function.
+
 :func:`moe_combine` runs the experts and adds their outputs. Each expert sees
 only the rows routed to it; the expert function must be row-invariant (built
 from :func:`linear` and :func:`silu_and_mul`, it is), so which other tokens
@@ -84,6 +97,103 @@ class _Route(torch.autograd.Function):
             d_top = (d_top - dot) / total
         d_probs = torch.zeros_like(probs).scatter_(-1, ids, d_top)
         d_logits = probs * (d_probs - halving_sum(d_probs * probs, -1).unsqueeze(-1))
+        return d_logits.to(ctx.logits_dtype).view(ctx.logits_shape), None, None
+
+
+def moe_route_grouped(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    scoring: str = "sigmoid",
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    group_top: int | None = None,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights fp32 [T, k], expert ids int64 [T, k])`` by grouped, bias-corrected top-k (module docstring).
+
+    Differentiable in the logits (the ids and the bias are constants of the backward).
+    """
+    rule = _GroupedRule(top_k, renormalize, scoring, n_group, topk_group, group_top, float(scaling))
+    rule.check(router_logits.shape[-1])
+    if needs_grad(router_logits):
+        return _GroupedRoute.apply(router_logits, bias, rule)
+    return _route_grouped(router_logits, bias, rule)[:2]
+
+
+class _GroupedRule:
+    """The settings of :func:`moe_route_grouped`, checked once."""
+
+    def __init__(self, top_k: int, renormalize: bool, scoring: str, n_group: int, topk_group: int,
+                 group_top: int | None, scaling: float) -> None:  # fmt: skip
+        self.top_k, self.renormalize, self.scoring = int(top_k), bool(renormalize), scoring
+        self.n_group, self.topk_group, self.group_top, self.scaling = int(n_group), int(topk_group), group_top, scaling
+
+    def check(self, num_experts: int) -> None:
+        if self.scoring not in ("sigmoid", "softmax"):
+            raise NotImplementedError(f"moe_route_grouped: scoring {self.scoring!r} (sigmoid or softmax)")
+        if self.n_group < 1 or num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"moe_route_grouped: {num_experts} experts in {self.n_group} groups, top {self.topk_group}")
+        if self.top_k > self.topk_group * (num_experts // self.n_group):
+            raise ValueError(f"moe_route_grouped: top_k {self.top_k} exceeds the experts of {self.topk_group} groups")
+
+
+def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Position-independent fp32 ``sigmoid`` (``1 / (1 + exp(-x))``) or softmax of ``[T, E]`` logits."""
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + exp(-logits))
+    e = exp(logits - logits.amax(-1, keepdim=True))
+    return e / halving_sum(e, -1).unsqueeze(-1)
+
+
+def _route_grouped(router_logits: torch.Tensor, bias: torch.Tensor | None, rule: _GroupedRule) -> tuple[torch.Tensor, ...]:
+    """``(weights, ids, scores [T, E], top scores before renormalisation)``."""
+    logits = router_logits.float().reshape(-1, router_logits.shape[-1])
+    t, num_experts = logits.shape
+    scores = _scores(logits, rule.scoring)
+    choice = scores if bias is None else scores + bias.float().to(scores.device)
+    if rule.n_group > 1 and rule.topk_group < rule.n_group:
+        per_group = choice.view(t, rule.n_group, num_experts // rule.n_group)
+        group_top = rule.group_top or (2 if bias is not None else 1)
+        best = torch.sort(per_group, dim=-1, descending=True, stable=True).values[..., :group_top]
+        group_scores = _rank_sum(best.unbind(-1))
+        groups = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, : rule.topk_group]
+        keep = torch.zeros(t, rule.n_group, dtype=torch.bool, device=logits.device).scatter_(1, groups, True)
+        keep = keep.unsqueeze(-1).expand_as(per_group).reshape(t, num_experts)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, : rule.top_k].contiguous()
+    top = scores.gather(1, ids)
+    weights = top / (_rank_sum(top.unbind(1)) + 1e-20).unsqueeze(-1) if rule.renormalize else top
+    return weights * rule.scaling, ids, scores, top
+
+
+class _GroupedRoute(torch.autograd.Function):
+    """Row-local backward: scaling, the renormalisation (rank-order sums), then the sigmoid or softmax."""
+
+    @staticmethod
+    def forward(ctx, router_logits, bias, rule):  # noqa: ANN001, ANN205
+        weights, ids, scores, top = _route_grouped(router_logits, bias, rule)
+        ctx.save_for_backward(ids, scores, top)
+        ctx.rule, ctx.logits_dtype, ctx.logits_shape = rule, router_logits.dtype, router_logits.shape
+        ctx.mark_non_differentiable(ids)
+        return weights, ids
+
+    @staticmethod
+    def backward(ctx, d_weights, _d_ids):  # noqa: ANN001, ANN205
+        ids, scores, top = ctx.saved_tensors
+        rule = ctx.rule
+        d_top = d_weights.float() * rule.scaling
+        if rule.renormalize:
+            total = (_rank_sum(top.unbind(1)) + 1e-20).unsqueeze(-1)
+            dot = _rank_sum((d_top * (top / total)).unbind(1)).unsqueeze(-1)
+            d_top = (d_top - dot) / total
+        d_scores = torch.zeros_like(scores).scatter_(-1, ids, d_top)
+        if rule.scoring == "sigmoid":
+            d_logits = d_scores * (scores * (1.0 - scores))
+        else:
+            d_logits = scores * (d_scores - halving_sum(d_scores * scores, -1).unsqueeze(-1))
         return d_logits.to(ctx.logits_dtype).view(ctx.logits_shape), None, None
 
 
@@ -174,6 +284,36 @@ def moe_route_reference(
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True)
     return weights, ids
+
+
+def moe_route_grouped_reference(
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    *,
+    scoring: str = "sigmoid",
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    group_top: int | None = None,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``Glm4MoeTopkRouter`` / ``DeepseekV3TopkRouter`` rule in plain torch (fp32, fp64 for fp64 input)."""
+    dtype = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    logits = router_logits.to(dtype)
+    scores = logits.sigmoid() if scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+    choice = scores if bias is None else scores + bias.to(dtype)
+    t, num_experts = choice.shape
+    per_group = choice.view(t, n_group, num_experts // n_group)
+    group_scores = per_group.topk(group_top or (2 if bias is not None else 1), dim=-1)[0].sum(-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
+    choice = choice.masked_fill(~mask.unsqueeze(-1).expand_as(per_group).reshape(t, num_experts), float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 def moe_combine_reference(
