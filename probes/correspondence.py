@@ -53,7 +53,8 @@ class Tap:
     ``tensor``, ``first`` (element 0 of a tuple), ``pair`` (both elements of a
     2-tuple), ``norm_pair`` (a tensor, or ``(normed, residual)``),
     ``split_qkv`` (q/k/v sizes from the attention module), ``split_half``,
-    ``logits_field`` (the ``logits`` of a model output).
+    ``logits_field`` (the ``logits`` of a model output), ``heads_first`` (a
+    tensor in HF's attention layout ``[B, heads, L, D]``: Gemma 3's q/k norms).
     ``names`` are format strings (``{N}``, ``{RES_IN}``: the residual stream
     entering layer N, ``{PREV_RES}``: layer N-1's ``residual_mlp`` or nothing
     for N = 0, ``{LAST_RES}``: the last layer's). ``emit=False`` keeps the

@@ -337,10 +337,11 @@ class Recorder:
                     spec = self._module_replay(bname, module, args, tap) if self.family == "hf" else None
                     # an input tap reads a value its parent computed (a residual add, act * up)
                     owner = self._stack[-2][0] if source == "input" and len(self._stack) >= 2 else name
-                    self._emit(bname, t, PLAIN, self._rmap, spec, owner)
+                    layout = HEADS_FIRST if tap.select == "heads_first" else PLAIN
+                    self._emit(bname, t, layout, self._rmap, spec, owner)
 
     def _select(self, how: str, value: Any) -> list[Any] | None:
-        if how == "tensor":
+        if how in ("tensor", "heads_first"):
             return [value] if _is_tensor(value) else None
         if how == "first":
             if _is_tensor(value):
@@ -402,7 +403,8 @@ class Recorder:
                 got = self._select(select, out)
                 return got[part] if got else out
 
-            return replay.module(module, b.inputs[0], args[0], pick)
+            layout = HEADS_FIRST if select == "heads_first" else PLAIN
+            return replay.module(module, b.inputs[0], args[0], pick, layout)
         if b.kind == "add":
             live = [self._ctx.get(n) for n in b.inputs]
             return replay.add(b.inputs, live) if all(t is not None for t in live) else None

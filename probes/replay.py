@@ -50,9 +50,14 @@ class ReplaySpec:
     method: str = "module"
 
 
-def module(mod: Any, input_name: str, template: Any, select: Callable[[Any], Any]) -> ReplaySpec:
-    """``select(mod.forward(x))`` with ``x`` rebuilt from ``input_name``."""
-    return ReplaySpec([(input_name, template, PLAIN)], lambda xs: select(mod.forward(xs[0])), method="module")
+def module(
+    mod: Any, input_name: str, template: Any, select: Callable[[Any], Any], layout: Layout = PLAIN
+) -> ReplaySpec:
+    """``select(mod.forward(x))`` with ``x`` rebuilt from ``input_name``; ``layout``: how input and output
+    hold token rows (``HEADS_FIRST`` for a per-head norm on ``[B, heads, L, D]``, Gemma 3's q/k norms)."""
+    spec = ReplaySpec([(input_name, template, layout)], lambda xs: select(mod.forward(xs[0])), method="module")
+    spec.out_layout = layout
+    return spec
 
 
 def add(names: Sequence[str], live: Sequence[Any]) -> ReplaySpec:

@@ -1,0 +1,84 @@
+"""Gemma 3 (text) against the real CPU vLLM: q/k norms, a RoPE base per layer type, a window shorter than the context.
+
+The generic properties (a real first divergence, both engines' contracts and
+weights agreeing, every cause classified; ``--consistent`` bitwise 0) are
+asserted for every new architecture in test_architectures.py; here are the
+ones only Gemma 3 has, and a planted one-sided fault per new reading (a stale
+q-norm weight, a wrong local RoPE base) so that the agreeing contracts are not
+vacuous.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import logdiff
+
+SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
+
+
+def test_adapter_places_qk_norms_between_projections_and_rope() -> None:
+    """Without vLLM: each rope reads its norm, HF's norms are read heads-first, the new keys have their ops."""
+    from logdiff.probes.arch import adapter_for
+
+    gemma3 = adapter_for("Gemma3ForCausalLM")
+    cmap = gemma3.correspondence({"num_hidden_layers": 2})
+    a = "model.layers.1.self_attn"
+    assert cmap.get(f"{a}.q_norm").inputs == (f"{a}.q_proj",)
+    assert cmap.get(f"{a}.rope_q").inputs == (f"{a}.q_norm",) and cmap.get(f"{a}.rope_k").inputs == (f"{a}.k_norm",)
+    hf = {t.pattern: t.select for t in cmap.taps["hf"]}
+    assert hf[r"model\.layers\.{N}\.self_attn\.q_norm"] == "heads_first"
+    assert hf[r"lm_head"] == "tensor"  # no final soft cap: replayable logits
+    assert "logits_field" in {t.select for t in gemma3.correspondence({"num_hidden_layers": 2, "final_logit_softcapping": 30.0}).taps["hf"]}
+    assert gemma3.contract_keys(f"{a}.q_norm", "norm") == (["qk_norm_eps"], [f"{a}.q_norm.weight"])
+    assert "rope_local_base_freq" in gemma3.contract_keys(f"{a}.rope_q", "rope")[0]
+    assert "layer_types" in gemma3.contract_keys(f"{a}.attn_core", "attn")[0]
+
+
+@pytest.mark.vllm
+def test_scan_reads_both_rope_bases_and_the_window_alike(demo_model: Callable[[str], Path]) -> None:
+    r = logdiff.scan(demo_model("gemma3"), infer=["vllm"], **SMALL)
+    train, infer = r["contracts"]["train"], r["contracts"]["infer"]
+    for key, want in (("rope_theta", 1e6), ("rope_local_base_freq", 1e4), ("sliding_window", 8)):
+        assert train[key] == infer[key] == want, key
+    assert train["layer_types"] == infer["layer_types"] == "sliding,full,sliding,full"
+    assert r["contracts"]["differs"] == [] and r["contracts"]["weights"]["differs"] == []
+    assert r["contracts"]["weights"]["verified"] == 54  # Gemma 2's 46 + q/k norms of 4 layers
+    # the q/k norms are compared on both sides (HF's heads-first tensors aligned with vLLM's)
+    compared = set(r["divergence_table"]["boundaries"])
+    assert {"model.layers.0.self_attn.q_norm", "model.layers.3.self_attn.k_norm"} <= compared
+
+
+@pytest.mark.vllm
+def test_stale_q_norm_weight_is_blamed_on_q_norm(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model = demo_model("gemma3")
+    name = "model.layers.1.self_attn.q_norm.weight"
+    sd = load_file(str(model / "model.safetensors"))
+    sd[name] = (sd[name].float() + 0.25).to(sd[name].dtype)
+    ckpt = tmp_path / "stale.safetensors"
+    save_file(sd, str(ckpt))
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=ckpt, **SMALL)
+    assert r["contracts"]["weights"]["differs"] == [name]
+    blamed = [c for c in r["causes"] if c["class"] == "framework_difference"]
+    assert [c["boundary"] for c in blamed] == ["model.layers.1.self_attn.q_norm"], blamed
+    assert blamed[0]["kind"] == "weights" and blamed[0]["differs"] == [name]
+
+
+@pytest.mark.vllm
+def test_wrong_local_rope_base_in_vllm_is_a_contract_difference(demo_model: Callable[[str], Path]) -> None:
+    """vLLM told another base for the sliding layers only: that key differs, and RoPE is blamed."""
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    }
+    r = logdiff.scan(demo_model("gemma3"), infer=["vllm"], infer_set={"rope_parameters": rope}, **SMALL)
+    assert r["contracts"]["differs"] == ["rope_local_base_freq"], r["contracts"]["differs"]
+    blamed = [c for c in r["causes"] if c["class"] == "framework_difference"]
+    assert blamed and blamed[0]["boundary"] == "model.layers.0.self_attn.rope_q", blamed
+    assert "rope_local_base_freq" in json.dumps(blamed[0])
