@@ -28,14 +28,10 @@ _RAW = {"bfloat16": ("int16", 2), "float16": ("float16", 2), "float32": ("float3
 def _runs(seq: np.ndarray, pos: np.ndarray) -> list[tuple[int, int, int, np.ndarray]]:
     """Group rows into runs of one sequence with consecutive positions: (seq, first pos, count, row ids)."""
     order = np.lexsort((pos, seq))
-    runs: list[tuple[int, int, int, np.ndarray]] = []
-    start = 0
-    for i in range(1, len(order) + 1):
-        if i == len(order) or seq[order[i]] != seq[order[i - 1]] or pos[order[i]] != pos[order[i - 1]] + 1:
-            rows = order[start:i]
-            runs.append((int(seq[rows[0]]), int(pos[rows[0]]), len(rows), rows))
-            start = i
-    return runs
+    s, p = seq[order], pos[order]
+    breaks = np.flatnonzero((s[1:] != s[:-1]) | (p[1:] != p[:-1] + 1)) + 1
+    starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(order)]))
+    return [(int(s[a]), int(p[a]), int(b - a), order[a:b]) for a, b in zip(starts, ends) if b > a]
 
 
 class RowStore:

@@ -46,26 +46,28 @@ def coarser(a: str, b: str) -> str:
 
 
 def ordered_bits(x: Any, dtype: str) -> Any:
-    """Map floats of ``dtype`` to int64 so that adjacent representable values differ by 1."""
+    """Map floats of ``dtype`` to integers so that adjacent representable values differ by 1.
+
+    Sign-magnitude bits to a signed line: ``(raw ^ (sign & magnitude_mask)) - sign``
+    with ``sign`` the arithmetic shift of the raw pattern (0 or -1), so +0 and -0
+    both map to 0. Computed in the raw width, widened only for 16-bit types
+    (int32, so that distances cannot overflow) and float64 (int64 saturates
+    nowhere that matters: its distances exceed every ulp count of interest).
+    """
     import torch
 
     int_name, bits = _INT_OF[dtype]
-    raw = x.to(getattr(torch, dtype)).contiguous().view(getattr(torch, int_name)).to(torch.int64)
-    if bits < 64:
-        raw = raw & ((1 << bits) - 1)  # the unsigned bit pattern
-        sign = raw >> (bits - 1)
-        mag = raw & ((1 << (bits - 1)) - 1)
-    else:
-        sign = (raw < 0).to(torch.int64)
-        mag = raw & 0x7FFFFFFFFFFFFFFF
-    return torch.where(sign.bool(), -mag, mag)
+    raw = x.to(getattr(torch, dtype)).contiguous().view(getattr(torch, int_name))
+    sign = raw >> (bits - 1)
+    ordered = (raw ^ (sign & ((1 << (bits - 1)) - 1))) - sign
+    return ordered.to(torch.int32 if bits == 16 else torch.int64)
 
 
 def ulp_distance(a: Any, b: Any, dtype: str) -> Any:
-    """Elementwise distance in ulps of ``dtype`` between two tensors (int64)."""
+    """Elementwise distance in ulps of ``dtype`` between two tensors (int32 for 16-bit types, else int64)."""
     if dtype not in _INT_OF:
         raise ValueError(f"no ulp distance for dtype {dtype}")
-    return (ordered_bits(a, dtype) - ordered_bits(b, dtype)).abs()
+    return (ordered_bits(a, dtype) - ordered_bits(b, dtype)).abs_()
 
 
 @dataclass
@@ -125,13 +127,18 @@ class DiffSummary:
         # differences of 16-bit floats are (all but exactly) representable in fp32; wider types use fp64
         work = torch.float32 if dt in ("bfloat16", "float16") and self._narrow(ref, other) else torch.float64
         a = ref.detach().to(work)
-        b = other.detach().to(work)
-        diff = (a - b).abs()
+        diff = (a - other.detach().to(work)).abs_()
         row_max = diff.amax(dim=1)
-        finite = bool(torch.isfinite(row_max).all())
-        if finite:
-            ref_abs = float(a.abs().amax())
+        if bool(torch.isfinite(row_max).all()):
+            lo, hi = torch.aminmax(a)
+            ref_abs = max(-float(lo), float(hi))
+            n_unequal = int(torch.count_nonzero(diff))  # for finite values the same as "bits differ" (+0 == -0)
+            if n_unequal:
+                if dt in _INT_OF:  # equal elements are 0 ulps apart: no need to pick out the unequal ones
+                    self.max_ulp = max(self.max_ulp, int(ulp_distance(ref, other, dt).amax()))
+                self.sum_abs_diff += float(diff.sum(dtype=torch.float64))
         else:  # NaN/inf somewhere: NaN on both sides counts as equal, anything else as a divergence
+            b = other.detach().to(work)
             self._count_nonfinite(a, b, seq, pos)
             both_nan = torch.isnan(a) & torch.isnan(b)
             diff = torch.where(both_nan, torch.zeros_like(diff), diff)
@@ -141,24 +148,18 @@ class DiffSummary:
             row_max = diff.amax(dim=1)
             ok = torch.isfinite(a)
             ref_abs = float(a[ok].abs().max()) if bool(ok.any()) else 0.0
-        any_diff = bool((row_max != 0).any())
-        n_unequal = 0
-        if any_diff:
-            unequal = diff != 0  # for finite values the same as "bits differ" (+0 and -0 are equal)
+            unequal = diff != 0
             n_unequal = int(unequal.sum())
-            if dt in _INT_OF:
-                ulp = ulp_distance(ref[unequal], other[unequal], dt)
-                self.max_ulp = max(self.max_ulp, int(ulp.max()))
-            self.rows_equal += int((row_max == 0).sum())
-            finite_diff = diff if finite else torch.where(torch.isinf(diff), torch.zeros_like(diff), diff)
-            self.sum_abs_diff += float(finite_diff.sum(dtype=torch.float64))
-        else:
-            self.rows_equal += diff.shape[0]
+            if n_unequal:
+                if dt in _INT_OF:
+                    self.max_ulp = max(self.max_ulp, int(ulp_distance(ref[unequal], other[unequal], dt).max()))
+                self.sum_abs_diff += float(torch.where(bad, torch.zeros_like(diff), diff).sum(dtype=torch.float64))
+        self.rows_equal += int((row_max == 0).sum())
         self.elements += diff.numel()
         self.equal_elements += diff.numel() - n_unequal
         self.rows += diff.shape[0]
         self.max_abs_ref = max(self.max_abs_ref, ref_abs)
-        row_max = row_max.to(torch.float64).numpy()
+        row_max = row_max.to(torch.float64).cpu().numpy()
         worst = int(np.argmax(row_max))
         if self.worst_position is None or row_max[worst] > self.max_abs_diff:
             self.max_abs_diff = float(row_max[worst])
@@ -263,9 +264,12 @@ class PathComparer:
     def _fold(summ: DiffSummary, stored: Any, live: Any, idx: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> None:
         """Compare in chunks of rows so the float64 temporaries stay small whatever the batch."""
         step = max(1, CHUNK_ELEMENTS // max(1, int(live.shape[1])))
+        first = int(idx[0]) if len(idx) else 0
+        contiguous = len(idx) > 0 and int(idx[-1]) - first == len(idx) - 1  # a slice, not a gather
         for a in range(0, len(idx), step):
-            b = a + step
-            summ.update(stored.read(seq[a:b], pos[a:b]), live[idx[a:b]], seq[a:b], pos[a:b])
+            b = min(a + step, len(idx))
+            rows = live[first + a : first + b] if contiguous else live[idx[a:b]]
+            summ.update(stored.read(seq[a:b], pos[a:b]), rows, seq[a:b], pos[a:b])
 
     def _replay(self, name: str, stored: Any, rmap: Any, spec: Any) -> None:
         import torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from logdiff.probes.summary import DiffSummary, coarser, ulp_distance
@@ -60,3 +61,36 @@ def test_one_sided_nan_is_a_divergence() -> None:
     s = DiffSummary(4)
     s.update(torch.tensor([[1.0]]), torch.tensor([[float("nan")]]), np.array([0]), np.array([1]))
     assert not s.equal and s.nonfinite == 1
+
+
+def _naive(ref: torch.Tensor, other: torch.Tensor, dtype: str) -> dict[str, float]:
+    """The summary's numbers, element by element in Python: the streamed version must match them exactly."""
+    a, b = ref.double().flatten().tolist(), other.double().flatten().tolist()
+    ra, rb = ref.flatten(), other.flatten()
+    ulps = [int(ulp_distance(ra[i : i + 1], rb[i : i + 1], dtype)) for i in range(len(a)) if a[i] != b[i]]
+    return {
+        "max_abs_diff": max(abs(x - y) for x, y in zip(a, b)),
+        "sum_abs_diff": sum(abs(x - y) for x, y in zip(a, b)),
+        "max_ulp": max(ulps, default=0),
+        "unequal": len(ulps),
+        "max_abs_ref": max(abs(x) for x in a),
+    }
+
+
+@pytest.mark.parametrize("dtypes", [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"),
+                                    ("bfloat16", "float32")])  # fmt: skip
+def test_streamed_numbers_match_an_elementwise_count(dtypes: tuple[str, str]) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 40, generator=gen) * torch.tensor([1e-3, 1.0, 50.0]).repeat_interleave(2)[:, None]
+    ref = x.to(getattr(torch, dtypes[0]))
+    noise = torch.randn(6, 40, generator=gen) * 1e-2 * (torch.rand(6, 40, generator=gen) < 0.4)
+    other = (x + noise).to(getattr(torch, dtypes[1]))
+    other[0, :3] = -other[0, :3]  # sign flips: distances across zero
+    ref[1, 0], other[1, 0] = 0.0, -0.0  # +0 and -0 are equal
+    s = DiffSummary(8)
+    s.update(ref, other, np.zeros(6, dtype=np.int64), np.arange(6))
+    want = _naive(ref, other, coarser(*dtypes))
+    assert s.max_abs_diff == want["max_abs_diff"] and s.max_ulp == want["max_ulp"] and s.max_ulp > 0
+    assert s.elements - s.equal_elements == want["unequal"]
+    assert s.max_abs_ref == want["max_abs_ref"]
+    assert math.isclose(s.sum_abs_diff, want["sum_abs_diff"], rel_tol=1e-6)
