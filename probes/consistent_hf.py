@@ -28,8 +28,19 @@ gated MLP (``gate/up/down_proj``)     instance ``forward``                   ``s
 ``lm_head`` with a final soft cap     instance ``forward`` (+ config's cap   ``linear`` + ``softcap``
 (Gemma 2)                             set to None while inside)
 MoE router (``*TopKRouter``)          instance ``forward`` (fp32 weights)    ``moe_route``
+MoE router with a correction bias     instance ``forward`` (fp32 logits,     ``moe_route_grouped``
+(``*TopkRouter``: GLM-4.5, DS-V3)     the adapter's ``routing_rule_of``)
 MoE experts (``*Experts``, 3-D)       instance ``forward``                   ``moe_experts``
+shared expert (a gated MLP)           as any gated MLP; the block adds it    ``silu_and_mul``
+                                      to the routed sum in the model dtype
 ====================================  =====================================  ====================
+
+Shared experts: a block whose shared expert is a plain gated MLP (the
+adapter's ``mlp_parts``) and has no gate of its own (Qwen2-MoE's
+``shared_expert_gate``) is covered: the MLP goes through the kernels like any
+other, and the block's own ``routed + shared`` is one addition of two
+model-dtype tensors, correctly rounded and order-free, so every engine that
+adds the same two tensors gets the same bits. Anything else is refused.
 
 Attention: HF hands the function the whole cache (decode) or the whole padded
 batch (prefill) and a boolean 4-D mask. Each sequence's visible keys are
@@ -49,7 +60,7 @@ Which module classes and attributes count as the norm, the gated MLP, the
 experts and the attention module is the architecture adapter's knowledge
 (``hf_norm_classes``, ``mlp_parts``, ``experts_parts``, ``is_attention``).
 Everything is checked before anything is patched: a module that no replacement
-covers (another norm, a scaled RoPE, a non-SiLU MLP, shared experts, ...)
+covers (another norm, a scaled RoPE, a non-SiLU MLP, a gated shared expert, ...)
 raises ``NotImplementedError`` naming it. Every patch goes through
 ``patching.Patches`` and is undone newest first.
 """
@@ -138,7 +149,7 @@ class _Plan:
     gated: str = "silu_and_mul"  # the gated-MLP kernel (by the adapter's activation)
     norm_offset: bool = False  # (1 + w) RMSNorm (Gemma)
     final_softcap: float | None = None  # the logits' soft cap (Gemma 2)
-    routers: list[tuple[str, Any, bool]] = field(default_factory=list)  # (name, module, renormalize)
+    routers: list[tuple[str, Any, bool, dict | None]] = field(default_factory=list)  # (name, module, renormalize, rule)
     experts: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, experts_parts)
     modeling_modules: set[str] = field(default_factory=set)
 
@@ -191,11 +202,11 @@ def _plan(model: Any) -> _Plan:
             raise NotImplementedError(f"consistent_hf: {name} is a {cls}, not an RMSNorm")
         elif cls.endswith("RotaryEmbedding"):
             plan.rotaries.append((name, module, *_rope_params(module)))
-        elif cls.endswith("TopKRouter"):
+        elif cls.lower().endswith("topkrouter"):  # TopKRouter; GLM-4.5 and DeepSeek-V3: TopkRouter
             renormalize = getattr(module, "norm_topk_prob", arch.router_renormalizes)
             if not all(hasattr(module, a) for a in ("weight", "top_k")) or renormalize is None:
                 raise NotImplementedError(f"consistent_hf: router {name} ({cls})")
-            plan.routers.append((name, module, bool(renormalize)))
+            plan.routers.append((name, module, bool(renormalize), arch.routing_rule_of(module)))
         elif cls.endswith("Experts") and hasattr(module, arch.experts_parts[0]):
             flags = (getattr(module, "is_transposed", False), getattr(module, "has_bias", False))
             if flags != (False, False) or not getattr(module, "is_concatenated", True):
@@ -210,7 +221,9 @@ def _plan(model: Any) -> _Plan:
             plan.gated = _GATED[activation]
             plan.mlps.append((name, module, arch.mlp_parts))
         elif hasattr(module, arch.shared_expert):
-            raise NotImplementedError(f"consistent_hf: {name} has a shared expert")
+            shared = getattr(module, arch.shared_expert)
+            if not all(hasattr(shared, a) for a in arch.mlp_parts) or hasattr(module, "shared_expert_gate"):
+                raise NotImplementedError(f"consistent_hf: {name} has a shared expert that is not a plain gated MLP")
         if arch.is_attention(module):
             plan.modeling_modules.add(type(module).__module__)
     if not plan.rotaries:
@@ -313,7 +326,9 @@ def _mlp_forward(module: Any, parts: tuple[str, ...], gated: str = "silu_and_mul
     return forward
 
 
-def _router_forward(module: Any, renormalize: bool) -> Callable:
+def _router_forward(module: Any, renormalize: bool, rule: dict | None = None) -> Callable:
+    """Softmax top-k routing, or with a ``rule`` the grouped, bias-corrected one on fp32 logits (as HF's
+    DeepSeek-V3 and GLM-4.5 routers compute them); the bias is read at each call (training may move it)."""
     from logdiff import kernels
 
     def forward(hidden_states: Any) -> tuple[Any, Any, Any]:
@@ -471,8 +486,8 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
         for name, module, parts in plan.mlps if want("silu_and_mul") else []:
             patches.set(module, "forward", _mlp_forward(module, parts, plan.gated))
             report.add("silu_and_mul", name)
-        for name, module, renormalize in plan.routers if want("moe") else []:
-            patches.set(module, "forward", _router_forward(module, renormalize))
+        for name, module, renormalize, rule in plan.routers if want("moe") else []:
+            patches.set(module, "forward", _router_forward(module, renormalize, rule))
             report.add("moe_route", name)
         for name, module, parts in plan.experts if want("moe") else []:
             patches.set(module, "forward", _experts_forward(module, parts))

@@ -21,8 +21,10 @@ linear layers, lm_head      ``layer.cpu_linear`` (layers/utils.py,      ``linear
 a ``soft_cap`` (Gemma 2)    kernel's cap)
 ``Attention.impl``          ``forward`` (v1/attention/backends/         ``attention``
 (CPUAttentionBackendImpl)   cpu_attn.py); the cache write is kept
-``MoERunner``               ``forward`` (fused_moe/runner/moe_runner;   ``moe_route``,
-                            gate GEMM, router and fused experts)        ``moe_experts``
+``MoERunner``               ``forward`` (fused_moe/runner/moe_runner;   ``moe_route`` or
+                            gate GEMM, router and fused experts; a      ``moe_route_grouped``,
+                            shared expert through its own patched       ``moe_experts``
+                            linears and ``SiluAndMul``, added last)
 ``model_runner.sampler``    ``compute_logprobs`` (v1/sample/sampler.py; ``log_softmax``
                             also the prompt-logprobs path)
 ==========================  ==========================================  ==================
@@ -147,6 +149,7 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
     summary = ConsistentVLLM()
     unsupported: list[str] = []
     replaced_parents: list[str] = []  # their submodules are only reached through the replacement
+    moe_runners: list[tuple[str, Any]] = []  # MoE runners, whose shared experts are planned after the walk
     for name, module in model.named_modules():
         if any(name.startswith(parent) for parent in replaced_parents):
             continue
@@ -194,6 +197,7 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
                 plan.append(("moe", module, "forward", _moe_replacement(module)))
                 summary.add("moe", name)
                 replaced_parents.append(name + ".")
+                moe_runners.append((name, module))
         elif isinstance(module, LogitsProcessor):
             if module.scale != 1.0 or module.logits_as_input:
                 unsupported.append(f"{name} (logit scale or logits as input)")
@@ -202,6 +206,8 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
                 summary.add("linear", name)
         elif isinstance(module, (CustomOp, PluggableLayer)) or next(module.parameters(recurse=False), None) is not None:
             unsupported.append(f"{name} ({type(module).__name__})")
+    for name, moe_runner in moe_runners:
+        unsupported += _plan_shared_expert(name, moe_runner, plan, summary)
     if unsupported:
         raise NotImplementedError("consistent mode has no kernel for: " + "; ".join(unsupported))
     plan.append(("log_softmax", runner.sampler, "compute_logprobs", ops.log_softmax()))
@@ -233,17 +239,52 @@ def _attention_problem(layer: Any, max_model_len: int) -> str | None:
     return None
 
 
+def _plan_shared_expert(name: str, runner: Any, plan: list, summary: ConsistentVLLM) -> list[str]:
+    """Plan the linears and ``SiluAndMul`` of ``runner``'s shared expert that the walk has not (the
+    runner's subtree is skipped; GLM registers the expert on the block too); returns what is unsupported."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    from logdiff.probes import vllm_consistent_ops as ops
+    from logdiff.probes.vllm_weights import dense_weight
+
+    shared = runner.shared_experts
+    if shared is None:
+        return []
+    planned = {id(obj) for _, obj, _, _ in plan}
+    problems = []
+    for sub, module in shared._layer.named_modules(prefix=f"{name}.shared_experts"):
+        if id(module) in planned:
+            continue
+        if isinstance(module, LinearBase) and isinstance(module.quant_method, UnquantizedLinearMethod):
+            sizes = getattr(module, "output_partition_sizes", None)
+            plan.append(("linear", module, "cpu_linear", ops.linear_gemm(dense_weight(module), sizes)))
+            summary.add("linear", sub)
+        elif type(module) is SiluAndMul:
+            plan.append(("silu_and_mul", module, "forward", ops.silu_and_mul_forward()))
+            summary.add("silu_and_mul", sub)
+        elif next(module.parameters(recurse=False), None) is not None or module is not shared._layer:
+            problems.append(f"{sub} ({type(module).__name__} in a shared expert)")
+    return problems
+
+
 def _moe_problem(runner: Any) -> str | None:
+    import torch
+
     router = runner.router
     experts = runner.routed_experts
-    if getattr(router, "scoring_func", None) != "softmax" or getattr(router, "use_grouped_topk", True):
-        return f"MoE routing {type(router).__name__} is not plain softmax top-k"
-    if router.e_score_correction_bias is not None or router.custom_routing_function is not None:
-        return "MoE routing with a correction bias or a custom function"
-    if router.routed_scaling_factor != 1.0 or runner.routed_scaling_factor != 1.0:
-        return "MoE routed scaling factor"
-    if runner.shared_experts is not None or runner.routed_input_transform or runner.routed_output_transform:
-        return "MoE shared experts or routed transforms"
+    scoring, grouped = getattr(router, "scoring_func", None), getattr(router, "use_grouped_topk", True)
+    if scoring not in ("softmax", "sigmoid") or router.custom_routing_function is not None:
+        return f"MoE routing {type(router).__name__} ({scoring}, custom function {router.custom_routing_function})"
+    if grouped and (router.num_expert_group is None or router.topk_group is None):
+        return "MoE grouped routing without its group counts"
+    scale = router.routed_scaling_factor * runner.routed_scaling_factor
+    if scale != 1.0 and runner.shared_experts is not None and runner.moe_config.in_dtype == torch.float16:
+        return "MoE routed scaling in float16 (vLLM rescales the shared output instead)"
+    if runner.shared_experts is not None and getattr(runner, "shared_expert_gate", None) is not None:
+        return "MoE shared expert with a gate"
+    if runner.routed_input_transform or runner.routed_output_transform:
+        return "MoE routed transforms"
     if runner.moe_config.has_bias or experts.expert_map is not None:
         return "MoE expert bias or expert parallelism"
     if str(getattr(experts.activation, "value", experts.activation)) != "silu":

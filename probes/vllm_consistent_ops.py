@@ -23,8 +23,10 @@ implement:
   absolute query positions, all requests of the step in one padded batch
   (soft-capped scores where the layer has ``logits_soft_cap``).
 * ``moe_forward``: ``MoERunner.forward``; router GEMM (``linear``),
-  ``moe_route``, then ``moe_experts`` (kernel linears and SiLU-and-mul per
-  expert, fixed-order ``moe_combine``) on the recovered plain expert weights.
+  ``moe_route`` (or ``moe_route_grouped``: sigmoid, groups, correction
+  bias, routed scaling), then ``moe_experts`` (kernel linears and SiLU-and-mul per
+  expert, fixed-order ``moe_combine``) on the recovered plain expert weights,
+  plus the shared expert (a gated MLP whose own layers are patched) added last.
 * ``log_softmax``: ``Sampler.compute_logprobs(logits)``.
 """
 
@@ -201,15 +203,44 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
 
 
 def moe_forward(runner: Any, gate_weight: Any, w13: Any, w2: Any) -> Callable[..., Any]:
-    """``MoERunner.forward`` replacement for plain softmax top-k routing (Qwen3-MoE, Mixtral)."""
+    """``MoERunner.forward`` replacement: the router GEMM where the runner owns it, ``moe_route`` (plain
+    softmax top-k: Qwen3-MoE, Mixtral) or ``moe_route_grouped`` (sigmoid or grouped, a correction bias,
+    the routed scaling folded into the fp32 weights: GLM-4.5, DeepSeek-V3), ``moe_experts``, and a
+    shared expert (its linears and ``SiluAndMul`` already patched) added to the routed sum last, in
+    the model dtype, as HF's block does."""
     kernels = _kernels()
     router = runner.router
     top_k, renormalize = int(router.top_k), bool(router.renormalize)
+    rule = routing_rule(runner)
+    shared = runner.shared_experts._layer if runner.shared_experts is not None else None
 
     def forward(hidden_states: Any, router_logits: Any, input_ids: Any = None, shared_experts_input: Any = None) -> Any:
         if gate_weight is not None:  # the runner owns the gate: vLLM passes the hidden states as logits
             router_logits = kernels.linear(hidden_states, gate_weight)
-        weights, ids = kernels.moe_route(router_logits, top_k, renormalize)
-        return kernels.moe_experts(hidden_states, weights, ids, w13, w2)
+        if rule is None:
+            weights, ids = kernels.moe_route(router_logits, top_k, renormalize)
+        else:
+            weights, ids = kernels.moe_route_grouped(router_logits, top_k, renormalize, **rule)
+        routed = kernels.moe_experts(hidden_states, weights, ids, w13, w2)
+        if shared is None:
+            return routed
+        return routed + shared(hidden_states if shared_experts_input is None else shared_experts_input)
 
     return forward
+
+
+def routing_rule(runner: Any) -> dict[str, Any] | None:
+    """The runner's router as ``kernels.moe_route_grouped`` keywords, or None for plain softmax top-k."""
+    router = runner.router
+    bias = router.e_score_correction_bias
+    grouped = bool(router.use_grouped_topk)
+    scale = float(router.routed_scaling_factor) * float(runner.routed_scaling_factor)
+    if router.scoring_func == "softmax" and not grouped and bias is None and scale == 1.0:
+        return None
+    return {
+        "scoring": router.scoring_func,
+        "bias": None if bias is None else bias.data,
+        "n_group": int(router.num_expert_group) if grouped else 1,
+        "topk_group": int(router.topk_group) if grouped else 1,
+        "scaling": scale,
+    }

@@ -369,6 +369,28 @@ class DecoderAdapter(ArchAdapter):
         """Whether an HF router renormalizes its top-k weights (``norm_topk_prob``, else the family's rule)."""
         return bool(getattr(router, "norm_topk_prob", self.router_renormalizes))
 
+    def router_bias(self, layer: Any) -> Any | None:
+        """A decoder layer's expert-choice correction bias, on HF's or vLLM's layer (both on the block's ``gate``)."""
+        block = getattr(layer, "mlp", None) or getattr(layer, self.moe_block, None)
+        return getattr(getattr(block, "gate", None), "e_score_correction_bias", None)
+
+    def routing_rule_of(self, router: Any) -> dict[str, Any] | None:
+        """An HF router's grouped, bias-corrected rule as ``kernels.moe_route_grouped`` keywords, or None.
+
+        None: plain softmax top-k (``kernels.moe_route``). A router holding an
+        ``e_score_correction_bias`` (DeepSeek-V3, GLM-4.5) scores with a sigmoid and
+        chooses within groups (``n_group``, or GLM's ``num_group``, and ``topk_group``);
+        its weights are scaled by ``routed_scaling_factor``.
+        """
+        if getattr(router, "e_score_correction_bias", None) is None:
+            return None
+        return {
+            "scoring": "sigmoid",
+            "n_group": int(getattr(router, "n_group", getattr(router, "num_group", 1))),
+            "topk_group": int(getattr(router, "topk_group", 1)),
+            "scaling": float(getattr(router, "routed_scaling_factor", 1.0)),
+        }
+
     def is_attention(self, module: Any) -> bool:
         """An attention module (its modeling module holds ``apply_rotary_pos_emb``)."""
         return hasattr(module, "q_proj") and hasattr(module, "o_proj")

@@ -20,7 +20,8 @@ What differs from Qwen3-MoE, and how the adapter covers it:
   and scaled by ``routed_scaling_factor``. The rule's settings are contract
   keys read from both engines' routers (``contract_extras``); the per-layer
   bias is a weight (``mlp.gate.e_score_correction_bias``, read by the router)
-  and the routing diagnostics read it from each engine (``router_bias``).
+  and the routing diagnostics read it from each engine (``router_bias``,
+  ``routing_rule_of``: ``DecoderAdapter``'s, for every router with a correction bias).
 * **Partial rotary.** RoPE on the first ``partial_rotary_factor`` of each head
   (default 0.5); ``rotary_dim`` is a contract key read from both engines.
 * **Optional q/k norm** (``use_qk_norm``), switched on per config.
@@ -165,27 +166,16 @@ class Glm4MoeAdapter(DecoderAdapter):
                 "topk_group": int(gate.topk_group),
                 "routed_scaling_factor": float(gate.routed_scaling_factor),
             }
-        router = getattr(block.experts, "router", None) or block.experts
+        runner = block.experts  # a MoERunner: its router chooses, it scales the routed output
+        router = getattr(runner, "router", None) or runner
+        scale = float(getattr(router, "routed_scaling_factor", 1.0))
+        if router is not runner:
+            scale *= float(getattr(runner, "routed_scaling_factor", 1.0))
         return out | {
             "scoring_func": str(getattr(router, "scoring_func", None)),
             "n_group": _int(getattr(router, "num_expert_group", None)),
             "topk_group": _int(getattr(router, "topk_group", None)),
-            "routed_scaling_factor": float(getattr(router, "routed_scaling_factor", 1.0)),
-        }
-
-    # ---- routing (diagnostics, replay, consistent mode) ----------------------------------------
-
-    def router_bias(self, layer: Any) -> Any | None:
-        """The layer's expert-choice correction bias (HF and vLLM keep it on ``mlp.gate``), or None."""
-        return getattr(getattr(getattr(layer, "mlp", None), "gate", None), BIAS, None)
-
-    def routing_rule_of(self, router: Any) -> dict[str, Any]:
-        """The HF router's rule, as ``kernels.moe_route_grouped`` takes it."""
-        return {
-            "scoring": "sigmoid",
-            "n_group": int(router.num_group),
-            "topk_group": int(router.topk_group),
-            "scaling": float(router.routed_scaling_factor),
+            "routed_scaling_factor": scale,
         }
 
     #: attribute of an MoE block holding its shared expert (a plain gated MLP)
