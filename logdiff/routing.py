@@ -7,6 +7,14 @@ the side's contract; the weights: fp32 softmax at the chosen experts,
 renormalized when that side renormalizes), so a flip means the two engines
 really sent the token to different experts.
 
+Sigmoid grouped routing (GLM-4.5, DeepSeek-V3: contract keys ``scoring_func``,
+``n_group``, ``topk_group``, ``routed_scaling_factor``) follows the same rule
+as ``kernels.moe_route_grouped``: experts are chosen on ``sigmoid(logits) +
+e_score_correction_bias`` (each side's own bias of the layer, read from its
+engine: ``Biases``) within the best groups, and weighted by the unbiased
+scores, renormalized, times the scaling. There the margins and near-ties are
+measured on those choice scores instead of the logits.
+
 Per layer: the flip rate (tokens whose expert set differs whichever way each
 engine breaks an exact tie at the k-th place; tokens that differ only through
 such a tie are counted apart, ``tied_tokens``), the logit margin
@@ -47,44 +55,91 @@ MAX_FLIPS_LISTED = 8
 #: at most this many layers are replayed one at a time (those with the most flips)
 MAX_LAYER_REPLAYS = 8
 #: router settings whose difference makes every router a framework difference
-ROUTER_KEYS = ("num_experts_per_tok", "norm_topk_prob")
+ROUTER_KEYS = ("num_experts_per_tok", "norm_topk_prob", "scoring_func", "n_group", "topk_group", "routed_scaling_factor")
+#: the expert-choice correction bias, a router weight beside ``{router}.weight``
+BIAS = "e_score_correction_bias"
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One side's routing rule: how many experts, and whether their weights are renormalized."""
+    """One side's routing rule: how many experts, whether their weights are renormalized, and (sigmoid
+    grouped routing) the scoring, the groups and the scaling of the weights."""
 
     top_k: int
     renormalize: bool
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
 
 
 def rule_of(contract: Mapping[str, Any] | None, config: Mapping[str, Any], family_renormalizes: bool | None) -> Rule:
     """A side's rule from its contract (what the engine runs with), else the model config."""
     contract = contract or {}
+
+    def read(key: str, default: Any) -> Any:
+        value = contract.get(key)
+        return config.get(key, default) if value is None else value
+
     k = contract.get("num_experts_per_tok") or config.get("num_experts_per_tok")
     renorm = contract.get("norm_topk_prob")
     if renorm is None:
         renorm = config.get("norm_topk_prob", family_renormalizes)
-    return Rule(int(k), bool(renorm))
+    return Rule(int(k), bool(renorm), str(read("scoring_func", "softmax")), int(read("n_group", 1) or 1),
+                int(read("topk_group", 1) or 1), float(read("routed_scaling_factor", 1.0) or 1.0))  # fmt: skip
 
 
-def route(logits: np.ndarray, rule: Rule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _grouped(rule: Rule) -> bool:
+    return rule.scoring != "softmax" or rule.n_group > 1
+
+
+def choice_scores(logits: np.ndarray, rule: Rule, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(scores [N, E], choice [N, E])``: the weights' scores and what the top-k ranks (float64).
+
+    Softmax: the probabilities, ranked by the logits themselves. Sigmoid grouped:
+    ``sigmoid(logits)``, ranked by ``scores + bias`` with experts outside the best
+    ``topk_group`` groups at ``-inf`` (a group scores the sum of its top two with a bias,
+    else its best; ties to the lower index), as ``kernels.moe_route_grouped``.
+    """
+    x = logits.astype(np.float64)
+    if rule.scoring == "sigmoid":
+        scores = 1.0 / (1.0 + np.exp(-x))
+    else:
+        scores = np.exp(x - x.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+    if not _grouped(rule) and bias is None:
+        return scores, logits
+    choice = scores if bias is None else scores + bias.astype(np.float64)
+    if 1 < rule.n_group and rule.topk_group < rule.n_group:
+        n, e = choice.shape
+        per_group = choice.reshape(n, rule.n_group, e // rule.n_group)
+        top = 2 if bias is not None else 1
+        group_scores = -np.sort(-per_group, axis=-1)[..., :top].sum(-1)
+        best = np.argsort(-group_scores, axis=-1, kind="stable")[:, : rule.topk_group]
+        keep = np.zeros((n, rule.n_group), bool)
+        np.put_along_axis(keep, best, True, -1)
+        choice = np.where(np.repeat(keep, e // rule.n_group, axis=-1), choice, -np.inf)
+    return scores, choice
+
+
+def route(logits: np.ndarray, rule: Rule, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(ids [N, k] best first, weights [N, k], margin [N])`` from router logits ``[N, E]``.
 
-    Ties go to the lower expert index (a stable sort); ``margin`` is the logit gap
-    between the k-th and the (k+1)-th expert (inf when every expert is chosen).
+    Ties go to the lower expert index (a stable sort); ``margin`` is the gap between
+    the k-th and the (k+1)-th expert in what the rule ranks (the logits, or the choice
+    scores of sigmoid grouped routing; inf when every eligible expert is chosen).
     """
-    order = np.argsort(-logits, axis=-1, kind="stable")
+    scores, choice = choice_scores(logits, rule, bias)
+    order = np.argsort(-choice, axis=-1, kind="stable")
     ids = order[:, : rule.top_k]
-    x = logits.astype(np.float64)
-    probs = np.exp(x - x.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    weights = np.take_along_axis(probs, ids, -1)
+    weights = np.take_along_axis(scores, ids, -1)
     if rule.renormalize:
-        weights = weights / weights.sum(-1, keepdims=True)
+        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if _grouped(rule) else 0.0))
+    weights = weights * rule.scaling
     if rule.top_k < logits.shape[-1]:
-        ranked = np.take_along_axis(logits, order[:, rule.top_k - 1 : rule.top_k + 1], -1)
-        margin = ranked[:, 0] - ranked[:, 1]
+        ranked = np.take_along_axis(choice, order[:, rule.top_k - 1 : rule.top_k + 1], -1)
+        with np.errstate(invalid="ignore"):
+            margin = np.where(np.isneginf(ranked[:, 1]), np.inf, ranked[:, 0] - ranked[:, 1])
     else:
         margin = np.full(len(logits), np.inf)
     return ids, weights, margin
@@ -112,20 +167,27 @@ def spacing(x: np.ndarray, dtype: str) -> np.ndarray:
     return np.ldexp(eps, np.floor(np.log2(mag)).astype(np.int64))
 
 
-def compare_layer(train: Any, infer: Any, rule_train: Rule, rule_infer: Rule) -> tuple[dict[str, Any], np.ndarray]:
-    """One router boundary's flip statistics, and the infer ids to force ``[S, P, k]`` (-1: keep)."""
+def compare_layer(
+    train: Any, infer: Any, rule_train: Rule, rule_infer: Rule, biases: tuple[Any, Any] = (None, None)
+) -> tuple[dict[str, Any], np.ndarray]:
+    """One router boundary's flip statistics, and the infer ids to force ``[S, P, k]`` (-1: keep).
+
+    ``biases``: each side's correction bias of this layer (sigmoid grouped routing), or None.
+    """
     both = train.present & infer.present
     seq, pos = np.nonzero(both)
     lt, li = train.values[seq, pos], infer.values[seq, pos]
-    ids_t, w_t, m_t = route(lt, rule_train)
-    ids_i, w_i, m_i = route(li, rule_infer)
+    ids_t, w_t, m_t = route(lt, rule_train, biases[0])
+    ids_i, w_i, m_i = route(li, rule_infer, biases[1])
     same_k = rule_train.top_k == rule_infer.top_k
     set_t, set_i = np.sort(ids_t, -1), np.sort(ids_i, -1)
     differ = ~(set_t == set_i).all(-1) if same_k else np.ones(len(seq), bool)
+    # what each side ranks: the logits, or the choice scores of sigmoid grouped routing
+    ct, ci = choice_scores(lt, rule_train, biases[0])[1], choice_scores(li, rule_infer, biases[1])[1]
     # an exact tie at the k-th place is broken by each engine's own top-k: count only certain flips
-    flipped = differ & _certain_flip(lt, li, rule_train.top_k, rule_infer.top_k) if same_k else differ
+    flipped = differ & _certain_flip(ct, ci, rule_train.top_k, rule_infer.top_k) if same_k else differ
     margin = np.maximum(m_t, m_i)
-    kth = np.take_along_axis(lt, ids_t[:, -1:], -1)[:, 0]
+    kth = np.take_along_axis(ct, ids_t[:, -1:], -1)[:, 0]
     margin_ulps = margin / spacing(kth, train.dtype)
     agree = ~differ
     weight_diff = 0.0
@@ -185,7 +247,8 @@ def classify_layer(
     if wdiff > 0:
         seen += f"; routing weights differ by up to {wdiff:.3g} where the sets agree"
     keys = [k for k in ROUTER_KEYS if k in contracts.get("differs", [])]
-    weights = [w for w in (contracts.get("weights") or {}).get("differs", []) if w == f"{boundary}.weight"]
+    router_weights = (f"{boundary}.weight", f"{boundary}.{BIAS}")
+    weights = [w for w in (contracts.get("weights") or {}).get("differs", []) if w in router_weights]
     if keys or weights:
         evidence = [seen]
         evidence += [f"router setting differs: {k} = {contracts['train'][k]!r} (train) vs "
@@ -219,15 +282,21 @@ def analyze(
     rule_infer: Rule,
     contracts: dict[str, Any] | None = None,
     causes: list[dict[str, Any]] | None = None,
+    biases: Mapping[str, Mapping[int, np.ndarray]] | None = None,
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
-    """The ``moe`` section (without the replay) and the forced ids per layer for the replay."""
+    """The ``moe`` section (without the replay) and the forced ids per layer for the replay.
+
+    ``biases``: ``{"train": {layer: bias}, "infer": {...}}``, each side's correction biases (``router_biases``).
+    """
     layers, forced = [], {}
+    biases = biases or {}
     earlier = None  # tokens flipped at an earlier router
     for name, t in sorted(train.items(), key=lambda item: item[1].layer or 0):
         i = infer.get(name)
         if i is None:
             continue
-        stats, ids = compare_layer(t, i, rule_train, rule_infer)
+        pair = tuple((biases.get(role) or {}).get(t.layer) for role in ("train", "infer"))
+        stats, ids = compare_layer(t, i, rule_train, rule_infer, pair)
         cls, kind, evidence = classify_layer(stats, contracts, causes or [])
         here = (ids >= 0).all(-1)
         if earlier is not None and cls == "operator_path" and (here & earlier).any():
@@ -321,6 +390,7 @@ def moe_section(
     causes: list[dict[str, Any]],
     config: Mapping[str, Any],
     family_renormalizes: bool | None,
+    biases: Mapping[str, Mapping[int, np.ndarray]] | None = None,
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]] | None:
     """The ``moe`` section of one (train, infer) pair from the router sinks by (role, path), or None."""
     train, infer = routers.get(("train", pair["train"])), routers.get(("infer", pair["infer"]))
@@ -329,7 +399,7 @@ def moe_section(
     contracts = contracts or {}
     rule_t = rule_of(contracts.get("train"), config, family_renormalizes)
     rule_i = rule_of(contracts.get("infer"), config, family_renormalizes)
-    section, forced = analyze(train.logits, infer.logits, rule_t, rule_i, contracts, causes)
+    section, forced = analyze(train.logits, infer.logits, rule_t, rule_i, contracts, causes, biases)
     section["train"], section["infer"] = pair["train"], pair["infer"]
     return section, forced
 
@@ -349,7 +419,8 @@ def diagnose_routing(result: dict[str, Any], run: Any, cfg: Any, progress: Any) 
     arch = find(run.architecture)
     config = run.train_engine.loaded_config().to_dict()
     family = getattr(arch, "router_renormalizes", None)
-    found = moe_section(routers, pair, result.get("contracts"), result["causes"], config, family)
+    biases = {"train": router_biases(run.train_engine), "infer": router_biases(run.engine_of(pair["infer"]))}
+    found = moe_section(routers, pair, result.get("contracts"), result["causes"], config, family, biases)
     if found is None:
         return
     section, forced = found
@@ -359,3 +430,23 @@ def diagnose_routing(result: dict[str, Any], run: Any, cfg: Any, progress: Any) 
         consistent = (lambda: run.train_engine.consistent(cfg.consistent_kernels)) if cfg.consistent else None
         replay(section, forced, run.train_engine, run.sequences, infer.logprobs, pair["metrics"], consistent)
     result["moe"] = section
+
+
+def router_biases(engine: Any) -> dict[int, np.ndarray]:
+    """``{layer: correction bias}`` of the engine's routers (the adapter's ``router_bias``); empty without."""
+    from logdiff.probes.arch import adapter_of
+
+    try:
+        model = engine.module()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return {}
+    arch = adapter_of(model)
+    reader = getattr(arch, "router_bias", None)
+    if reader is None:
+        return {}
+    out = {}
+    for n, layer in enumerate(arch.layers(model)):
+        bias = reader(layer)
+        if bias is not None:
+            out[n] = bias.detach().float().cpu().numpy()
+    return out

@@ -10,9 +10,10 @@ What differs from Qwen3-MoE, and how the adapter covers it:
   token). HF adds ``experts(x) + shared_experts(x)``; vLLM's fused-MoE runner
   calls the shared expert itself and returns the sum. The shared expert gets
   its own boundaries (``mlp.shared_experts.gate_proj/up_proj/act_mul/down_proj``,
-  vLLM's packed ``gate_up_proj`` split as in the dense MLP) and the block
-  boundary ``mlp`` reads it as an input, so a fault in it is found there and
-  the routed sum is judged on its own.
+  vLLM's packed ``gate_up_proj`` split as in the dense MLP), so a fault in it
+  is found there. The block boundary ``mlp`` reads it as an input, and its
+  weights too: HF's replay of the block reruns the shared expert, so a stale
+  shared weight is blamed on the shared op and on the block, both as weights.
 * **Routing.** ``sigmoid`` scores of fp32 router logits (vLLM keeps the gate
   in fp32), experts chosen on ``scores + e_score_correction_bias`` within the
   best ``topk_group`` of ``n_group`` groups (a group scores the sum of its top
@@ -129,6 +130,8 @@ class Glm4MoeAdapter(DecoderAdapter):
             keys += list(ROUTING_KEYS)
             prefix = boundary if kind == "moe" else boundary.rsplit(".", 1)[0]
             weights.insert(1, f"{prefix}.gate.{BIAS}")
+        if kind == "moe":  # HF's replay of the block runs its shared expert too
+            weights += [f"{boundary}.shared_experts.{part}.weight" for part in ("gate_proj", "up_proj", "down_proj")]
         elif kind == "rope":
             keys += list(ROTARY_KEYS)
         return keys, weights
