@@ -15,7 +15,8 @@ HF object                             how                                    ker
 every ``nn.Linear`` (incl. lm_head)   instance ``forward``                   ``linear``
 ``*RMSNorm`` (HF formula)             instance ``forward``                   ``rms_norm``
 ``*RotaryEmbedding`` (default rope)   instance ``forward``: fp32 cos/sin     ``rope_cos_sin``
-                                      from the shared table, tagged
+                                      from the shared table of the layer
+                                      type's base (Gemma 3), tagged
 ``apply_rotary_pos_emb`` (modeling    module global, refcounted: tagged      ``rope_apply``
 module)                               cos/sin -> kernel, else the original
 attention core                        ``AttentionInterface`` +               ``attention_batched``
@@ -43,14 +44,19 @@ model-dtype tensors, correctly rounded and order-free, so every engine that
 adds the same two tensors gets the same bits. Anything else is refused.
 
 Attention: HF hands the function the whole cache (decode) or the whole padded
-batch (prefill) and a boolean 4-D mask. Each sequence's visible keys are
-compacted to the front (left padding removed) so key ``j`` of the kernel is the
-sequence's ``j``-th real token, and each query's position is its number of
-visible keys minus one. The mask must therefore be a causal prefix per
-sequence; a sliding window that can hide a key (shorter than the context) or
-packed sequences raise ``NotImplementedError``. Soft-capped scores (Gemma 2's
-``softcap``) go to the kernel's ``softcap``.
-The layout is computed once per mask object (every layer gets the same one).
+batch (prefill) and a boolean 4-D mask. The consistent mask function tags the
+mask with each query's and key's absolute position (from the 2-D padding mask
+and the cache's offsets: a sliding-window cache holds only the last
+``window - 1`` keys), and each sequence's keys go to their absolute slots, so
+key ``j`` of the kernel is the sequence's ``j``-th real token; slots of keys a
+sliding-window cache dropped stay zero. The layer's ``sliding_window`` goes to
+the kernel's ``window``. The mask must equal what the kernel then sees (causal,
+within the window) for every real query, and every key a query sees must be in
+the cache; anything else (packed sequences, bidirectional masks) raises
+``NotImplementedError``. An untagged mask is compacted instead (visible keys to
+the front, a causal prefix required, no window). Soft-capped scores (Gemma 2's
+``softcap``) go to the kernel's ``softcap``. The layout is computed once per
+mask object (layers of one type share it).
 
 Logprobs: consistent mode covers the model up to the logits. Engines compute
 logprobs from them with ``logdiff.kernels.log_softmax`` (or
@@ -78,6 +84,7 @@ from logdiff.probes.patching import Patches
 
 ATTN_IMPLEMENTATION = "logdiff_consistent"
 _ROPE_TAG = "_logdiff_consistent_rope"
+_POSITIONS_TAG = "_logdiff_consistent_positions"  # on a mask: (query positions [B, T], key positions [B, S])
 _SILU = {"silu", "swish"}
 #: HF activation name -> the gated-MLP kernel that covers it
 _GATED = {"silu": "silu_and_mul", "swish": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}
@@ -144,7 +151,7 @@ def _drop_item(mapping: dict, key: str) -> None:
 class _Plan:
     linears: list[tuple[str, Any]] = field(default_factory=list)
     norms: list[tuple[str, Any]] = field(default_factory=list)
-    rotaries: list[tuple[str, Any, float, int]] = field(default_factory=list)
+    rotaries: list[tuple[str, Any, dict]] = field(default_factory=list)  # (name, module, {layer type: (theta, dim)})
     mlps: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, mlp_parts)
     gated: str = "silu_and_mul"  # the gated-MLP kernel (by the adapter's activation)
     norm_offset: bool = False  # (1 + w) RMSNorm (Gemma)
@@ -154,19 +161,39 @@ class _Plan:
     modeling_modules: set[str] = field(default_factory=set)
 
 
-def _rope_params(module: Any) -> tuple[float, int]:
-    """``(theta, rotary_dim)`` of a default-RoPE HF rotary module, checked against its inv_freq."""
-    import torch
+def _rope_params(module: Any) -> dict[str | None, tuple[float, int]]:
+    """``{layer type: (theta, rotary_dim)}`` of a default-RoPE HF rotary module, each checked against its inv_freq.
 
-    rope_type = getattr(module, "rope_type", "default")
-    if rope_type != "default" or float(getattr(module, "attention_scaling", 1.0)) != 1.0:
-        raise NotImplementedError(f"consistent_hf: rope_type {rope_type!r} (only default RoPE is supported)")
+    A module with one base gives one entry under ``None``; Gemma 3's computes cos/sin per layer type
+    (``forward(x, position_ids, layer_type)``, ``{type}_inv_freq``, ``rope_parameters[type]``).
+    """
     config = module.config
     params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    types = getattr(module, "layer_types", None)
+    if not types:
+        theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+        buffer = getattr(module, "original_inv_freq", module.inv_freq)
+        scaling = getattr(module, "attention_scaling", 1.0)
+        return {None: _checked_rope(getattr(module, "rope_type", "default"), scaling, theta, buffer)}
+    return {
+        t: _checked_rope(
+            module.rope_type[t],
+            getattr(module, f"{t}_attention_scaling", 1.0),
+            (params.get(t) or {}).get("rope_theta"),
+            getattr(module, f"{t}_original_inv_freq", getattr(module, f"{t}_inv_freq")),
+        )
+        for t in types
+    }
+
+
+def _checked_rope(rope_type: str, scaling: float, theta: float | None, buffer: Any) -> tuple[float, int]:
+    """``(theta, rotary_dim)`` of one default RoPE whose inv_freq ``buffer`` is ``theta ** (-2i/d)``."""
+    import torch
+
+    if rope_type != "default" or float(scaling) != 1.0:
+        raise NotImplementedError(f"consistent_hf: rope_type {rope_type!r} (only default RoPE is supported)")
     if theta is None:
         raise NotImplementedError("consistent_hf: cannot find rope_theta in the config")
-    buffer = getattr(module, "original_inv_freq", module.inv_freq)
     rotary_dim = 2 * buffer.numel()
     ours = 1.0 / float(theta) ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     if not torch.allclose(ours, buffer.double().cpu(), rtol=2 * torch.finfo(buffer.dtype).eps, atol=0):
@@ -183,9 +210,7 @@ def _plan(model: Any) -> _Plan:
     if config is None:
         raise NotImplementedError("consistent_hf: the model has no config")
     arch = adapter_of(model)
-    window, context = arch.sliding_window(config), int(getattr(config, "max_position_embeddings", 0) or 0)
-    if window and window < context:  # a window as long as the context never hides a key
-        raise NotImplementedError(f"consistent_hf: sliding-window attention (window {window} < context {context})")
+    window = arch.sliding_window(config)  # the attention kernel masks it (``window``), whatever its length
     layer_types = set(getattr(config, "layer_types", None) or [])
     if layer_types - ({"full_attention", "sliding_attention"} if window else {"full_attention"}):
         raise NotImplementedError(f"consistent_hf: layer types {sorted(layer_types)}")
@@ -201,7 +226,7 @@ def _plan(model: Any) -> _Plan:
         elif "Norm" in cls:
             raise NotImplementedError(f"consistent_hf: {name} is a {cls}, not an RMSNorm")
         elif cls.endswith("RotaryEmbedding"):
-            plan.rotaries.append((name, module, *_rope_params(module)))
+            plan.rotaries.append((name, module, _rope_params(module)))
         elif cls.lower().endswith("topkrouter"):  # TopKRouter; GLM-4.5 and DeepSeek-V3: TopkRouter
             renormalize = getattr(module, "norm_topk_prob", arch.router_renormalizes)
             if not all(hasattr(module, a) for a in ("weight", "top_k")) or renormalize is None:
@@ -268,12 +293,17 @@ def _softcapped_logits_forward(module: Any, cap: float) -> Callable:
     return lambda x: kernels.softcap(kernels.linear(x, module.weight, module.bias), cap)
 
 
-def _rotary_forward(theta: float, rotary_dim: int) -> Callable:
+def _rotary_forward(thetas: dict[str | None, tuple[float, int]]) -> Callable:
+    """The rotary module's ``forward``: cos/sin from the table of the calling layer type's base (Gemma 3 asks
+    per ``layer_type``; other families have one base, under ``None``)."""
     import torch
 
     from logdiff import kernels
 
-    def forward(x: Any, position_ids: Any) -> tuple[Any, Any]:
+    def forward(x: Any, position_ids: Any, layer_type: str | None = None) -> tuple[Any, Any]:
+        if layer_type not in thetas:
+            raise NotImplementedError(f"consistent_hf: no RoPE base for layer type {layer_type!r}")
+        theta, rotary_dim = thetas[layer_type]
         cos, sin = kernels.rope_cos_sin(position_ids, theta, rotary_dim)
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)  # HF's [.., rotary_dim] layout
         setattr(cos, _ROPE_TAG, True)
@@ -396,6 +426,7 @@ def _attention_function() -> Callable:
     from logdiff import kernels
 
     layouts = _MaskLayout()
+    placed = _PlacedKeys()
 
     def consistent_attention(
         module: Any,
@@ -408,21 +439,28 @@ def _attention_function() -> Callable:
         sliding_window: int | None = None,
         **kwargs: Any,
     ) -> tuple[Any, None]:
-        # a sliding window is planned only where it cannot hide a key; the mask check below still holds it
         if dropout:
             raise NotImplementedError("consistent attention: dropout (call model.eval())")
         if kwargs.get("s_aux") is not None:
             raise NotImplementedError("consistent attention: attention sinks")
         b, _, t, d = query.shape
         s = key.shape[2]
-        q_pos, key_index, kv_lens = layouts.get(attention_mask, b, t, s, query.device)
-        if key_index is not None:
-            index = key_index[:, None, :, None].expand(-1, key.shape[1], -1, d)
-            key, value = key.gather(2, index), value.gather(2, index)
+        window = int(sliding_window) if sliding_window else None
+        positions = getattr(attention_mask, _POSITIONS_TAG, None)
+        if positions is not None:  # the mask came from _consistent_mask: keys go to their absolute positions
+            q_pos, slots, kv_lens = placed.get(attention_mask, positions, window)
+            key, value = _place_keys(key, slots, int(kv_lens.max())), _place_keys(value, slots, int(kv_lens.max()))
+        else:
+            if window:
+                raise NotImplementedError("consistent attention: a sliding window needs the consistent mask")
+            q_pos, key_index, kv_lens = layouts.get(attention_mask, b, t, s, query.device)
+            if key_index is not None:
+                index = key_index[:, None, :, None].expand(-1, key.shape[1], -1, d)
+                key, value = key.gather(2, index), value.gather(2, index)
         scale = d**-0.5 if scaling is None else float(scaling)
         out = kernels.attention_batched(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), q_pos, scale, kv_lens,
-            kwargs.get("softcap"),
+            kwargs.get("softcap"), window,
         )
         return out, None
 
@@ -430,12 +468,99 @@ def _attention_function() -> Callable:
 
 
 def _consistent_mask(*args: Any, **kwargs: Any) -> Any:
-    """HF's boolean sdpa mask, always materialised (never the ``None`` 'is_causal' shortcut)."""
+    """HF's boolean sdpa mask, always materialised (never the ``None`` 'is_causal' shortcut), tagged with
+    each query's and key's absolute position (:func:`_mask_positions`)."""
+    import inspect
+
     from transformers.masking_utils import sdpa_mask
 
     kwargs["allow_is_causal_skip"] = False
     kwargs["allow_is_bidirectional_skip"] = False
-    return sdpa_mask(*args, **kwargs)
+    mask = sdpa_mask(*args, **kwargs)
+    if mask is not None:
+        bound = inspect.signature(sdpa_mask).bind(*args, **kwargs)
+        bound.apply_defaults()
+        setattr(mask, _POSITIONS_TAG, _mask_positions(**{k: bound.arguments[k] for k in _POSITION_ARGS}))
+    return mask
+
+
+_POSITION_ARGS = ("batch_size", "q_length", "kv_length", "q_offset", "kv_offset", "attention_mask")
+
+
+def _mask_positions(
+    batch_size: int, q_length: int, kv_length: int, q_offset: Any, kv_offset: int, attention_mask: Any
+) -> tuple[Any, Any]:
+    """``(query positions [B, T], key positions [B, S])``: the absolute position of each query and key of a
+    mask call, -1 for padding. Columns of the 2-D padding mask are the cache's token slots (a sliding-window
+    cache's keys start at ``kv_offset``); a token's position is the number of real tokens before it."""
+    import torch
+
+    total = int(kv_offset) + int(kv_length)
+    if attention_mask is None:
+        real = torch.ones(batch_size, total, dtype=torch.bool)
+    else:
+        real = attention_mask.bool().cpu()
+        if real.shape[-1] < total:  # HF pads the 2-D mask with real tokens the same way (prepare_padding_mask)
+            real = torch.nn.functional.pad(real, (0, total - real.shape[-1]), value=True)
+        real = real[:, :total].expand(batch_size, total)
+    slot_pos = torch.where(real, real.long().cumsum(-1) - 1, -1)
+    q_slots = torch.arange(int(q_offset), int(q_offset) + int(q_length))
+    return slot_pos[:, q_slots], slot_pos[:, int(kv_offset) : total]
+
+
+def _place_keys(x: Any, slots: Any, length: int) -> Any:
+    """Keys (or values) ``[B, H, S, D]`` moved to their absolute positions ``[B, H, length, D]``; slots no key
+    fills (keys a sliding-window cache dropped) stay zero, and padding keys (slot ``length``) are dropped."""
+    b, h, _, d = x.shape
+    out = x.new_zeros(b, h, length + 1, d)
+    out.scatter_(2, slots[:, None, :, None].expand(b, h, -1, d).to(x.device), x)
+    return out[:, :, :length]
+
+
+class _PlacedKeys:
+    """Per mask (and window): query positions, each key's slot and ``kv_lens``, checked against the mask."""
+
+    def __init__(self) -> None:
+        self._last: list[tuple[Any, Any, tuple[Any, Any, Any]]] = []  # (mask, window, layout), newest last
+
+    def get(self, mask: Any, positions: tuple[Any, Any], window: int | None) -> tuple[Any, Any, Any]:
+        for held, held_window, layout in self._last:
+            if held is mask and held_window == window:
+                return layout
+        layout = self._compute(mask, *positions, window)
+        self._last = [*self._last[-3:], (mask, window, layout)]  # a hybrid model alternates two masks
+        return layout
+
+    @staticmethod
+    def _compute(mask: Any, q_pos: Any, key_pos: Any, window: int | None) -> tuple[Any, Any, Any]:
+        """Raises where the kernel would not see what the mask shows (another mask function, missing keys)."""
+        import torch
+
+        device = mask.device
+        q_pos, key_pos = q_pos.to(device), key_pos.to(device)
+        kv_lens = (key_pos.amax(-1) + 1).clamp(min=0)
+        length = int(kv_lens.max())
+        slots = torch.where(key_pos >= 0, key_pos, length)
+        # what the kernel shows each real query, in the mask's own columns
+        sees = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= q_pos[..., None])
+        if window:
+            sees &= key_pos[:, None, :] > q_pos[..., None] - window
+        visible = mask[:, 0] if mask.dtype == torch.bool else mask[:, 0] == 0
+        real = (q_pos >= 0)[..., None]
+        if not torch.equal(visible.expand_as(sees) & real, sees & real):
+            raise NotImplementedError(
+                "consistent attention: the mask is not causal per sequence (with the layer's window): packed sequences?"
+            )
+        # every key a real query sees must be in the cache (a sliding-window cache drops only older ones)
+        present = torch.zeros(key_pos.shape[0], length + 1, dtype=torch.long, device=device)
+        present.scatter_(1, slots, 1)
+        needed = q_pos + 1 if not window else torch.minimum(q_pos + 1, torch.full_like(q_pos, window))
+        have = present[:, :length].cumsum(-1)
+        first = (q_pos - needed).clamp(min=-1)
+        count = have.gather(1, q_pos.clamp(min=0)) - torch.where(first >= 0, have.gather(1, first.clamp(min=0)), 0)
+        if bool(((count != needed) & (q_pos >= 0)).any()):
+            raise NotImplementedError("consistent attention: a key in a query's window is missing from the cache")
+        return q_pos, slots, kv_lens
 
 
 # ----------------------------------------------------------------------------- the context manager
@@ -471,8 +596,8 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
         for name, module in plan.norms if want("rms_norm") else []:
             patches.set(module, "forward", _norm_forward(module, plan.norm_offset))
             report.add("rms_norm", name)
-        for name, module, theta, rotary_dim in plan.rotaries if want("rope") else []:
-            patches.set(module, "forward", _rotary_forward(theta, rotary_dim))
+        for name, module, thetas in plan.rotaries if want("rope") else []:
+            patches.set(module, "forward", _rotary_forward(thetas))
             report.add("rope", name)
         for mod_name in sorted(plan.modeling_modules) if want("rope") else []:
             modeling = importlib.import_module(mod_name)

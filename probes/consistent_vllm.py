@@ -31,7 +31,7 @@ a ``soft_cap`` (Gemma 2)    kernel's cap)
 
 The plan is built and checked *before* anything is patched: a module on the
 numerical path that no replacement covers (another norm, a scaled RoPE,
-sliding-window attention, a quantized layer, speculative decoding, ...) raises
+a quantized layer, speculative decoding, ...) raises
 ``NotImplementedError`` naming it, rather than giving a silently half-consistent
 engine. Weights that the CPU build has packed away are recovered bit-exactly
 (``vllm_weights``). The prefix cache is reset on entry and on exit, because a
@@ -183,7 +183,7 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
             plan.append(("silu_and_mul", module, "forward", ops.gelu_tanh_and_mul_forward()))
             summary.add("silu_and_mul", name)
         elif isinstance(module, Attention):
-            problem = _attention_problem(module, config.model_config.max_model_len)
+            problem = _attention_problem(module)
             if problem:
                 unsupported.append(f"{name} ({problem})")
             else:
@@ -215,11 +215,9 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
     return plan, summary
 
 
-def _attention_problem(layer: Any, max_model_len: int) -> str | None:
-    """Why the consistent kernel cannot stand in for ``layer``, or None.
-
-    A sliding window is covered only where it spans ``max_model_len`` (it never hides a key).
-    """
+def _attention_problem(layer: Any) -> str | None:
+    """Why the consistent kernel cannot stand in for ``layer``, or None (a sliding window is covered:
+    the kernel masks it)."""
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
 
@@ -228,8 +226,6 @@ def _attention_problem(layer: Any, max_model_len: int) -> str | None:
         return f"attention backend {type(impl).__name__}; only the CPU backend is covered"
     if impl.attn_type != AttentionType.DECODER:
         return f"{impl.attn_type} attention"
-    if impl.sliding_window != -1 and impl.sliding_window < max_model_len:
-        return f"sliding-window attention (window {impl.sliding_window} < max_model_len {max_model_len})"
     if impl.alibi_slopes is not None:
         return "ALiBi attention"
     if impl.sinks is not None:

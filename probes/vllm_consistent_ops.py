@@ -21,7 +21,9 @@ implement:
 * ``attention_forward``: ``CPUAttentionBackendImpl.forward``; reads each
   request's whole context back from the paged cache and runs the kernel with
   absolute query positions, all requests of the step in one padded batch
-  (soft-capped scores where the layer has ``logits_soft_cap``).
+  (soft-capped scores where the layer has ``logits_soft_cap``; the layer's
+  ``sliding_window`` masked by the kernel, and the cache slots before a
+  request's first window zeroed: vLLM may have freed those blocks).
 * ``moe_forward``: ``MoERunner.forward``; router GEMM (``linear``),
   ``moe_route`` (or ``moe_route_grouped``: sigmoid, groups, correction
   bias, routed scaling), then ``moe_experts`` (kernel linears and SiLU-and-mul per
@@ -159,6 +161,7 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
     kernels = _kernels()
     scale = float(impl.scale)
     softcap = float(impl.logits_soft_cap) if impl.logits_soft_cap else None  # 0: none
+    window = int(impl.sliding_window) if impl.sliding_window != -1 else None  # -1: none
 
     def forward(
         layer: Any,
@@ -194,7 +197,10 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
         for i, (_, start, stop, seq_len) in enumerate(requests):
             q[i, : stop - start] = query[start:stop]
             positions[i, : stop - start] = torch.arange(seq_len - (stop - start), seq_len)
-        out = kernels.attention_batched(q, k, v, positions, scale, kv_lens, softcap)
+            if window:  # keys before the first query's window: hidden, and their blocks may be freed (garbage)
+                hidden = max(0, seq_len - (stop - start) - window + 1)
+                k[i, :hidden], v[i, :hidden] = 0, 0
+        out = kernels.attention_batched(q, k, v, positions, scale, kv_lens, softcap, window)
         for i, (_, start, stop, _) in enumerate(requests):
             output[start:stop] = out[i, : stop - start]
         return output

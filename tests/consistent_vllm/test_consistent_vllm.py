@@ -198,14 +198,14 @@ def test_unsupported_attention_raises_before_patching(llm: Any) -> None:
     llm.apply_model(holder.append)
     impl = next(m for m in holder[0].modules() if isinstance(m, Attention)).impl
     before = _snapshot(llm)
-    impl.sliding_window = 8
+    impl.alibi_slopes = torch.zeros(impl.num_heads)  # (a sliding window is covered now: the kernel masks it)
     try:
-        with pytest.raises(NotImplementedError, match="sliding-window"):
+        with pytest.raises(NotImplementedError, match="ALiBi"):
             with consistent_vllm(llm):
                 pass  # pragma: no cover
         assert _snapshot(llm) == before
     finally:
-        impl.sliding_window = -1
+        impl.alibi_slopes = None
 
 
 @pytest.mark.isa_sensitive

@@ -2,10 +2,9 @@
 
 Gemma 2 exercises the kernels of its own ops ((1 + w) norms, gelu-tanh MLP,
 soft-capped attention and logits) with its sliding-window layers spanning the
-whole context; a window shorter than the context is refused, never run
-half-consistent. Phi-3 exercises HF's packed qkv_proj/gate_up_proj.
-Controls: the soft caps really act (switching one off changes the logits),
-and the refusal names the op.
+whole context (windows shorter than the sequences: test_consistent_hf_window.py).
+Phi-3 exercises HF's packed qkv_proj/gate_up_proj. Controls: the soft caps
+really act (switching one off changes the logits).
 """
 
 from __future__ import annotations
@@ -69,11 +68,3 @@ def test_gemma2_soft_caps_are_applied_by_the_kernels(hf_paths, sequences):
     attn_uncapped = _gemma2(attn_logit_softcapping=None)  # control: the attention cap acts too
     with consistent_hf(attn_uncapped):
         assert not torch.equal(attn_uncapped(input_ids=ids).logits, capped)
-
-
-def test_gemma2_window_shorter_than_the_context_is_refused():
-    model = _gemma2(sliding_window=8)
-    with pytest.raises(NotImplementedError, match=r"sliding-window attention \(window 8 < context 128\)"):
-        with consistent_hf(model):
-            pass
-    assert "forward" not in vars(model.lm_head)  # nothing was patched
