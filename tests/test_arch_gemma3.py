@@ -3,14 +3,14 @@
 The generic properties (a real first divergence, both engines' contracts and
 weights agreeing, every cause classified; ``--consistent`` bitwise 0) are
 asserted for every new architecture in test_architectures.py; here are the
-ones only Gemma 3 has, and a planted one-sided fault per new reading (a stale
-q-norm weight, a wrong local RoPE base) so that the agreeing contracts are not
-vacuous.
+ones only Gemma 3 has, and controls for its new readings (a stale q-norm weight
+planted on one side of the real engines, a stand-in vLLM whose sliding layers
+rotate with another base) so that the agreeing contracts are not vacuous. The
+window kernel's end-to-end check on Gemma 2 (its refusal is gone) is here too.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,15 +70,38 @@ def test_stale_q_norm_weight_is_blamed_on_q_norm(demo_model: Callable[[str], Pat
     assert blamed[0]["kind"] == "weights" and blamed[0]["differs"] == [name]
 
 
+def test_vllm_reader_takes_each_layer_types_base_from_its_own_layers() -> None:
+    """Without vLLM: a stand-in of vLLM's module tree whose sliding layers rotate with another base reads so."""
+    from types import SimpleNamespace as NS
+
+    from logdiff.probes.arch import adapter_for
+
+    def layer(window: int, base: float) -> NS:
+        impl = NS(sliding_window=window, logits_soft_cap=None)
+        return NS(self_attn=NS(attn=NS(impl=impl), rotary_emb=NS(base=base)))
+
+    def model(local_base: float) -> NS:
+        layers = [layer(8, local_base), layer(-1, 1e6), layer(8, local_base), layer(-1, 1e6)]
+        embed = NS(weight=NS(dtype=None))
+        return NS(model=NS(layers=layers, embed_tokens=embed, normalizer=None), logits_processor=NS(soft_cap=None))
+
+    gemma3 = adapter_for("Gemma3ForCausalLM")
+    right, wrong = gemma3.contract_extras(model(1e4), "vllm"), gemma3.contract_extras(model(2e4), "vllm")
+    assert right["rope_local_base_freq"] == 1e4 and wrong["rope_local_base_freq"] == 2e4
+    assert right["rope_theta"] == wrong["rope_theta"] == 1e6
+    assert right["layer_types"] == "sliding,full,sliding,full"
+
+
 @pytest.mark.vllm
-def test_wrong_local_rope_base_in_vllm_is_a_contract_difference(demo_model: Callable[[str], Path]) -> None:
-    """vLLM told another base for the sliding layers only: that key differs, and RoPE is blamed."""
-    rope = {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
-        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-    }
-    r = logdiff.scan(demo_model("gemma3"), infer=["vllm"], infer_set={"rope_parameters": rope}, **SMALL)
-    assert r["contracts"]["differs"] == ["rope_local_base_freq"], r["contracts"]["differs"]
-    blamed = [c for c in r["causes"] if c["class"] == "framework_difference"]
-    assert blamed and blamed[0]["boundary"] == "model.layers.0.self_attn.rope_q", blamed
-    assert "rope_local_base_freq" in json.dumps(blamed[0])
+def test_consistent_covers_gemma2_with_a_window_shorter_than_the_sequences(demo_model: Callable[[str], Path]) -> None:
+    """The window kernel is not Gemma 3's alone: the Gemma 2 demo told a window of 8 on both sides (16-token
+    sequences) was refused before; now HF = HF decode = vLLM bitwise, and stock vLLM still differs (control)."""
+    window = {"sliding_window": 8}
+    fast = {**SMALL, "depth": "logprobs"}
+    model = demo_model("gemma2")
+    stock = logdiff.scan(model, infer=["hf-decode", "vllm"], train_set=window, infer_set=window, **fast)
+    fixed = logdiff.scan(model, infer=["hf-decode", "vllm"], train_set=window, infer_set=window, consistent=True, **fast)
+    assert {"hf-decode", "vllm"} <= {p["infer"] for p in fixed["pairs"]}
+    assert all(p["metrics"]["abs_diff_max"] == 0.0 for p in fixed["pairs"]), [p["metrics"] for p in fixed["pairs"]]
+    assert fixed["verdict"] == "consistent"
+    assert next(p for p in stock["pairs"] if p["infer"] == "vllm")["metrics"]["abs_diff_max"] > 0.0
