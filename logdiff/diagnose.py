@@ -4,10 +4,10 @@ Runs after ``locate`` at ``--depth modules|ops``, on the primary pair (the
 training path against the first inference path):
 
 1. the semantic preflight of the two engines (``contracts`` in result.json);
-2. one rescan with the reference kernels on both sides, at logprobs depth
-   first: bitwise-equal logprobs there mean every introducing op differed only
-   in how it computed; otherwise a rescan at module depth says which ops still
-   introduce error;
+2. one rescan with the reference kernels of the introducing ops' families on
+   both sides, at logprobs depth first: bitwise-equal logprobs there mean every
+   introducing op differed only in how it computed; otherwise a rescan at
+   module depth says which ops still introduce error;
 3. ``classify.classify_op`` per introducing op, fused add+norm merged;
 4. ``attribute.attribute``: share and necessity from rescans at logprobs depth.
 
@@ -15,7 +15,9 @@ Every rerun goes through a ``Rescanner``: the one object that knows how to scan
 the same tokens again with other settings (the pooled engines are reused and
 only the primary pair is scored, so each costs one pass of each) and that
 remembers each configuration's logdiff (the logprobs-depth reference rescan is
-also attribution's "everything fixed" when the causes span every kernel family).
+also attribution's "everything fixed" when every cause is operator-path, and
+its "this cause alone" when one kernel family holds them all: then attribution
+runs no rescan of its own).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from logdiff import attribute, classify
-from logdiff.config import ScanConfig
+from logdiff.config import KERNEL_FAMILIES, ScanConfig
 from logdiff.phases import Phases, silent
 from logdiff.preflight import preflight
 from logdiff.probes.arch import find as find_adapter
@@ -65,17 +67,24 @@ class Rescanner:
                 tuple(sorted(cfg.infer_set.items())))  # fmt: skip
 
 
-def _reference_rerun(cfg: ScanConfig, rescanner: Rescanner, warnings: list[str]) -> Callable[[str], bool | None] | None:
+def _reference_rerun(
+    cfg: ScanConfig, rescanner: Rescanner, families: set[str], warnings: list[str]
+) -> Callable[[str], bool | None] | None:
     """Whether each op still introduces error with the reference kernels on both sides.
 
+    Only the kernel families of the introducing ops are swapped in (every family
+    when an op has none): an op's own kernel is what decides whether it still
+    introduces error, and the same configuration is attribution's "every cause
+    neutralised" when every cause is operator-path, and "this cause alone" when
+    one family holds them all, so those rescans are not run twice.
     The rerun keeps every framework difference (overrides, weights), so ops
     downstream of one see different inputs; what counts is whether the op
     itself still *introduces* error (replay, or equal inputs), not whether
     its output is equal.
     """
-    reference = replace(cfg, consistent=True, consistent_kernels=None, drill=None)
+    reference = attribute.apply_levers(cfg, {("kernel", f) for f in families})
     try:
-        if rescanner.logdiff(replace(reference, depth="logprobs")) == 0.0:
+        if rescanner.logdiff(reference) == 0.0:
             return lambda boundary: True  # bitwise-equal logprobs: no op introduces error any more
         ref = rescanner.rescan(replace(reference, depth="modules"))
     except Exception as e:  # noqa: BLE001 - a path without consistent mode still gets classified
@@ -128,7 +137,9 @@ def diagnose(
     if not ops:
         result["warnings"].append("the logprobs differ but no op was found to introduce the error")
     progress("rerunning both paths with the reference kernels", phase="reference_rerun")
-    reference = _reference_rerun(cfg, rescanner, result["warnings"]) if ops else None
+    families = {classify.FAMILY.get(op.get("kind") or "module") for op in ops}
+    families = set(KERNEL_FAMILIES) if None in families else families
+    reference = _reference_rerun(cfg, rescanner, families, result["warnings"]) if ops else None
     progress(f"classifying {len(ops)} ops that introduce error", phase="classify")
     causes = []
     for op in ops:

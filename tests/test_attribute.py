@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from logdiff import attribute, classify
+from logdiff import attribute, classify, diagnose
 from logdiff.config import ScanConfig
 
 
@@ -28,3 +30,45 @@ def test_norm_kind_depends_on_whether_the_engine_fuses_the_residual_add() -> Non
     ev = classify.OpEvidence("model.layers.0.input_layernorm", "norm", 0, 0.01, 1.0, True)
     assert classify.classify_op(ev, None, fused_add_norm=True)["kind"] == "fused_vs_unfused"
     assert classify.classify_op(ev, None, fused_add_norm=False)["kind"] == "reduction_order"
+
+
+def _counting_rescanner(gap: Callable[[ScanConfig], float]) -> tuple[diagnose.Rescanner, list[ScanConfig]]:
+    seen: list[ScanConfig] = []
+
+    def scan(c: ScanConfig) -> dict[str, Any]:
+        seen.append(c)
+        return {"pairs": [{"metrics": {"abs_diff_max": gap(c)}}], "introducing_ops": [], "warnings": []}
+
+    return diagnose.Rescanner(scan), seen
+
+
+def _operator_path(family: str) -> dict[str, Any]:
+    return {"class": "operator_path", "family": family, "kind": "reduction_order", "evidence": [], "share": None}
+
+
+def test_one_cause_family_costs_attribution_no_rescan_of_its_own() -> None:
+    """The reference check swaps in the introducing ops' families only: with one family, that rescan is
+    also "this cause alone", and "every other cause fixed" is the scan itself."""
+    cfg = ScanConfig(model=Path("m"), depth="modules")
+    rescanner, seen = _counting_rescanner(lambda c: 0.0 if c.consistent_kernels == ("rope",) else 0.5)
+    vanished = diagnose._reference_rerun(cfg, rescanner, {"rope"}, [])
+    assert vanished is not None and vanished("model.layers.0.self_attn.rope_q") is True
+    assert [(c.consistent, c.consistent_kernels, c.depth) for c in seen] == [(True, ("rope",), "logprobs")]
+    rescanner.remember(cfg, 0.5)
+    causes = [_operator_path("rope")]
+    summary = attribute.attribute(causes, cfg, 0.5, rescanner.logdiff)
+    assert len(seen) == 1  # nothing rescanned
+    assert causes[0]["share"] == 1.0 and causes[0]["necessity"] is True and summary["residual_abs_diff_max"] == 0.0
+
+
+def test_several_families_reuse_the_reference_rescan_as_everything_fixed() -> None:
+    """Control: three families need their own "alone" and "all but" rescans; only "everything" is shared."""
+    cfg = ScanConfig(model=Path("m"), depth="modules")
+    families = {"rope", "attention", "rms_norm"}
+    rescanner, seen = _counting_rescanner(lambda c: 0.0 if set(c.consistent_kernels or ()) == families else 0.5)
+    diagnose._reference_rerun(cfg, rescanner, families, [])
+    rescanner.remember(cfg, 0.5)
+    causes = [_operator_path(f) for f in sorted(families)]
+    attribute.attribute(causes, cfg, 0.5, rescanner.logdiff)
+    assert len(seen) == 1 + 3 + 3  # the reference check, three alone, three all-but-one
+    assert all(c["necessity"] is True and c["share"] == 0.0 for c in causes)
