@@ -72,6 +72,11 @@ class Rule:
     topk_group: int = 1
     scaling: float = 1.0
 
+    def summary(self) -> dict[str, Any]:
+        """The rule for result.json: top-k and renormalisation, plus the rest where it is not softmax top-k."""
+        out = vars(self).copy()
+        return out if _grouped(self) else {"top_k": self.top_k, "renormalize": self.renormalize}
+
 
 def rule_of(contract: Mapping[str, Any] | None, config: Mapping[str, Any], family_renormalizes: bool | None) -> Rule:
     """A side's rule from its contract (what the engine runs with), else the model config."""
@@ -316,7 +321,7 @@ def analyze(
         cls = "framework_difference" if "framework_difference" in classes else "operator_path"
     section = {
         "router_flip_rate": {s["boundary"]: s["flip_rate"] for s in layers},
-        "rules": {"train": vars(rule_train), "infer": vars(rule_infer)},
+        "rules": {"train": rule_train.summary(), "infer": rule_infer.summary()},
         "tokens": tokens,
         "tokens_flipped_any_layer": float(any_flip.sum()) / tokens if any_flip is not None and tokens else 0.0,
         "layers": layers,
