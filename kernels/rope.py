@@ -11,7 +11,10 @@ Why it is invariant and engine-independent:
   at a time, every block with the same call shape (and under the serial
   threshold of every elementwise op), so the entry for position ``p`` has the
   same bits however many positions a call asks for, in prefill or in decode.
-  Tables are cached per ``(theta, rotary_dim, device)`` and grown block by block.
+  Tables are cached per ``(theta, rotary_dim, device)`` and grown block by block,
+  so a model with a base per layer type (Gemma 3: 10k on sliding layers, 1M on
+  full ones) passes each layer's ``theta`` and reads that base's own table; the
+  kernel keeps no per-model theta.
   HF computes cos/sin in fp32 then rounds them to the model dtype; vLLM keeps
   its own cache; with this table both sides read identical numbers.
 * **The rotation is fp32 and rounded once.** ``o1 = x1*c - x2*s``,
