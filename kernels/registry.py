@@ -127,6 +127,14 @@ KERNELS: list[KernelInfo] = [
         "moe.moe_route_reference",
     ),
     KernelInfo(
+        "moe_route_grouped",
+        "sigmoid top-k chosen on score + correction bias within the best groups (DeepSeek-V3, GLM-4.5)",
+        "fp32 sigmoid (position-independent exp), stable ranking, rank-order renormalisation, scaling",
+        1e-6,
+        "moe.moe_route_grouped",
+        "moe.moe_route_grouped_reference",
+    ),
+    KernelInfo(
         "moe_combine",
         "run each expert on its routed rows, weighted sum in rank order",
         "fp32 weighted sum in rank order, one rounding",
@@ -306,6 +314,22 @@ def _check_moe_route(gen: Any) -> tuple[bool, float, str]:
     return invariant, _rel_error(w, ref_w), "rows at M=1,4,9; a tie goes to the lower expert id"
 
 
+def _check_moe_route_grouped(gen: Any) -> tuple[bool, float, str]:
+    import torch
+
+    from .moe import moe_route_grouped, moe_route_grouped_reference
+
+    logits, bias = torch.randn(9, 16, generator=gen), torch.randn(16, generator=gen) * 0.3
+    rule = {"bias": bias, "n_group": 4, "topk_group": 2, "scaling": 2.5}
+    routed = lambda m: torch.cat([t.float() for t in moe_route_grouped(logits[:m], 4, True, **rule)], -1)  # noqa: E731
+    invariant = _same_rows(routed, (1, 4, 9))
+    w, ids = moe_route_grouped(logits, 4, True, **rule)
+    ref_w, ref_ids = moe_route_grouped_reference(logits.double(), 4, True, **rule)
+    invariant &= torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+    by_id = lambda w_, i_: w_.gather(1, i_.sort(-1).indices)  # noqa: E731
+    return invariant, _rel_error(by_id(w, ids), by_id(ref_w, ref_ids)), "rows at M=1,4,9; HF's expert sets"
+
+
 def _check_moe_combine(gen: Any) -> tuple[bool, float, str]:
     import torch
 
@@ -369,6 +393,7 @@ _CHECKS: dict[str, Callable[[Any], tuple[bool, float, str]]] = {
     "silu_and_mul": _check_silu_and_mul,
     "log_softmax": _check_log_softmax,
     "moe_route": _check_moe_route,
+    "moe_route_grouped": _check_moe_route_grouped,
     "moe_combine": _check_moe_combine,
     "gemma_rms_norm": _check_gemma_rms_norm,
     "gelu_tanh_and_mul": _check_gelu_tanh_and_mul,

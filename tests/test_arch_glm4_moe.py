@@ -5,7 +5,8 @@ analysis recomputes each side's experts with sigmoid + correction bias +
 groups + scaling (agreeing with ``kernels.moe_route_grouped``), so identical
 router logits agree and a one-sided bias is a routing weights difference;
 consistent HF covers the shared expert and the grouped router, and refuses
-a gated shared expert in one line. Against the real CPU vLLM (the generic
+a gated shared expert in one line; partial rotary is the RoPE kernel's
+``rotary_dim`` on both engines. Against the real CPU vLLM (the generic
 scan and ``--consistent`` checks are in test_architectures.py): a planted
 correction-bias fault is reported as a router weight difference with flipped
 tokens, not as operator-path noise, and a fault in the shared expert's
@@ -154,6 +155,22 @@ def test_consistent_hf_covers_the_shared_expert_and_the_grouped_router(tiny_glm:
     with torch.no_grad():
         stock = tiny_glm(ids).logits
     assert not torch.equal(stock, full)  # control: the stock model computes something else here
+
+
+def test_partial_rotary_hf_and_vllm_calls_of_the_rope_kernel_agree() -> None:
+    """GLM rotates half of each head: HF's call (cos/sin of rotary_dim) and vLLM's (``rotary_dim=``) give the
+    same bits, and the other half passes through unchanged."""
+    from logdiff import kernels
+
+    x = torch.randn(7, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    positions = torch.arange(7)
+    vllm_side = kernels.rope(x, positions, 1e6, rotary_dim=32)
+    cos, sin = kernels.rope_cos_sin(positions, 1e6, 32)
+    hf_side = kernels.rope_apply(x, cos[:, None], sin[:, None], "neox")
+    assert torch.equal(vllm_side, hf_side)
+    assert torch.equal(vllm_side[..., 32:], x[..., 32:]) and not torch.equal(vllm_side[..., :32], x[..., :32])
+    ref = kernels.rope_reference(x.double(), positions, 1e6, rotary_dim=32)
+    assert (vllm_side.double() - ref).abs().max() <= 2**-7 * ref.abs().max()
 
 
 def test_a_gated_shared_expert_is_refused_in_one_line(tiny_glm: routing.Any) -> None:

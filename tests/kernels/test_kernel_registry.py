@@ -18,6 +18,7 @@ def test_catalogue_names_the_api_and_resolves_references():
         "silu_and_mul",
         "log_softmax",
         "moe_route",
+        "moe_route_grouped",
         "moe_combine",
         "gemma_rms_norm",
         "gelu_tanh_and_mul",
