@@ -217,6 +217,9 @@ def _plan(model: Any) -> _Plan:
     plan = _Plan(norm_offset=arch.norm_offset, final_softcap=arch.final_softcap(config))
     for name, module in model.named_modules():
         cls = type(module).__name__
+        refusal = arch.consistent_refusal(module)
+        if refusal:
+            raise NotImplementedError(f"consistent_hf: {refusal} ({name})")
         if isinstance(module, nn.Linear):
             plan.linears.append((name, module))
         elif cls.endswith("RMSNorm"):

@@ -53,6 +53,9 @@ class Tap:
     ``tensor``, ``first`` (element 0 of a tuple), ``pair`` (both elements of a
     2-tuple), ``norm_pair`` (a tensor, or ``(normed, residual)``),
     ``split_qkv`` (q/k/v sizes from the attention module), ``split_half``,
+    ``split:a,b`` (the last dim in parts sized by the calling module's attributes
+    ``a``, ``b``: MLA's ``kv_lora_rank``, ``qk_rope_head_dim``), ``split_heads:a,b``
+    (each head's slice in such parts: MLA's no-position and RoPE parts of q),
     ``logits_field`` (the ``logits`` of a model output), ``heads_first`` (a
     tensor in HF's attention layout ``[B, heads, L, D]``: Gemma 3's q/k norms).
     ``names`` are format strings (``{N}``, ``{RES_IN}``: the residual stream
@@ -81,6 +84,7 @@ class CorrespondenceMap:
     num_layers: int
     mapped: bool = True  # False for the name-matching fallback
     functions: dict[str, str] = field(default_factory=dict)  # role (rope_q, rope_k, attn_core) -> "...{N}..."
+    rope_function: str = "apply_rotary_pos_emb"  # the modeling module's RoPE function the HF recorder wraps
     _index: dict[str, Boundary] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -364,7 +364,22 @@ class Recorder:
             return list(out.split([q, kv, kv], dim=-1))
         if how == "split_half":
             return list(out.chunk(2, dim=-1))
+        if how.startswith(("split:", "split_heads:")):
+            return self._split_by_attributes(how, out)
         raise ValueError(f"unknown tap selection {how!r}")
+
+    def _split_by_attributes(self, how: str, out: Any) -> list[Any] | None:
+        """``split:a,b``: the last dim in parts of the calling module's attributes ``a``, ``b`` (MLA's
+        ``kv_lora_rank``, ``qk_rope_head_dim``); ``split_heads:a,b``: each head's slice in such parts."""
+        kind, _, attrs = how.partition(":")
+        parent = self._stack[-2][1] if len(self._stack) >= 2 else None
+        sizes = [getattr(parent, a, None) for a in attrs.split(",")]
+        if any(not isinstance(n, int) for n in sizes):
+            self._warn(f"{type(parent).__name__} has no {attrs}; cannot split its projection")
+            return None
+        if kind == "split_heads":
+            out = out.reshape(*out.shape[:-1], -1, sum(sizes))
+        return list(out.split(sizes, dim=-1))
 
     def _emit(
         self, name: str, tensor: Any, layout: Layout, rmap: RowMap | None, spec: Any, owner: str | None = None
@@ -426,19 +441,20 @@ class Recorder:
 
     def _install_hf_functions(self) -> None:
         modeling = sys.modules.get(type(self.model).__module__)
-        orig_rope = getattr(modeling, "apply_rotary_pos_emb", None)
+        rope_name = self.cmap.rope_function  # apply_rotary_pos_emb(q, k, cos, sin); DeepSeek: apply_rotary_emb(q, k, freqs)
+        orig_rope = getattr(modeling, rope_name, None)
         if orig_rope is not None and self.cmap.mapped:
 
-            def rope(q: Any, k: Any, cos: Any, sin: Any, *a: Any, **kw: Any) -> Any:
-                with self._traced("apply_rotary_pos_emb") as pseudo:
-                    out = orig_rope(q, k, cos, sin, *a, **kw)
+            def rope(q: Any, k: Any, *tables: Any, **kw: Any) -> Any:
+                with self._traced(rope_name) as pseudo:
+                    out = orig_rope(q, k, *tables, **kw)
                 if self._rmap is not None and not self._paused:
-                    self._rope_tap(orig_rope, q, k, cos, sin, a, kw, out, pseudo)
+                    self._rope_tap(orig_rope, q, k, tables, kw, out, pseudo)
                 return out
 
-            self._patches.set(modeling, "apply_rotary_pos_emb", rope)
+            self._patches.set(modeling, rope_name, rope)
         elif self.cmap.mapped:
-            self._warn(f"{type(self.model).__name__}: no apply_rotary_pos_emb found; rope_q/rope_k not recorded")
+            self._warn(f"{type(self.model).__name__}: no {rope_name} found; rope_q/rope_k not recorded")
 
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -484,9 +500,7 @@ class Recorder:
             if on:
                 self.tracer.exit(name)
 
-    def _rope_tap(
-        self, fn: Any, q: Any, k: Any, cos: Any, sin: Any, a: tuple, kw: dict, out: Any, owner: str
-    ) -> None:
+    def _rope_tap(self, fn: Any, q: Any, k: Any, tables: tuple, kw: dict, out: Any, owner: str) -> None:
         n = self._layer_from_stack()
         if n is None:
             return
@@ -496,7 +510,8 @@ class Recorder:
             return
         inputs = (bq.inputs[0], bk.inputs[0])
         for which, (name, t) in enumerate(zip(names, out)):
-            spec = replay.rope(fn, inputs, q, k, cos, sin, which, **kw) if not a else None
+            # replayable with its position tables (cos, sin or complex freqs), not with legacy extra arguments
+            spec = replay.rope(fn, inputs, q, k, tables, which, **kw) if len(tables) <= 2 else None
             self._emit(name, t, HEADS_FIRST, self._rmap, spec, owner)
 
     def _attention_tap(
@@ -510,7 +525,8 @@ class Recorder:
         if b is None:
             return
         spec = None
-        if k.shape[2] == q.shape[2]:  # the call sees the whole context: replayable
+        # the call sees the whole context and its q, k, v are the three input boundaries (not MLA's latent): replayable
+        if k.shape[2] == q.shape[2] and len(b.inputs) == 3:
             spec = replay.attention(fn, owner, b.inputs, q, k, v, a, kw)
         self._emit(name, out[0], PLAIN, self._rmap, spec, pseudo)
 

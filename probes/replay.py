@@ -18,8 +18,8 @@ to call the op. Builders exist for every op HF exposes standalone:
   block, ``lm_head`` -- ``module.forward`` on the rebuilt input;
 * ``add``: the residual adds (``a + b``, as HF writes them);
 * ``act_mul``: ``act_fn(gate) * up``;
-* ``rope``: the modeling file's ``apply_rotary_pos_emb`` with the live call's
-  ``cos``/``sin``;
+* ``rope``: the modeling file's ``apply_rotary_pos_emb`` (the adapter's
+  ``rope_function``) with the live call's ``cos``/``sin`` (or complex ``freqs``);
 * ``attention``: the model's attention function (eager/sdpa) on replaced
   q/k/v with the live mask, only where the call sees the whole context (a full
   forward, not a KV-cache step). Decode-side attention cannot be replayed this
@@ -71,12 +71,13 @@ def act_mul(act: Any, names: Sequence[str], live: Sequence[Any]) -> ReplaySpec:
 
 
 def rope(
-    fn: Callable[..., Any], names: Sequence[str], q: Any, k: Any, cos: Any, sin: Any, which: int, **kw: Any
+    fn: Callable[..., Any], names: Sequence[str], q: Any, k: Any, tables: tuple, which: int, **kw: Any
 ) -> ReplaySpec:
-    """``fn(q, k, cos, sin)[which]`` with q and k (``[B, heads, L, D]``) rebuilt."""
+    """``fn(q, k, *tables)[which]`` with q and k (``[B, heads, L, D]``) rebuilt; ``tables``: the live
+    call's position tables (``cos, sin``; DeepSeek's complex ``freqs_cis``)."""
     return ReplaySpec(
         [(names[0], q, HEADS_FIRST), (names[1], k, HEADS_FIRST)],
-        lambda xs: fn(xs[0], xs[1], cos, sin, **kw)[which],
+        lambda xs: fn(xs[0], xs[1], *tables, **kw)[which],
         out_layout=HEADS_FIRST,
         method="rope",
     )

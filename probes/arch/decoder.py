@@ -391,6 +391,10 @@ class DecoderAdapter(ArchAdapter):
             "scaling": float(getattr(router, "routed_scaling_factor", 1.0)),
         }
 
+    def consistent_refusal(self, module: Any) -> str | None:
+        """What consistent mode has no kernel for in this HF module (one line naming the op), or None."""
+        return None
+
     def is_attention(self, module: Any) -> bool:
         """An attention module (its modeling module holds ``apply_rotary_pos_emb``)."""
         return hasattr(module, "q_proj") and hasattr(module, "o_proj")

@@ -36,7 +36,7 @@ def test_every_supported_architecture_has_an_adapter_and_demo_names_are_model_ty
 
 @pytest.mark.parametrize(
     ("given", "nearest"),
-    [("DeepseekV2ForCausalLM", "Qwen2ForCausalLM"), ("MixtralForCausalLm", "MixtralForCausalLM"), ("LlamaForCausalLm", "LlamaForCausalLM")],
+    [("FalconForCausalLM", "MixtralForCausalLM"), ("MixtralForCausalLm", "MixtralForCausalLM"), ("LlamaForCausalLm", "LlamaForCausalLM")],
 )
 def test_unsupported_architecture_is_one_line_naming_the_nearest(given: str, nearest: str) -> None:
     with pytest.raises(InputError) as e:

@@ -1,0 +1,373 @@
+"""DeepSeek-V2: multi-head latent attention (MLA) and a MoE with shared experts.
+
+An MLA layer projects the token to a compressed latent plus one decoupled
+RoPE key: ``kv_a_proj_with_mqa`` -> ``[compressed_kv | k_pe]``,
+``kv_a_layernorm`` on ``compressed_kv``, ``kv_b_proj`` up-projects the
+normed latent to per-head ``k_nope`` and ``v``. The query is ``q_proj`` (or
+the low-rank ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``), each head
+split into a no-position part and a RoPE part. RoPE (interleaved pairs, the
+GPT-J style) rotates only the RoPE parts: ``q_pe`` per head, ``k_pe`` once,
+shared by every head. Attention runs on ``q = [q_nope | rope(q_pe)]``,
+``k = [k_nope | rope(k_pe)]`` (head dim nope + rope), ``v`` (head dim
+``v_head_dim``), then ``o_proj``. The MLP is dense in the first
+``first_k_dense_replace`` layers, then a router over ``n_routed_experts``
+plus ``shared_experts`` (a plain gated MLP on every token) added to the
+routed sum.
+
+How the engines expose it, and the boundaries named after what they compute
+(docs/result-schema.md):
+
+* ``self_attn.q_proj.nope`` / ``.pe`` (or ``q_b_proj.nope`` / ``.pe``): each
+  head's slice of the query projection, split by ``split_heads`` with the
+  calling module's ``qk_nope_head_dim``/``qk_rope_head_dim`` (HF's attention,
+  vLLM's MLA wrapper hold both);
+* ``self_attn.kv_a_proj_with_mqa.compressed_kv`` / ``.k_pe``: the latent and
+  the RoPE key before RoPE (vLLM: ``kv_lora`` split the same way; with a
+  q-LoRA, vLLM fuses ``q_a_proj`` and ``kv_a_proj_with_mqa`` into
+  ``fused_qkv_a_proj``, split into the three);
+* ``self_attn.rope_q`` / ``rope_k``: RoPE on the RoPE parts only. HF calls
+  ``apply_rotary_emb(q_pe, k_pe, freqs_cis)`` (the recorder wraps it,
+  ``rope_function``); vLLM's ``rotary_emb`` returns the same pair;
+* ``self_attn.latent_attn``: attention *from the latent*: ``kv_b_proj``'s
+  up-projection plus softmax attention, output per head of ``v_head_dim``. It
+  is one boundary because vLLM exposes nothing in between: its decode
+  absorbs ``kv_b_proj`` into the query and output (no ``k_nope``/``v`` ever
+  exist), and its prefill builds k and v inside the attention op. HF's
+  attention function output and vLLM's ``MLAAttention`` output are the equal
+  taps; ``kv_b_proj.weight`` is read here. HF's attention replay rebuilds
+  q, k, v, which vLLM never stores, so this op is classified by equal inputs
+  and contract, not replayed.
+* the MoE: ``mlp.gate`` (router logits), ``mlp.shared_experts.*`` (gate,
+  up, act_mul, down, as a dense MLP; vLLM packs gate/up), ``mlp`` (routed
+  sum plus the shared experts: vLLM's MoE runner returns only the total).
+
+vLLM resolves the attention's children through ``self_attn.mla_attn`` (the
+wrapper calls them), so the taps accept both paths. Contract: HF rotates
+interleaved pairs (``rope_style`` ``gptj``, vLLM's ``is_neox_style=False``);
+vLLM's attention scale sits on the MLA op (``mla_attn.mla_attn.impl.scale``);
+``latent_norm_eps`` is ``kv_a_layernorm``'s eps (HF builds it with the
+default 1e-6 whatever ``rms_norm_eps`` says, vLLM with ``rms_norm_eps``).
+
+The CPU vLLM refuses MLA head sizes other than the real ones (``Head dimension
+48 is not supported by MLA``), so the demo keeps ``kv_lora_rank`` 512,
+``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, and
+sets ``n_group``/``topk_group`` 1 (vLLM always routes grouped and asserts
+they are set; one group is plain top-k, HF's ``greedy``). Consistent mode
+has no MLA kernel and refuses it (``consistent_refusal``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from logdiff.probes.arch.base import Demo, register
+from logdiff.probes.arch.decoder import KEY_BOUNDARY, DecoderAdapter
+from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
+
+_L = r"model\.layers\.{N}"
+_N = "model.layers.{N}"
+_A = _L + r"\.self_attn(?:\.mla_attn)?"  # vLLM's MLA wrapper calls the attention's children
+_Q_SPLIT = "split_heads:qk_nope_head_dim,qk_rope_head_dim"
+_KV_SPLIT = "split:kv_lora_rank,qk_rope_head_dim"
+_KV = f"{_N}.self_attn.kv_a_proj_with_mqa"
+#: synthetic suffixes of split projections -> nothing (their weight is the projection's)
+_SPLIT_PARTS = (".nope", ".pe", ".compressed_kv", ".k_pe")
+
+
+def _q_taps(q: str) -> tuple[Tap, ...]:
+    return (Tap(_A + rf"\.{q}", "output", _Q_SPLIT, (f"{_N}.self_attn.{q}.nope", f"{_N}.self_attn.{q}.pe")),)
+
+
+_SHARED_HF = (
+    Tap(_L + r"\.mlp\.shared_experts\.gate_proj", "output", "tensor", (f"{_N}.mlp.shared_experts.gate_proj",)),
+    Tap(_L + r"\.mlp\.shared_experts\.up_proj", "output", "tensor", (f"{_N}.mlp.shared_experts.up_proj",)),
+    Tap(_L + r"\.mlp\.shared_experts\.down_proj", "input", "tensor", (f"{_N}.mlp.shared_experts.act_mul",)),
+    Tap(_L + r"\.mlp\.shared_experts\.down_proj", "output", "tensor", (f"{_N}.mlp.shared_experts.down_proj",)),
+)
+
+HF_TAPS = (
+    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
+    Tap(_L, "input", "tensor", ("{RES_IN}",), emit=False),
+    Tap(_L + r"\.input_layernorm", "output", "tensor", (f"{_N}.input_layernorm",)),
+    *_q_taps("q_proj"),
+    Tap(_A + r"\.q_a_proj", "output", "tensor", (f"{_N}.self_attn.q_a_proj",)),
+    Tap(_A + r"\.q_a_layernorm", "output", "tensor", (f"{_N}.self_attn.q_a_layernorm",)),
+    *_q_taps("q_b_proj"),
+    Tap(_A + r"\.kv_a_proj_with_mqa", "output", _KV_SPLIT, (f"{_KV}.compressed_kv", f"{_KV}.k_pe")),
+    Tap(_A + r"\.kv_a_layernorm", "output", "tensor", (f"{_N}.self_attn.kv_a_layernorm",)),
+    Tap(_L + r"\.self_attn\.o_proj", "output", "tensor", (f"{_N}.self_attn.o_proj",)),
+    Tap(_L + r"\.post_attention_layernorm", "input", "tensor", (f"{_N}.residual_attn",)),
+    Tap(_L + r"\.post_attention_layernorm", "output", "tensor", (f"{_N}.post_attention_layernorm",)),
+    Tap(_L + r"\.mlp\.gate_proj", "output", "tensor", (f"{_N}.mlp.gate_proj",)),
+    Tap(_L + r"\.mlp\.up_proj", "output", "tensor", (f"{_N}.mlp.up_proj",)),
+    Tap(_L + r"\.mlp\.down_proj", "input", "tensor", (f"{_N}.mlp.act_mul",)),
+    Tap(_L + r"\.mlp\.down_proj", "output", "tensor", (f"{_N}.mlp.down_proj",)),
+    *_SHARED_HF,
+    Tap(_L + r"\.mlp\.gate", "output", "first", (f"{_N}.mlp.gate",)),
+    Tap(_L + r"\.mlp", "output", "tensor", (f"{_N}.mlp",)),
+    Tap(_L, "output", "tensor", (f"{_N}.residual_mlp",)),
+    Tap(r"model\.norm", "output", "tensor", ("model.norm",)),
+    Tap(r"lm_head", "output", "tensor", ("logits",)),
+)
+
+#: vLLM's MoE runner calls the shared experts through its ``SharedExperts`` (which holds them as ``_layer``)
+_SHARED = _L + r"\.mlp(?:\.shared_experts|\.experts\._shared_experts\._layer)"
+VLLM_TAPS = (
+    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
+    Tap(_L + r"\.input_layernorm", "output", "norm_pair", (f"{_N}.input_layernorm", "{PREV_RES}")),
+    *_q_taps("q_proj"),
+    Tap(
+        _A + r"\.fused_qkv_a_proj",
+        "output",
+        "split:q_lora_rank,kv_lora_rank,qk_rope_head_dim",
+        (f"{_N}.self_attn.q_a_proj", f"{_KV}.compressed_kv", f"{_KV}.k_pe"),
+    ),
+    Tap(_A + r"\.q_a_layernorm", "output", "tensor", (f"{_N}.self_attn.q_a_layernorm",)),
+    *_q_taps("q_b_proj"),
+    Tap(_A + r"\.kv_a_proj_with_mqa", "output", _KV_SPLIT, (f"{_KV}.compressed_kv", f"{_KV}.k_pe")),
+    Tap(_A + r"\.kv_a_layernorm", "output", "tensor", (f"{_N}.self_attn.kv_a_layernorm",)),
+    Tap(_A + r"\.rotary_emb", "output", "pair", (f"{_N}.self_attn.rope_q", f"{_N}.self_attn.rope_k")),
+    Tap(_L + r"\.self_attn\.mla_attn\.mla_attn", "output", "tensor", (f"{_N}.self_attn.latent_attn",)),
+    Tap(_A + r"\.o_proj", "output", "first", (f"{_N}.self_attn.o_proj",)),
+    Tap(
+        _L + r"\.post_attention_layernorm",
+        "output",
+        "pair",
+        (f"{_N}.post_attention_layernorm", f"{_N}.residual_attn"),
+    ),
+    Tap(_L + r"\.mlp\.gate_up_proj", "output", "split_half", (f"{_N}.mlp.gate_proj", f"{_N}.mlp.up_proj")),
+    Tap(_L + r"\.mlp\.act_fn", "output", "tensor", (f"{_N}.mlp.act_mul",)),
+    Tap(_L + r"\.mlp\.down_proj", "output", "first", (f"{_N}.mlp.down_proj",)),
+    Tap(
+        _SHARED + r"\.gate_up_proj",
+        "output",
+        "split_half",
+        (f"{_N}.mlp.shared_experts.gate_proj", f"{_N}.mlp.shared_experts.up_proj"),
+    ),
+    Tap(_SHARED + r"\.act_fn", "output", "tensor", (f"{_N}.mlp.shared_experts.act_mul",)),
+    Tap(_SHARED + r"\.down_proj", "output", "first", (f"{_N}.mlp.shared_experts.down_proj",)),
+    Tap(_L + r"\.mlp(?:\.experts)?\.gate", "output", "first", (f"{_N}.mlp.gate",)),
+    Tap(_L + r"\.mlp", "output", "tensor", (f"{_N}.mlp",)),
+    Tap(r"model\.norm", "output", "norm_pair", ("model.norm", "{LAST_RES}")),
+)
+
+FUNCTION_BOUNDARIES = {
+    "rope_q": "model.layers.{N}.self_attn.rope_q",
+    "rope_k": "model.layers.{N}.self_attn.rope_k",
+    "attn_core": "model.layers.{N}.self_attn.latent_attn",
+}
+
+#: where DeepSeek's own contract keys are read first
+_MLA_KEYS = {"latent_norm_eps": ("model.layers.0.self_attn.kv_a_layernorm", "norm")}
+
+
+def _mlp(p: str, n: int, ln: str) -> list[Boundary]:
+    """A gated MLP's boundaries under ``p`` (the dense layers' ``mlp``, the MoE's ``shared_experts``)."""
+    return [
+        Boundary(f"{p}.gate_proj", "linear", n, (ln,)),
+        Boundary(f"{p}.up_proj", "linear", n, (ln,)),
+        Boundary(f"{p}.act_mul", "act", n, (f"{p}.gate_proj", f"{p}.up_proj")),
+        Boundary(f"{p}.down_proj", "linear", n, (f"{p}.act_mul",)),
+    ]
+
+
+def _layer_boundaries(n: int, q_lora: bool, sparse: bool) -> list[Boundary]:
+    p, a = f"model.layers.{n}", f"model.layers.{n}.self_attn"
+    res_in = "model.embed_tokens" if n == 0 else f"model.layers.{n - 1}.residual_mlp"
+    ln_in = f"{p}.input_layernorm"
+    out = [Boundary(ln_in, "norm", n, (res_in,))]
+    if q_lora:
+        out += [
+            Boundary(f"{a}.q_a_proj", "linear", n, (ln_in,)),
+            Boundary(f"{a}.q_a_layernorm", "norm", n, (f"{a}.q_a_proj",)),
+        ]
+        q, q_in = f"{a}.q_b_proj", f"{a}.q_a_layernorm"
+    else:
+        q, q_in = f"{a}.q_proj", ln_in
+    kv = f"{a}.kv_a_proj_with_mqa"
+    out += [
+        Boundary(f"{q}.nope", "linear", n, (q_in,)),
+        Boundary(f"{q}.pe", "linear", n, (q_in,)),
+        Boundary(f"{kv}.compressed_kv", "linear", n, (ln_in,)),
+        Boundary(f"{kv}.k_pe", "linear", n, (ln_in,)),
+        Boundary(f"{a}.kv_a_layernorm", "norm", n, (f"{kv}.compressed_kv",)),
+        Boundary(f"{a}.rope_q", "rope", n, (f"{q}.pe",)),
+        Boundary(f"{a}.rope_k", "rope", n, (f"{kv}.k_pe",)),
+        Boundary(
+            f"{a}.latent_attn",
+            "attn",
+            n,
+            (f"{q}.nope", f"{a}.rope_q", f"{a}.kv_a_layernorm", f"{a}.rope_k"),
+            causal=True,
+        ),
+        Boundary(f"{a}.o_proj", "linear", n, (f"{a}.latent_attn",)),
+        Boundary(f"{p}.residual_attn", "add", n, (res_in, f"{a}.o_proj")),
+        Boundary(f"{p}.post_attention_layernorm", "norm", n, (f"{p}.residual_attn",)),
+    ]
+    ln = f"{p}.post_attention_layernorm"
+    if sparse:
+        shared = f"{p}.mlp.shared_experts"
+        out += [Boundary(f"{p}.mlp.gate", "router", n, (ln,))]
+        out += _mlp(shared, n, ln)
+        out += [Boundary(f"{p}.mlp", "moe", n, (ln, f"{shared}.down_proj"))]
+        mlp_out = f"{p}.mlp"
+    else:
+        out += _mlp(f"{p}.mlp", n, ln)
+        mlp_out = f"{p}.mlp.down_proj"
+    out.append(Boundary(f"{p}.residual_mlp", "add", n, (f"{p}.residual_attn", mlp_out)))
+    return out
+
+
+@dataclass(frozen=True)
+class DeepseekV2Adapter(DecoderAdapter):
+    """``DecoderAdapter`` with MLA attention and a shared-experts MoE after ``first_k_dense_replace`` layers."""
+
+    def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
+        n_layers = int(config["num_hidden_layers"])
+        q_lora = config.get("q_lora_rank") is not None
+        dense = int(config.get("first_k_dense_replace", 0) or 0)
+        freq = int(config.get("moe_layer_freq", 1) or 1)
+        boundaries = [Boundary("model.embed_tokens", "embed", None)]
+        for n in range(n_layers):
+            sparse = bool(config.get("n_routed_experts")) and n >= dense and n % freq == 0
+            boundaries += _layer_boundaries(n, q_lora, sparse)
+        boundaries += [
+            Boundary("model.norm", "norm", None, (f"model.layers.{n_layers - 1}.residual_mlp",)),
+            Boundary("logits", "logits", None, ("model.norm",)),
+            Boundary("log_softmax", "log_softmax", None, ("logits",)),
+        ]
+        taps = {"hf": list(HF_TAPS), "vllm": list(VLLM_TAPS)}
+        return CorrespondenceMap(
+            self.architecture,
+            boundaries,
+            taps,
+            n_layers,
+            functions=dict(FUNCTION_BOUNDARIES),
+            rope_function="apply_rotary_emb",
+        )
+
+    # ---- classification ----------------------------------------------------------------------
+
+    def contract_keys(self, boundary: str, kind: str) -> tuple[list[str], list[str]]:
+        keys, weights = super().contract_keys(boundary, kind)
+        if boundary.endswith(_SPLIT_PARTS):  # a part of a projection reads the projection's weight
+            weights = [f"{boundary.rsplit('.', 1)[0]}.weight"]
+        elif kind == "norm" and boundary.endswith("kv_a_layernorm"):
+            keys = ["latent_norm_eps"]
+        elif kind == "attn":  # the latent's up-projection runs inside the attention op (vLLM absorbs it)
+            weights = [f"{boundary.rsplit('.', 1)[0]}.kv_b_proj.weight"]
+        elif kind in ("router", "moe"):
+            keys = [*keys, "routed_scaling_factor", "scoring_func"]
+            prefix = boundary if kind == "moe" else boundary.rsplit(".", 1)[0]
+            weights = [*weights, *self._router_extra_weights(prefix)]
+        return keys, weights
+
+    def _router_extra_weights(self, prefix: str) -> list[str]:
+        """Router tensors besides ``gate.weight`` (V3: the correction bias)."""
+        return []
+
+    def weight_boundary(self, name: str) -> tuple[str, str]:
+        owner = name.rsplit(".", 1)[0]
+        short = owner.rsplit(".", 1)[-1]
+        if short in ("q_proj", "q_b_proj"):
+            return f"{owner}.nope", "linear"
+        if short == "kv_a_proj_with_mqa":
+            return f"{owner}.compressed_kv", "linear"
+        if short == "kv_b_proj":
+            return f"{owner.rsplit('.', 1)[0]}.latent_attn", "attn"
+        return super().weight_boundary(name)
+
+    @property
+    def key_boundary(self) -> dict[str, tuple[str, str]]:
+        moe = {k: ("model.layers.0.mlp.gate", "router") for k in ("routed_scaling_factor", "scoring_func")}
+        return {**KEY_BOUNDARY, **_MLA_KEYS, **moe}
+
+    # ---- contract readers -----------------------------------------------------------------------
+
+    def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
+        """RoPE style, the attention scale on vLLM's MLA op, the latent norm's eps, routing settings."""
+        cfg = getattr(model, "config", None)
+        attn = self.attention(self.layers(model)[0])
+        latent_eps = float(attn.kv_a_layernorm.variance_epsilon)
+        if family == "hf":
+            router = self._first_router(model)
+            return {
+                "rope_style": "gptj",  # apply_rotary_emb rotates interleaved pairs (complex multiply)
+                "latent_norm_eps": latent_eps,
+                "routed_scaling_factor": float(router.routed_scaling_factor) if router is not None else None,
+                "scoring_func": getattr(cfg, "scoring_func", "softmax") if router is not None else None,
+            }
+        impl = getattr(getattr(getattr(attn, "mla_attn", None), "mla_attn", None), "impl", None)
+        runner = next((m for m in model.modules() if hasattr(m, "w13_weight") and hasattr(m, "top_k")), None)
+        router = getattr(runner, "router", None)
+        return {
+            "attention_scale": float(impl.scale) if impl is not None else None,
+            "latent_norm_eps": latent_eps,
+            "routed_scaling_factor": _float(getattr(router, "routed_scaling_factor", None)),
+            "scoring_func": getattr(router, "scoring_func", None) if runner is not None else None,
+        }
+
+    def _first_router(self, model: Any) -> Any:
+        return next((r for r in (self.router(layer) for layer in self.layers(model)) if r is not None), None)
+
+    # ---- weights, routing, consistent mode --------------------------------------------------------
+
+    @property
+    def packed(self) -> dict[str, tuple[str, ...]]:
+        return {**super().packed, "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+
+    def router(self, layer: Any) -> Any | None:
+        return getattr(getattr(layer, "mlp", None), "gate", None)
+
+    #: the MoE block's shared experts (a gated MLP)
+    shared_expert = "shared_experts"
+
+    def consistent_refusal(self, module: Any) -> str | None:
+        if hasattr(module, "kv_b_proj") and hasattr(module, "kv_a_layernorm"):
+            return "MLA attention (latent kv_b_proj up-projection, decoupled RoPE heads) has no consistent kernel"
+        return None
+
+    def is_attention(self, module: Any) -> bool:
+        return hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "o_proj")
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if value is not None else None
+
+
+#: the MLA shapes vLLM's CPU MLA accepts, on the demo's hidden 256 / 4 heads
+MLA_SHAPE = {
+    "num_key_value_heads": 4,  # MLA: every head gets its own k and v from the latent
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+}
+
+DEEPSEEK_V2 = register(
+    DeepseekV2Adapter("DeepseekV2", "deepseek-v2", moe=True, sliding_window_flag=None, router_renormalizes=False),
+    Demo(
+        "deepseek-v2",
+        "DeepseekV2ForCausalLM",
+        "DeepseekV2Config",
+        {
+            **MLA_SHAPE,
+            "q_lora_rank": None,  # as DeepSeek-V2-Lite: q_proj straight from the hidden state
+            "intermediate_size": 768,  # the dense first layer
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 256,
+            "topk_method": "greedy",
+            "n_group": 1,  # vLLM always routes grouped and needs both set; one group is plain top-k
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.0,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        "DeepSeek-V2: MLA (no q-LoRA), 8 routed + 1 shared expert, first layer dense",
+    ),
+)
