@@ -1,9 +1,9 @@
 """What the kernels may remember between calls, owned by the block that asked for it.
 
 The kernels are pure functions: called alone, they keep nothing. Repeated work
-between calls (a weight widened and column-padded for the fixed-tile GEMM, the
-RoPE cos/sin table, the attention mask layout that every layer of one forward
-shares) is cached only inside ``kernel_caches()``, in a ``KernelCaches`` object
+between calls (a weight widened and column-padded for the fixed-tile GEMM, whether
+the BLAS gives wide row tiles the bits of narrow ones, the RoPE cos/sin table, the
+attention mask layout that every layer of one forward shares) is cached only inside ``kernel_caches()``, in a ``KernelCaches`` object
 that the block creates and drops on exit. The block is found through a
 ``ContextVar``, the way ``torch.no_grad()`` is: nested blocks share the outer
 one's caches, and code outside every block (or on another thread) sees none.
@@ -28,6 +28,7 @@ class KernelCaches:
     weights: dict[int, tuple[Any, tuple, Any]] = field(default_factory=dict)  # id -> (weakref, key, prepared)
     rope_tables: dict[tuple[float, int, str], tuple[Any, Any]] = field(default_factory=dict)
     attention_layout: tuple[tuple, Any] | None = None  # (key, layout) of the last call
+    wide_tiles: dict[tuple, bool] = field(default_factory=dict)  # GEMM shape -> wide row tiles give the narrow bits
 
 
 _ACTIVE: ContextVar[KernelCaches | None] = ContextVar("logdiff_kernel_caches", default=None)

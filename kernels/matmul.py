@@ -10,7 +10,12 @@ Design: **one GEMM shape per call site, whatever M and N are.**
 
 * Rows (M): ``x`` is cut into tiles of exactly :data:`M_TILE` rows (the last
   one zero-padded) in a fresh contiguous buffer, so tiles also start at fixed
-  alignments.
+  alignments. A decode step of a few rows pads to 16, not to a prefill-sized
+  tile. Prefill would then stream the weight once per 16 rows; so where
+  :data:`WIDE_TILE` rows in one GEMM give every row **bitwise** the result of
+  16-row GEMMs (checked on this device, for this weight, thread count and
+  dtype, inside ``kernel_caches()``: a property of the BLAS, never assumed),
+  whole wide tiles go in one call. The result is the 16-row tiles' either way.
 * Columns (N): the weight is cut into tiles of exactly :data:`N_TILE` output
   columns (the last one zero-padded). Each row tile is multiplied by all column
   tiles in one ``bmm`` of ``[M_TILE, K] @ [K, N_TILE]`` items.
@@ -50,9 +55,12 @@ import torch
 from .caches import active, kernel_caches
 from .differentiable import needs_grad
 
-M_TILE = 64
-"""Rows per GEMM. Trades decode padding (a 1-row step computes 64 rows) against
-prefill cost (the weight is streamed once per 64 rows)."""
+M_TILE = 16
+"""Rows per GEMM: what a row's bits are defined by (a decode step pads to this many rows)."""
+WIDE_TILE = 64
+"""Rows per GEMM where the BLAS gives each of them the bits of M_TILE-row GEMMs (checked per shape)."""
+W_GRAD_TILE = 256
+"""Rows per weight-gradient GEMM in the backward (tile results added in one fixed order)."""
 N_TILE = 128
 """Output columns per GEMM (for weights up to N_TILED_MAX columns)."""
 N_TILED_MAX = 16384
@@ -109,30 +117,72 @@ def _forget(cache: dict, weight_id: int) -> Callable[[weakref.ref], None]:
     return callback
 
 
-def _row_tiles(x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x2`` ``[M, K]`` copied into a fresh zero buffer of whole M_TILE-row tiles, in ``dtype``."""
-    rows = torch.zeros(-(-x2.shape[0] // M_TILE) * M_TILE, x2.shape[1], dtype=dtype, device=x2.device)
+def _row_tiles(x2: torch.Tensor, dtype: torch.dtype, tile: int) -> torch.Tensor:
+    """``x2`` ``[M, K]`` copied into a fresh zero buffer of whole ``tile``-row tiles, in ``dtype``."""
+    rows = torch.zeros(-(-x2.shape[0] // tile) * tile, x2.shape[1], dtype=dtype, device=x2.device)
     rows[: x2.shape[0]] = x2
     return rows
+
+
+def _tile_gemm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``gemm(rows, out)``: ``rows [R, K] @ w.T`` into ``out`` (``[R, N]`` or ``[n_tiles, R, N_TILE]``)."""
+    n, k = w.shape
+    if n > N_TILED_MAX:
+        return lambda rows, out: torch.mm(rows, w.t(), out=out)
+    n_tiles = n // N_TILE
+    w_tiles = w.view(n_tiles, N_TILE, k).transpose(1, 2)  # [Bn, K, N_TILE]
+    return lambda rows, out: torch.bmm(rows.expand(n_tiles, *rows.shape), w_tiles, out=out)
+
+
+def _wide_tiles_agree(w: torch.Tensor, gemm: Callable[[torch.Tensor, torch.Tensor], None]) -> bool:
+    """Whether one WIDE_TILE-row GEMM gives every row the bits of M_TILE-row GEMMs, for this weight.
+
+    A property of the BLAS (its kernel choice and reduction order per shape), checked once per
+    (shape, dtype, device, threads) on random rows inside ``kernel_caches()``; outside one the
+    narrow tiles are used and nothing is checked.
+    """
+    caches = active()
+    if caches is None:
+        return False
+    key = (tuple(w.shape), w.dtype, str(w.device), torch.get_num_threads())
+    agree = caches.wide_tiles.get(key)
+    if agree is None:
+        gen = torch.Generator(device=w.device).manual_seed(0)
+        rows = torch.randn(WIDE_TILE, w.shape[1], generator=gen, device=w.device).to(w.dtype)
+        tiled = w.shape[0] <= N_TILED_MAX
+
+        def run(r: torch.Tensor) -> torch.Tensor:
+            out = torch.empty((w.shape[0] // N_TILE, len(r), N_TILE) if tiled else (len(r), w.shape[0]),
+                              dtype=w.dtype, device=w.device)  # fmt: skip
+            gemm(r, out)
+            return out
+
+        narrow = [run(rows[start : start + M_TILE]) for start in range(0, WIDE_TILE, M_TILE)]
+        agree = caches.wide_tiles[key] = torch.equal(run(rows), torch.cat(narrow, dim=1 if tiled else 0))
+    return agree
 
 
 def _tiled_mm(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[M, K] @ weight.T`` from fixed-shape GEMMs; returns ``[M, N]`` in ``dtype``."""
     m, k = x2.shape
     n = weight.shape[0]
-    rows = _row_tiles(x2, dtype)
+    rows = _row_tiles(x2, dtype, M_TILE)
     w = _prepare(weight, dtype)
+    gemm = _tile_gemm(w)
+    total = rows.shape[0]
+    wide_end = total - total % WIDE_TILE if total >= WIDE_TILE and _wide_tiles_agree(w, gemm) else 0
+    starts = [(s, WIDE_TILE) for s in range(0, wide_end, WIDE_TILE)] + [(s, M_TILE) for s in range(wide_end, total, M_TILE)]
     if n > N_TILED_MAX:
-        out = torch.empty(rows.shape[0], n, dtype=dtype, device=x2.device)
-        for start in range(0, rows.shape[0], M_TILE):
-            torch.mm(rows[start : start + M_TILE], w.t(), out=out[start : start + M_TILE])
+        out = torch.empty(total, n, dtype=dtype, device=x2.device)
+        for start, size in starts:
+            gemm(rows[start : start + size], out[start : start + size])
         return out[:m]
-    m_tiles, n_tiles = rows.shape[0] // M_TILE, w.shape[0] // N_TILE
-    w_tiles = w.view(n_tiles, N_TILE, k).transpose(1, 2)  # [Bn, K, N_TILE]
-    out = torch.empty(m_tiles, n_tiles, M_TILE, N_TILE, dtype=dtype, device=x2.device)
-    for i in range(m_tiles):
-        torch.bmm(rows[i * M_TILE : (i + 1) * M_TILE].expand(n_tiles, M_TILE, k), w_tiles, out=out[i])
-    return out.transpose(1, 2).reshape(rows.shape[0], n_tiles * N_TILE)[:m, :n]
+    n_tiles = w.shape[0] // N_TILE
+    parts = []
+    for start, size in starts:
+        parts.append(torch.empty(n_tiles, size, N_TILE, dtype=dtype, device=x2.device))
+        gemm(rows[start : start + size], parts[-1])
+    return torch.cat(parts, dim=1).transpose(0, 1).reshape(total, n_tiles * N_TILE)[:m, :n]
 
 
 def linear(
@@ -172,17 +222,17 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def _weight_grad(dy2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """``[sum_m dy[m]^T x[m] | sum_m dy[m]]`` (``[N, K+1]``) in fp32 (fp64 for fp64), one fixed order.
 
-    Rows are cut into the forward's zero-padded M_TILE tiles; each tile is one
-    ``[N, M_TILE] @ [M_TILE, K+1]`` GEMM (the ones column gives the bias gradient in
+    Rows are cut into zero-padded W_GRAD_TILE tiles; each tile is one
+    ``[N, W_GRAD_TILE] @ [W_GRAD_TILE, K+1]`` GEMM (the ones column gives the bias gradient in
     the same GEMM), and the tile results are added left to right. The order
     depends only on the number of tiles; zero rows (padding) add exact zeros.
     """
     acc = torch.float64 if dy2.dtype == torch.float64 else torch.float32
-    dy = _row_tiles(dy2, acc)
-    xs = _row_tiles(torch.cat([x2.to(acc), x2.new_ones(x2.shape[0], 1, dtype=acc)], dim=1), acc)
+    dy = _row_tiles(dy2, acc, W_GRAD_TILE)
+    xs = _row_tiles(torch.cat([x2.to(acc), x2.new_ones(x2.shape[0], 1, dtype=acc)], dim=1), acc, W_GRAD_TILE)
     total = torch.zeros(dy.shape[1], xs.shape[1], dtype=acc, device=dy.device)
-    for start in range(0, dy.shape[0], M_TILE):
-        total.add_(torch.mm(dy[start : start + M_TILE].t(), xs[start : start + M_TILE]))
+    for start in range(0, dy.shape[0], W_GRAD_TILE):
+        total.add_(torch.mm(dy[start : start + W_GRAD_TILE].t(), xs[start : start + W_GRAD_TILE]))
     return total
 
 

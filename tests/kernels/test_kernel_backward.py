@@ -11,6 +11,7 @@ from torch.autograd import gradcheck
 
 from logdiff import kernels as K
 from logdiff.kernels.fixed_order import halving_sum
+from logdiff.kernels.matmul import W_GRAD_TILE
 
 GRAD_BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 """Largest |kernel grad - fp64 autograd of the reference| relative to the largest |reference grad| (docs/kernels.md)."""
@@ -158,9 +159,9 @@ def test_a_rows_gradients_do_not_depend_on_the_other_rows(op, dtype, m):
 def _ignores_masked_rows(weight_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
     """Whether ``weight_grad(dy, x)`` is bitwise unchanged by appending masked rows (dy = 0) to the batch."""
     gen = torch.Generator().manual_seed(2)
-    dy, x = torch.randn(5 * K.M_TILE, 10, generator=gen), torch.randn(5 * K.M_TILE, 12, generator=gen)
-    masked_dy = torch.cat([dy, torch.zeros(3 * K.M_TILE, 10)])
-    masked_x = torch.cat([x, torch.randn(3 * K.M_TILE, 12, generator=gen)])
+    dy, x = torch.randn(5 * W_GRAD_TILE, 10, generator=gen), torch.randn(5 * W_GRAD_TILE, 12, generator=gen)
+    masked_dy = torch.cat([dy, torch.zeros(3 * W_GRAD_TILE, 10)])
+    masked_x = torch.cat([x, torch.randn(3 * W_GRAD_TILE, 12, generator=gen)])
     return torch.equal(weight_grad(dy, x), weight_grad(masked_dy, masked_x))
 
 
@@ -171,7 +172,7 @@ def _linear_weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _halving_over_tiles(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Negative control: the same tile GEMMs, added in a tree whose pairing depends on the number of tiles."""
-    tiles = [dy[i : i + K.M_TILE].t() @ x[i : i + K.M_TILE] for i in range(0, dy.shape[0], K.M_TILE)]
+    tiles = [dy[i : i + W_GRAD_TILE].t() @ x[i : i + W_GRAD_TILE] for i in range(0, dy.shape[0], W_GRAD_TILE)]
     return halving_sum(torch.stack(tiles), 0)
 
 

@@ -130,3 +130,43 @@ def test_negative_control_stock_fp32_linear_depends_on_batch_size(gen, stock_var
     in_batch = F.linear(x[:8], w)[:1]
     assert torch.equal(linear(x[:1], w), linear(x[:8], w)[:1])
     stock_varies(torch.equal(alone, in_batch), "stock fp32 F.linear is batch-invariant here")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [192, N_TILED_MAX + N_TILE])  # column-tiled, and one GEMM per row tile (lm_head)
+def test_wide_row_tiles_give_the_narrow_tiles_bits(gen, dtype, n):
+    """Inside kernel_caches() whole WIDE_TILE-row tiles go in one GEMM where the BLAS was checked to give
+    each row the bits of M_TILE-row GEMMs; every M then equals the narrow-only result outside the block."""
+    from logdiff.kernels import matmul
+
+    x, w = _xw(gen, m=3 * matmul.WIDE_TILE + 5, k=64, n=n, dtype=dtype)
+    with weight_cache() as caches:
+        for m in (1, M_TILE + 1, matmul.WIDE_TILE, 2 * matmul.WIDE_TILE + 3, len(x)):
+            assert torch.equal(linear(x[:m], w), full := linear(x, w)[:m]) and full.shape[0] == m
+        checked = caches.wide_tiles
+    assert len(checked) == 1  # one check per weight shape
+    assert torch.equal(linear(x, w), linear(x, w)) and torch.equal(
+        linear(x, w), _narrow_only(x, w)
+    ), f"wide tiles {'used' if next(iter(checked.values())) else 'refused'} but the bits differ"
+
+
+def _narrow_only(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.cat([linear(x[i : i + M_TILE], w) for i in range(0, len(x), M_TILE)])
+
+
+def test_wide_tiles_are_refused_where_a_gemm_depends_on_the_row_count():
+    """Negative control: a GEMM whose reduction order changes with the number of rows is caught by the check."""
+    from logdiff.kernels import matmul
+
+    w = torch.randn(N_TILE, 256, generator=torch.Generator().manual_seed(4))
+
+    def other_kernel_when_narrow(rows: torch.Tensor, out: torch.Tensor) -> None:
+        if len(rows) < matmul.WIDE_TILE:  # a "small-M kernel" that accumulates in another precision
+            out.copy_((rows.double() @ w.double().t()).float().unsqueeze(0))
+        else:
+            out.copy_((rows @ w.t()).unsqueeze(0))
+
+    with weight_cache():
+        assert not matmul._wide_tiles_agree(w, other_kernel_when_narrow)
+    with weight_cache():  # the control's control: each row alone, so the row count cannot matter
+        assert matmul._wide_tiles_agree(w, lambda rows, out: out.copy_(torch.stack([r @ w.t() for r in rows])[None]))
