@@ -270,7 +270,12 @@ def _layout(
         if all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, last[0], strict=True)):
             return last[1]
     layout = _Layout(
-        q_positions.to(device=device, dtype=torch.int64), kv_lens.to(device=device, dtype=torch.int64), g, hkv, d, window
+        q_positions.to(device=device, dtype=torch.int64),
+        kv_lens.to(device=device, dtype=torch.int64),
+        g,
+        hkv,
+        d,
+        window,
     )
     if caches is not None:
         caches.attention_layout = (key, layout)

@@ -33,7 +33,8 @@ def test_adapter_places_qk_norms_between_projections_and_rope() -> None:
     hf = {t.pattern: t.select for t in cmap.taps["hf"]}
     assert hf[r"model\.layers\.{N}\.self_attn\.q_norm"] == "heads_first"
     assert hf[r"lm_head"] == "tensor"  # no final soft cap: replayable logits
-    assert "logits_field" in {t.select for t in gemma3.correspondence({"num_hidden_layers": 2, "final_logit_softcapping": 30.0}).taps["hf"]}
+    capped = gemma3.correspondence({"num_hidden_layers": 2, "final_logit_softcapping": 30.0})
+    assert "logits_field" in {t.select for t in capped.taps["hf"]}  # a final cap: the model output's logits
     assert gemma3.contract_keys(f"{a}.q_norm", "norm") == (["qk_norm_eps"], [f"{a}.q_norm.weight"])
     assert "rope_local_base_freq" in gemma3.contract_keys(f"{a}.rope_q", "rope")[0]
     assert "layer_types" in gemma3.contract_keys(f"{a}.attn_core", "attn")[0]
@@ -100,7 +101,8 @@ def test_consistent_covers_gemma2_with_a_window_shorter_than_the_sequences(demo_
     fast = {**SMALL, "depth": "logprobs"}
     model = demo_model("gemma2")
     stock = logdiff.scan(model, infer=["hf-decode", "vllm"], train_set=window, infer_set=window, **fast)
-    fixed = logdiff.scan(model, infer=["hf-decode", "vllm"], train_set=window, infer_set=window, consistent=True, **fast)
+    sides = {"train_set": window, "infer_set": window}
+    fixed = logdiff.scan(model, infer=["hf-decode", "vllm"], consistent=True, **sides, **fast)
     assert {"hf-decode", "vllm"} <= {p["infer"] for p in fixed["pairs"]}
     assert all(p["metrics"]["abs_diff_max"] == 0.0 for p in fixed["pairs"]), [p["metrics"] for p in fixed["pairs"]]
     assert fixed["verdict"] == "consistent"

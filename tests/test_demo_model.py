@@ -154,10 +154,11 @@ def test_demo_model_loads_in_transformers_as_bf16(built, arch):
     model = AutoModelForCausalLM.from_pretrained(built[arch])
     expected = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "llama3": "LlamaForCausalLM",
-                "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}[arch]
+                "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                "gemma3": "Gemma3ForCausalLM"}[arch]
     assert type(model).__name__ == expected
     assert model.dtype == torch.bfloat16
-    assert model.config.tie_word_embeddings is (arch == "gemma2")  # vLLM's Gemma 2 always ties
+    assert model.config.tie_word_embeddings is (arch in ("gemma2", "gemma3"))  # vLLM's Gemma 2 always ties
     with safe_open(str(built[arch] / "model.safetensors"), "pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
     assert dtypes == {"BF16"}

@@ -46,7 +46,8 @@ _N = "model.layers.{N}"
 
 _QK_NORM_TAPS = {
     family: tuple(
-        Tap(_L + rf"\.self_attn\.{norm}", "output", select, (f"{_N}.self_attn.{norm}",)) for norm in ("q_norm", "k_norm")
+        Tap(_L + rf"\.self_attn\.{norm}", "output", select, (f"{_N}.self_attn.{norm}",))
+        for norm in ("q_norm", "k_norm")
     )
     for family, select in (("hf", "heads_first"), ("vllm", "tensor"))
 }
@@ -67,7 +68,10 @@ def _with_qk_norms(boundaries: list[Boundary], n: int) -> list[Boundary]:
     out: list[Boundary] = []
     for b in boundaries:
         if b.name == f"{a}.rope_q":
-            out += [Boundary(f"{a}.q_norm", "norm", n, (f"{a}.q_proj",)), Boundary(f"{a}.k_norm", "norm", n, (f"{a}.k_proj",))]
+            out += [
+                Boundary(f"{a}.q_norm", "norm", n, (f"{a}.q_proj",)),
+                Boundary(f"{a}.k_norm", "norm", n, (f"{a}.k_proj",)),
+            ]
             b = Boundary(b.name, b.kind, n, (f"{a}.q_norm",))
         elif b.name == f"{a}.rope_k":
             b = Boundary(b.name, b.kind, n, (f"{a}.k_norm",))
@@ -118,11 +122,14 @@ class Gemma3Adapter(Gemma2Adapter):
             theta = {t: float(params[t]["rope_theta"]) for t in (SLIDING, FULL) if t in params and t in types}
             rope_type = {t: params[t].get("rope_type", "default") for t in theta}
         else:
+            from logdiff.probes.contracts import VLLM_ROPE_TYPES
+
             layers = self.layers(model)
             types = [SLIDING if self.attention(layer).attn.impl.sliding_window != -1 else FULL for layer in layers]
-            rotaries = {t: self.attention(layers[i]).rotary_emb for t in (SLIDING, FULL) if (i := _first_of_type(types, t)) is not None}
+            firsts = {t: _first_of_type(types, t) for t in (SLIDING, FULL)}
+            rotaries = {t: self.attention(layers[i]).rotary_emb for t, i in firsts.items() if i is not None}
             theta = {t: float(r.base) for t, r in rotaries.items()}
-            rope_type = {t: "default" if type(r).__name__ == "RotaryEmbedding" else type(r).__name__ for t, r in rotaries.items()}
+            rope_type = {t: VLLM_ROPE_TYPES.get(type(r).__name__, type(r).__name__) for t, r in rotaries.items()}
         return {
             **extras,
             "rope_theta": theta.get(FULL),
@@ -144,7 +151,7 @@ GEMMA3 = register(
             "hidden_act": "gelu_pytorch_tanh",  # not read by Gemma 3; set so nothing mistakes it for SiLU
             "query_pre_attn_scalar": 64,
             "sliding_window": 8,  # shorter than a test's 16-token sequences: the window hides keys
-            "layer_types": [SLIDING, FULL, SLIDING, FULL],
+            "sliding_window_pattern": 2,  # every second layer full: sliding, full, sliding, full (any depth)
             "tie_word_embeddings": True,
             "rope_parameters": {
                 SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},

@@ -67,7 +67,8 @@ def test_windowed_batch_with_mixed_lengths_equals_each_sequence_alone(gen, dtype
         assert torch.equal(out[i, n:], torch.zeros_like(out[i, n:]))
     # the decode steps of a batch (one query per sequence, each at its last position) agree too
     q_last = torch.stack([q[i, n - 1 : n] for i, n in enumerate(lengths)])
-    last = attention_batched(q_last, k, v, torch.tensor(lengths)[:, None] - 1, 0.25, torch.tensor(lengths), window=window)
+    kv_lens = torch.tensor(lengths)
+    last = attention_batched(q_last, k, v, kv_lens[:, None] - 1, 0.25, kv_lens, window=window)
     for i, n in enumerate(lengths):
         assert torch.equal(last[i, 0], out[i, n - 1])
 
