@@ -28,7 +28,8 @@ What differs from Qwen3-MoE, and how the adapter covers it:
 * **Optional q/k norm** (``use_qk_norm``), switched on per config.
 
 The demo: 8 routed experts of 128 in 2 groups (top-1 group, top-2 experts),
-one shared expert, layer 0 dense, partial rotary 0.5.
+one shared expert, layer 0 dense, partial rotary 0.5, q/k norms and a routed
+scaling of 2.5 (as GLM-4.5).
 """
 
 from __future__ import annotations
@@ -212,9 +213,9 @@ GLM4_MOE = register(
             "n_group": 2,
             "topk_group": 1,
             "norm_topk_prob": True,
-            "routed_scaling_factor": 1.0,
+            "routed_scaling_factor": 2.5,  # as GLM-4.5: HF scales the weights, vLLM the routed output
             "first_k_dense_replace": 1,
-            "use_qk_norm": False,
+            "use_qk_norm": True,  # as GLM-4.5
             "num_nextn_predict_layers": 0,
             "output_router_logits": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
