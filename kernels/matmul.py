@@ -124,7 +124,7 @@ def _row_tiles(x2: torch.Tensor, dtype: torch.dtype, tile: int) -> torch.Tensor:
     return rows
 
 
-def _tile_gemm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
+def tile_gemm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """``gemm(rows, out)``: ``rows [R, K] @ w.T`` into ``out`` (``[R, N]`` or ``[n_tiles, R, N_TILE]``)."""
     n, k = w.shape
     if n > N_TILED_MAX:
@@ -134,7 +134,7 @@ def _tile_gemm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
     return lambda rows, out: torch.bmm(rows.expand(n_tiles, *rows.shape), w_tiles, out=out)
 
 
-def _wide_tiles_agree(w: torch.Tensor, gemm: Callable[[torch.Tensor, torch.Tensor], None]) -> bool:
+def wide_tiles_agree(w: torch.Tensor, gemm: Callable[[torch.Tensor, torch.Tensor], None]) -> bool:
     """Whether one WIDE_TILE-row GEMM gives every row the bits of M_TILE-row GEMMs, for this weight.
 
     A property of the BLAS (its kernel choice and reduction order per shape), checked once per
@@ -168,9 +168,9 @@ def _tiled_mm(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> tor
     n = weight.shape[0]
     rows = _row_tiles(x2, dtype, M_TILE)
     w = _prepare(weight, dtype)
-    gemm = _tile_gemm(w)
+    gemm = tile_gemm(w)
     total = rows.shape[0]
-    wide_end = total - total % WIDE_TILE if total >= WIDE_TILE and _wide_tiles_agree(w, gemm) else 0
+    wide_end = total - total % WIDE_TILE if total >= WIDE_TILE and wide_tiles_agree(w, gemm) else 0
     starts = [(s, WIDE_TILE) for s in range(0, wide_end, WIDE_TILE)] + [(s, M_TILE) for s in range(wide_end, total, M_TILE)]
     if n > N_TILED_MAX:
         out = torch.empty(total, n, dtype=dtype, device=x2.device)

@@ -67,7 +67,7 @@ class Rescanner:
                 tuple(sorted(cfg.infer_set.items())))  # fmt: skip
 
 
-def _reference_rerun(
+def reference_rerun(
     cfg: ScanConfig, rescanner: Rescanner, families: set[str], warnings: list[str]
 ) -> Callable[[str], bool | None] | None:
     """Whether each op still introduces error with the reference kernels on both sides.
@@ -139,7 +139,7 @@ def diagnose(
     progress("rerunning both paths with the reference kernels", phase="reference_rerun")
     families = {classify.FAMILY.get(op.get("kind") or "module") for op in ops}
     families = set(KERNEL_FAMILIES) if None in families else families
-    reference = _reference_rerun(cfg, rescanner, families, result["warnings"]) if ops else None
+    reference = reference_rerun(cfg, rescanner, families, result["warnings"]) if ops else None
     progress(f"classifying {len(ops)} ops that introduce error", phase="classify")
     causes = []
     for op in ops:

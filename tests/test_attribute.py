@@ -51,7 +51,7 @@ def test_one_cause_family_costs_attribution_no_rescan_of_its_own() -> None:
     also "this cause alone", and "every other cause fixed" is the scan itself."""
     cfg = ScanConfig(model=Path("m"), depth="modules")
     rescanner, seen = _counting_rescanner(lambda c: 0.0 if c.consistent_kernels == ("rope",) else 0.5)
-    vanished = diagnose._reference_rerun(cfg, rescanner, {"rope"}, [])
+    vanished = diagnose.reference_rerun(cfg, rescanner, {"rope"}, [])
     assert vanished is not None and vanished("model.layers.0.self_attn.rope_q") is True
     assert [(c.consistent, c.consistent_kernels, c.depth) for c in seen] == [(True, ("rope",), "logprobs")]
     rescanner.remember(cfg, 0.5)
@@ -66,7 +66,7 @@ def test_several_families_reuse_the_reference_rescan_as_everything_fixed() -> No
     cfg = ScanConfig(model=Path("m"), depth="modules")
     families = {"rope", "attention", "rms_norm"}
     rescanner, seen = _counting_rescanner(lambda c: 0.0 if set(c.consistent_kernels or ()) == families else 0.5)
-    diagnose._reference_rerun(cfg, rescanner, families, [])
+    diagnose.reference_rerun(cfg, rescanner, families, [])
     rescanner.remember(cfg, 0.5)
     causes = [_operator_path(f) for f in sorted(families)]
     attribute.attribute(causes, cfg, 0.5, rescanner.logdiff)

@@ -167,6 +167,6 @@ def test_wide_tiles_are_refused_where_a_gemm_depends_on_the_row_count():
             out.copy_((rows @ w.t()).unsqueeze(0))
 
     with weight_cache():
-        assert not matmul._wide_tiles_agree(w, other_kernel_when_narrow)
+        assert not matmul.wide_tiles_agree(w, other_kernel_when_narrow)
     with weight_cache():  # the control's control: each row alone, so the row count cannot matter
-        assert matmul._wide_tiles_agree(w, lambda rows, out: out.copy_(torch.stack([r @ w.t() for r in rows])[None]))
+        assert matmul.wide_tiles_agree(w, lambda rows, out: out.copy_(torch.stack([r @ w.t() for r in rows])[None]))
