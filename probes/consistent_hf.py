@@ -37,8 +37,8 @@ shared expert (a gated MLP)           as any gated MLP; the block adds it    ``s
 ====================================  =====================================  ====================
 
 Shared experts: a block whose shared expert is a plain gated MLP (the
-adapter's ``mlp_parts``) and has no gate of its own (Qwen2-MoE's
-``shared_expert_gate``) is covered: the MLP goes through the kernels like any
+adapter's ``mlp_parts``) and has no gate of its own (the adapter's
+``shared_expert_gate``, Qwen2-MoE's) is covered: the MLP goes through the kernels like any
 other, and the block's own ``routed + shared`` is one addition of two
 model-dtype tensors, correctly rounded and order-free, so every engine that
 adds the same two tensors gets the same bits. Anything else is refused.
@@ -157,6 +157,7 @@ class _Plan:
     norm_offset: bool = False  # (1 + w) RMSNorm (Gemma)
     final_softcap: float | None = None  # the logits' soft cap (Gemma 2)
     routers: list[tuple[str, Any, bool, dict | None]] = field(default_factory=list)  # (name, module, renormalize, rule)
+    correction_bias: Callable[[Any], Any] | None = None  # a router -> its correction bias (the adapter's)
     experts: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, experts_parts)
     modeling_modules: set[str] = field(default_factory=set)
 
@@ -215,6 +216,7 @@ def _plan(model: Any) -> _Plan:
     if layer_types - ({"full_attention", "sliding_attention"} if window else {"full_attention"}):
         raise NotImplementedError(f"consistent_hf: layer types {sorted(layer_types)}")
     plan = _Plan(norm_offset=arch.norm_offset, final_softcap=arch.final_softcap(config))
+    plan.correction_bias = arch.correction_bias
     for name, module in model.named_modules():
         cls = type(module).__name__
         refusal = arch.consistent_refusal(module)
@@ -250,7 +252,7 @@ def _plan(model: Any) -> _Plan:
             plan.mlps.append((name, module, arch.mlp_parts))
         elif hasattr(module, arch.shared_expert):
             shared = getattr(module, arch.shared_expert)
-            if not all(hasattr(shared, a) for a in arch.mlp_parts) or hasattr(module, "shared_expert_gate"):
+            if not all(hasattr(shared, a) for a in arch.mlp_parts) or hasattr(module, arch.shared_expert_gate):
                 raise NotImplementedError(f"consistent_hf: {name} has a shared expert that is not a plain gated MLP")
         if arch.is_attention(module):
             plan.modeling_modules.add(type(module).__module__)
@@ -359,15 +361,23 @@ def _mlp_forward(module: Any, parts: tuple[str, ...], gated: str = "silu_and_mul
     return forward
 
 
-def _router_forward(module: Any, renormalize: bool, rule: dict | None = None) -> Callable:
+def _router_forward(
+    module: Any, renormalize: bool, rule: dict | None = None, bias_of: Callable | None = None
+) -> Callable:
     """Softmax top-k routing, or with a ``rule`` the grouped, bias-corrected one on fp32 logits (as HF's
-    DeepSeek-V3 and GLM-4.5 routers compute them); the bias is read at each call (training may move it)."""
+    DeepSeek-V3 and GLM-4.5 routers compute them); ``bias_of`` reads the router's correction bias at
+    each call (training may move it)."""
     from logdiff import kernels
 
     def forward(hidden_states: Any) -> tuple[Any, Any, Any]:
         rows = hidden_states.reshape(-1, module.weight.shape[1])
-        router_logits = kernels.linear(rows, module.weight)
-        weights, ids = kernels.moe_route(router_logits, int(module.top_k), renormalize)
+        if rule is None:
+            router_logits = kernels.linear(rows, module.weight)
+            weights, ids = kernels.moe_route(router_logits, int(module.top_k), renormalize)
+            return router_logits, weights, ids
+        router_logits = kernels.linear(rows.float(), module.weight)  # fp32 GEMM (the kernel casts the weight)
+        bias = bias_of(module) if bias_of is not None else None
+        weights, ids = kernels.moe_route_grouped(router_logits, int(module.top_k), renormalize, bias=bias, **rule)
         return router_logits, weights, ids
 
     return forward
@@ -615,7 +625,7 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
             patches.set(module, "forward", _mlp_forward(module, parts, plan.gated))
             report.add("silu_and_mul", name)
         for name, module, renormalize, rule in plan.routers if want("moe") else []:
-            patches.set(module, "forward", _router_forward(module, renormalize, rule))
+            patches.set(module, "forward", _router_forward(module, renormalize, rule, plan.correction_bias))
             report.add("moe_route", name)
         for name, module, parts in plan.experts if want("moe") else []:
             patches.set(module, "forward", _experts_forward(module, parts))

@@ -277,7 +277,7 @@ def _moe_problem(runner: Any) -> str | None:
     scale = router.routed_scaling_factor * runner.routed_scaling_factor
     if scale != 1.0 and runner.shared_experts is not None and runner.moe_config.in_dtype == torch.float16:
         return "MoE routed scaling in float16 (vLLM rescales the shared output instead)"
-    if runner.shared_experts is not None and getattr(runner, "shared_expert_gate", None) is not None:
+    if runner.shared_experts is not None and runner.shared_expert_gate is not None:
         return "MoE shared expert with a gate"
     if runner.routed_input_transform or runner.routed_output_transform:
         return "MoE routed transforms"

@@ -46,7 +46,8 @@ def test_layer_zero_is_dense_and_moe_layers_read_their_shared_expert() -> None:
     assert block.kind == "moe" and block.inputs == ("model.layers.1.post_attention_layernorm", f"{shared}.down_proj")
     # vLLM's runner calls the shared expert through its wrapper: both call names are tapped
     vllm = [t.regex() for t in cmap.taps["vllm"] if "shared_experts" in t.pattern and "gate_up" in t.pattern]
-    assert all(rx.match(f"model.layers.1.mlp{p}.gate_up_proj") for rx in vllm for p in (".shared_experts", ".experts._shared_experts._layer"))
+    calls = (".shared_experts", ".experts._shared_experts._layer")
+    assert vllm and all(rx.match(f"model.layers.1.mlp{c}.gate_up_proj") for rx in vllm for c in calls)
 
 
 def test_the_correction_bias_is_a_router_weight_and_the_rule_is_contract() -> None:
@@ -178,10 +179,11 @@ def test_a_gated_shared_expert_is_refused_in_one_line(tiny_glm: routing.Any) -> 
 
     block = tiny_glm.model.layers[1].mlp
     block.shared_expert_gate = torch.nn.Linear(64, 1, bias=False)  # Qwen2-MoE's sigmoid gate on the shared expert
+    assert adapter_for("Glm4MoeForCausalLM").shared_expert_gate == "shared_expert_gate"
     try:
-        with pytest.raises(NotImplementedError, match=r"^consistent_hf: model\.layers\.1\.mlp has a shared expert that is not a plain gated MLP$"):
-            with consistent_hf(tiny_glm):
-                pass
+        refusal = r"^consistent_hf: model\.layers\.1\.mlp has a shared expert that is not a plain gated MLP$"
+        with pytest.raises(NotImplementedError, match=refusal), consistent_hf(tiny_glm):
+            pass
     finally:
         del block.shared_expert_gate
 

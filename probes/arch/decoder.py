@@ -358,8 +358,10 @@ class DecoderAdapter(ArchAdapter):
     mlp_parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
     #: attribute names of a fused-experts module: gate_up, down
     experts_parts = ("gate_up_proj", "down_proj")
-    #: attribute of an MoE block holding a shared expert (not covered by consistent mode)
+    #: attribute of an MoE block holding a shared expert (consistent mode covers a plain gated MLP there)
     shared_expert = "shared_expert"
+    #: attribute of an MoE block gating its shared expert (Qwen2-MoE's sigmoid gate: not covered)
+    shared_expert_gate = "shared_expert_gate"
 
     def router(self, layer: Any) -> Any | None:
         """The HF MoE router of a decoder layer (a TopKRouter returning logits, weights, ids), or None."""
@@ -372,7 +374,11 @@ class DecoderAdapter(ArchAdapter):
     def router_bias(self, layer: Any) -> Any | None:
         """A decoder layer's expert-choice correction bias, on HF's or vLLM's layer (both on the block's ``gate``)."""
         block = getattr(layer, "mlp", None) or getattr(layer, self.moe_block, None)
-        return getattr(getattr(block, "gate", None), "e_score_correction_bias", None)
+        return self.correction_bias(getattr(block, "gate", None))
+
+    def correction_bias(self, router: Any) -> Any | None:
+        """An HF or vLLM router's ``e_score_correction_bias`` (DeepSeek-V3, GLM-4.5), or None."""
+        return getattr(router, "e_score_correction_bias", None)
 
     def routing_rule_of(self, router: Any) -> dict[str, Any] | None:
         """An HF router's grouped, bias-corrected rule as ``kernels.moe_route_grouped`` keywords, or None.
@@ -382,7 +388,7 @@ class DecoderAdapter(ArchAdapter):
         chooses within groups (``n_group``, or GLM's ``num_group``, and ``topk_group``);
         its weights are scaled by ``routed_scaling_factor``.
         """
-        if getattr(router, "e_score_correction_bias", None) is None:
+        if self.correction_bias(router) is None:
             return None
         return {
             "scoring": "sigmoid",
