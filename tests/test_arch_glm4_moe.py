@@ -220,6 +220,30 @@ def test_vllm_bias_fault_is_a_routing_weights_difference(demo_model: Callable[[s
     blamed = {c["boundary"]: c for c in r["causes"] if c["class"] == "framework_difference"}
     assert "model.layers.2.mlp" in blamed and blamed["model.layers.2.mlp"]["differs"] == [name], blamed
     assert not [c for c in r["causes"] if c["boundary"] == "model.layers.2.mlp" and c["class"] == "operator_path"]
+    # routing replay forced vLLM's choice on HF with GLM's weights (sigmoid scores, renormalized, scaled)
+    assert r["moe"]["replay"]["forced_tokens"] > 0 and r["moe"]["replay"]["share"] is not None
+
+
+@pytest.mark.vllm
+def test_consistent_vllm_patches_the_shared_expert_and_the_grouped_router(demo_model: Callable[[str], Path]) -> None:
+    """The stock shared expert happens to agree with HF here, so bitwise 0 alone would not show it is covered."""
+    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.probes.consistent_vllm import consistent_vllm, engine_objects
+    from logdiff.probes.vllm_consistent_ops import routing_rule
+
+    spec = EngineSpec(model_dir=str(demo_model("glm4-moe")), dtype="bfloat16",
+                      options=(("max_model_len", 256), ("max_num_seqs", 4)))  # fmt: skip
+    llm = acquire("vllm", spec).llm
+    model, _ = engine_objects(llm)
+    rule = routing_rule(model.model.layers[1].mlp.experts)
+    assert (rule["scoring"], rule["n_group"], rule["topk_group"], rule["scaling"]) == ("sigmoid", 2, 1, 2.5)
+    assert rule["bias"] is not None and rule["bias"].dtype == torch.float32
+    with consistent_vllm(llm) as summary:
+        shared = "model.layers.1.mlp.shared_experts"
+        assert {f"{shared}.gate_up_proj", f"{shared}.down_proj"} <= set(summary.replaced["linear"])
+        assert f"{shared}.act_fn" in summary.replaced["silu_and_mul"]
+        assert summary.replaced["moe"] == [f"model.layers.{n}.mlp.experts" for n in (1, 2, 3)]
+        assert "model.layers.1.mlp.gate" in summary.replaced["linear"]  # the fp32 router GEMM
 
 
 @pytest.mark.vllm
