@@ -97,6 +97,16 @@ OPS += [
     )
     for renorm in (True, False)
 ]
+_BIAS = torch.linspace(-0.2, 0.2, 8, dtype=torch.float64)  # a correction bias that changes the choice
+_GROUPED = {"bias": _BIAS, "n_group": 2, "topk_group": 1, "scaling": 2.5}
+OPS.append(
+    Op(
+        "moe_route_grouped",
+        lambda x: K.moe_route_grouped(x, 2, True, **_GROUPED)[0],
+        lambda x: K.moe_route_grouped_reference(x, 2, True, **_GROUPED)[0],
+        lambda g, m: ([_randn(g, m, 8, scale=2)], []),
+    )
+)
 IDS = [op.name for op in OPS]
 
 
