@@ -424,7 +424,8 @@ def diagnose_routing(result: dict[str, Any], run: Any, cfg: Any, progress: Any) 
     arch = find(run.architecture)
     config = run.train_engine.loaded_config().to_dict()
     family = getattr(arch, "router_renormalizes", None)
-    biases = {"train": router_biases(run.train_engine), "infer": router_biases(run.engine_of(pair["infer"]))}
+    infer_engine = run.engine_of(pair["infer"]) if run.infer_engines else None
+    biases = {"train": router_biases(run.train_engine), "infer": router_biases(infer_engine)}
     found = moe_section(routers, pair, result.get("contracts"), result["causes"], config, family, biases)
     if found is None:
         return
@@ -441,6 +442,8 @@ def router_biases(engine: Any) -> dict[int, np.ndarray]:
     """``{layer: correction bias}`` of the engine's routers (the adapter's ``router_bias``); empty without."""
     from logdiff.probes.arch import adapter_of
 
+    if engine is None:
+        return {}
     try:
         model = engine.module()
     except (AttributeError, NotImplementedError, RuntimeError):
