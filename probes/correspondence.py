@@ -56,6 +56,8 @@ class Tap:
     ``split:a,b`` (the last dim in parts sized by the calling module's attributes
     ``a``, ``b``: MLA's ``kv_lora_rank``, ``qk_rope_head_dim``), ``split_heads:a,b``
     (each head's slice in such parts: MLA's no-position and RoPE parts of q),
+    ``pair_deinterleaved`` (a pair, each with its even lanes then its odd lanes:
+    vLLM's GPT-J RoPE output in the layout HF's DeepSeek-V3 ``rope_interleave`` returns),
     ``logits_field`` (the ``logits`` of a model output), ``heads_first`` (a
     tensor in HF's attention layout ``[B, heads, L, D]``: Gemma 3's q/k norms).
     ``names`` are format strings (``{N}``, ``{RES_IN}``: the residual stream

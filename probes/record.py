@@ -354,6 +354,10 @@ class Recorder:
             if _is_tensor(value):
                 return [value, None] if how == "norm_pair" else None
             return [value[0], value[1]] if isinstance(value, (tuple, list)) and len(value) >= 2 else None
+        if how == "pair_deinterleaved":  # GPT-J RoPE output in HF's rope_interleave layout: even, then odd lanes
+            if not (isinstance(value, (tuple, list)) and len(value) >= 2):
+                return None
+            return [_deinterleave(value[0]), _deinterleave(value[1])]
         out = value[0] if isinstance(value, (tuple, list)) else value
         if how == "split_qkv":
             attn = self._stack[-2][1] if len(self._stack) >= 2 else None
@@ -605,6 +609,13 @@ def _qkv_sizes(attn: Any) -> tuple[int | None, int | None]:
         if heads is not None:
             q, kv = heads * attn.head_dim, attn.num_key_value_heads * attn.head_dim
     return q, kv
+
+
+def _deinterleave(x: Any) -> Any:
+    """``[x0, x1, x2, x3, ...]`` -> ``[x0, x2, ..., x1, x3, ...]`` along the last dim."""
+    import torch
+
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def _is_tensor(x: Any) -> bool:

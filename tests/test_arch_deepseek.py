@@ -1,10 +1,11 @@
-"""DeepSeek-V2 (MLA + shared experts) against the real CPU vLLM, and its adapter's own answers.
+"""DeepSeek-V2/V3 (MLA + shared experts) against the real CPU vLLM, and the adapters' own answers.
 
 The scan and the consistent-mode refusal are the generic properties of
 tests/test_architectures.py (``NEW``); here: planted one-sided faults in the
 two places only this family has (the latent up-projection ``kv_b_proj``,
 read inside vLLM's MLA op, and a shared expert), each blamed on the op that
-reads it, and the adapter's map without vLLM.
+reads it, V3's one-sided correction bias blamed on the router, and the
+adapters' maps without vLLM.
 """
 
 from __future__ import annotations
@@ -71,6 +72,27 @@ def test_shared_expert_fault_is_blamed_on_its_projection(demo_model: Callable[[s
 
 
 @pytest.mark.vllm
+def test_v3_correction_bias_fault_is_a_router_weight(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
+    """V3 routes on sigmoid + e_score_correction_bias: a one-sided bias is blamed on the router, as a weight."""
+    from safetensors.torch import load_file, save_file
+
+    model = demo_model("deepseek-v3")
+    name = "model.layers.2.mlp.gate.e_score_correction_bias"
+    sd = load_file(str(model / "model.safetensors"))
+    bias = sd[name].clone()
+    bias[0] += 0.5  # trained as zeros: a scale would change nothing
+    sd[name] = bias
+    ckpt = tmp_path / "stale.safetensors"
+    save_file(sd, str(ckpt))
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=ckpt, **SMALL)
+    assert r["contracts"]["weights"]["differs"] == [name]
+    assert r["contracts"]["train"]["scoring_func"] == r["contracts"]["infer"]["scoring_func"] == "sigmoid"
+    blamed = {c["boundary"]: c for c in r["causes"] if c["class"] == "framework_difference" and c["kind"] == "weights"}
+    assert set(blamed) <= {"model.layers.2.mlp.gate", "model.layers.2.mlp"} and "model.layers.2.mlp.gate" in blamed, blamed
+    assert blamed["model.layers.2.mlp.gate"]["differs"] == [name]
+
+
+@pytest.mark.vllm
 def test_consistent_refuses_mla_attention_in_one_line(demo_model: Callable[[str], Path]) -> None:
     with pytest.raises(InputError, match=r"--consistent: consistent_hf: MLA attention .*\(model\.layers\.0\.self_attn\)"):
         logdiff.scan(demo_model("deepseek-v2"), infer=["hf-decode", "vllm"], consistent=True, **{**SMALL, "depth": "logprobs"})
@@ -93,3 +115,31 @@ def test_adapter_maps_mla_weights_to_the_ops_that_read_them() -> None:
     assert order.index(f"{a}.q_a_proj") < order.index(f"{a}.q_a_layernorm") < order.index(f"{a}.q_b_proj.pe")
     assert "model.layers.0.mlp.gate" not in order and "model.layers.1.mlp.shared_experts.down_proj" in order
     assert cmap.rope_function == "apply_rotary_emb"
+    # V3: HF's rope_interleave returns the pairs de-interleaved; vLLM's interleaved output is compared that way
+    v3 = adapter_for("DeepseekV3ForCausalLM").correspondence({"num_hidden_layers": 1, "q_lora_rank": 64})
+    assert v3.rope_function == "apply_rotary_pos_emb_interleave"
+    assert [t.select for t in v3.taps["vllm"] if t.pattern.endswith("rotary_emb")] == ["pair_deinterleaved"]
+    assert adapter_for("DeepseekV3ForCausalLM").contract_keys("model.layers.1.mlp.gate", "router")[1][-1] == (
+        "model.layers.1.mlp.gate.e_score_correction_bias"
+    )
+
+
+def test_deinterleaved_vllm_rope_equals_hfs_interleave_layout() -> None:
+    """vLLM's GPT-J rotation, de-interleaved, is bitwise HF's apply_rotary_pos_emb_interleave (fp32 math)."""
+    import torch
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    from logdiff.probes.record import _deinterleave
+
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 6, 64), torch.randn(1, 1, 6, 64)
+    freqs = torch.arange(6)[:, None].float() * (1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    hq, hk = hf.apply_rotary_pos_emb_interleave(q, k, emb.cos()[None], emb.sin()[None])
+
+    def gptj(x: torch.Tensor) -> torch.Tensor:  # vLLM's forward_native with is_neox_style=False
+        cos, sin, x1, x2 = freqs.cos(), freqs.sin(), x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+    assert torch.equal(hq, _deinterleave(gptj(q))) and torch.equal(hk, _deinterleave(gptj(k)))
+    assert not torch.equal(hq, gptj(q))  # control: compared as stored, the layouts differ

@@ -59,7 +59,7 @@ has no MLA kernel and refuses it (``consistent_refusal``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from logdiff.probes.arch.base import Demo, register
@@ -158,6 +158,9 @@ FUNCTION_BOUNDARIES = {
     "rope_k": "model.layers.{N}.self_attn.rope_k",
     "attn_core": "model.layers.{N}.self_attn.latent_attn",
 }
+
+#: the routing rule's settings besides top-k and renormalisation, read from both engines' routers
+ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
 
 #: where DeepSeek's own contract keys are read first
 _MLA_KEYS = {"latent_norm_eps": ("model.layers.0.self_attn.kv_a_layernorm", "norm")}
@@ -259,7 +262,7 @@ class DeepseekV2Adapter(DecoderAdapter):
         elif kind == "attn":  # the latent's up-projection runs inside the attention op (vLLM absorbs it)
             weights = [f"{boundary.rsplit('.', 1)[0]}.kv_b_proj.weight"]
         elif kind in ("router", "moe"):
-            keys = [*keys, "routed_scaling_factor", "scoring_func"]
+            keys = [*keys, *ROUTING_KEYS]
             prefix = boundary if kind == "moe" else boundary.rsplit(".", 1)[0]
             weights = [*weights, *self._router_extra_weights(prefix)]
         return keys, weights
@@ -281,36 +284,48 @@ class DeepseekV2Adapter(DecoderAdapter):
 
     @property
     def key_boundary(self) -> dict[str, tuple[str, str]]:
-        moe = {k: ("model.layers.0.mlp.gate", "router") for k in ("routed_scaling_factor", "scoring_func")}
+        moe = {k: ("model.layers.0.mlp.gate", "router") for k in ROUTING_KEYS}
         return {**KEY_BOUNDARY, **_MLA_KEYS, **moe}
 
     # ---- contract readers -----------------------------------------------------------------------
 
     def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
-        """RoPE style, the attention scale on vLLM's MLA op, the latent norm's eps, routing settings."""
-        cfg = getattr(model, "config", None)
-        attn = self.attention(self.layers(model)[0])
-        latent_eps = float(attn.kv_a_layernorm.variance_epsilon)
+        """RoPE style, the attention scale on vLLM's MLA op, the latent norm's eps, the routing rule."""
+        layers = self.layers(model)
+        latent_eps = float(self.attention(layers[0]).kv_a_layernorm.variance_epsilon)
+        block = next((layer.mlp for layer in layers if hasattr(layer.mlp, "gate")), None)
         if family == "hf":
-            router = self._first_router(model)
-            return {
-                "rope_style": "gptj",  # apply_rotary_emb rotates interleaved pairs (complex multiply)
-                "latent_norm_eps": latent_eps,
-                "routed_scaling_factor": float(router.routed_scaling_factor) if router is not None else None,
-                "scoring_func": getattr(cfg, "scoring_func", "softmax") if router is not None else None,
-            }
-        impl = getattr(getattr(getattr(attn, "mla_attn", None), "mla_attn", None), "impl", None)
-        runner = next((m for m in model.modules() if hasattr(m, "w13_weight") and hasattr(m, "top_k")), None)
-        router = getattr(runner, "router", None)
-        return {
-            "attention_scale": float(impl.scale) if impl is not None else None,
-            "latent_norm_eps": latent_eps,
-            "routed_scaling_factor": _float(getattr(router, "routed_scaling_factor", None)),
-            "scoring_func": getattr(router, "scoring_func", None) if runner is not None else None,
+            out = {"rope_style": self.hf_rope_style(model.config), "latent_norm_eps": latent_eps}
+            return out | (self._hf_rule(block.gate) if block is not None else dict.fromkeys(ROUTING_KEYS))
+        impl = getattr(getattr(getattr(self.attention(layers[0]), "mla_attn", None), "mla_attn", None), "impl", None)
+        out = {"attention_scale": float(impl.scale) if impl is not None else None, "latent_norm_eps": latent_eps}
+        if block is None:
+            return out | dict.fromkeys(ROUTING_KEYS)
+        runner = block.experts  # a MoERunner: its router chooses, it scales the routed output
+        router = getattr(runner, "router", None) or runner
+        scale = float(getattr(router, "routed_scaling_factor", 1.0))
+        if router is not runner:
+            scale *= float(getattr(runner, "routed_scaling_factor", 1.0))
+        return out | {
+            "scoring_func": str(getattr(router, "scoring_func", None)),
+            "n_group": _int(getattr(router, "num_expert_group", None)),
+            "topk_group": _int(getattr(router, "topk_group", None)),
+            "routed_scaling_factor": scale,
         }
 
-    def _first_router(self, model: Any) -> Any:
-        return next((r for r in (self.router(layer) for layer in self.layers(model)) if r is not None), None)
+    def hf_rope_style(self, config: Any) -> str:
+        """V2's ``apply_rotary_emb`` rotates interleaved pairs (a complex multiply): GPT-J style."""
+        return "gptj"
+
+    def _hf_rule(self, gate: Any) -> dict[str, Any]:
+        """V2's router: softmax; groups only for ``group_limited_greedy`` (``greedy`` is one group)."""
+        grouped = getattr(gate, "topk_method", None) == "group_limited_greedy"
+        return {
+            "scoring_func": "softmax",
+            "n_group": int(gate.num_group) if grouped else 1,
+            "topk_group": int(gate.topk_group) if grouped else 1,
+            "routed_scaling_factor": float(gate.routed_scaling_factor),
+        }
 
     # ---- weights, routing, consistent mode --------------------------------------------------------
 
@@ -333,8 +348,8 @@ class DeepseekV2Adapter(DecoderAdapter):
         return hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "o_proj")
 
 
-def _float(value: Any) -> float | None:
-    return float(value) if value is not None else None
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 #: the MLA shapes vLLM's CPU MLA accepts, on the demo's hidden 256 / 4 heads
@@ -369,5 +384,78 @@ DEEPSEEK_V2 = register(
             "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
         },
         "DeepSeek-V2: MLA (no q-LoRA), 8 routed + 1 shared expert, first layer dense",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class DeepseekV3Adapter(DeepseekV2Adapter):
+    """DeepSeek-V3: V2's MLA and MoE layout with sigmoid grouped routing and a correction bias.
+
+    The router scores with a sigmoid, chooses the ``topk_group`` best of ``n_group``
+    groups on ``scores + e_score_correction_bias`` (a router weight: a one-sided
+    bias is a weights difference), weights from the unbiased scores, renormalized
+    (``norm_topk_prob``) and scaled by ``routed_scaling_factor``; vLLM needs
+    ``scoring_func: sigmoid`` and ``topk_method: noaux_tc`` in the config (real V3
+    checkpoints carry both; without them it routes with a softmax and no bias,
+    which the contract's ``scoring_func`` shows). With ``rope_interleave`` (the
+    default) HF rotates the interleaved pairs and returns them de-interleaved
+    (``apply_rotary_pos_emb_interleave``: even lanes, then odd), while vLLM keeps
+    them interleaved: vLLM's ``rope_q``/``rope_k`` are compared de-interleaved
+    (``pair_deinterleaved``), the same values in HF's order.
+    """
+
+    def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
+        cmap = super().correspondence(config)
+        if config.get("rope_interleave", True):
+            cmap.rope_function = "apply_rotary_pos_emb_interleave"
+            cmap.taps["vllm"] = [
+                replace(t, select="pair_deinterleaved") if t.pattern.endswith("rotary_emb") else t
+                for t in cmap.taps["vllm"]
+            ]
+        else:  # HF rotates halves of the checkpoint's interleaved lanes: a different rotation (rope_style neox)
+            cmap.rope_function = "apply_rotary_pos_emb"
+        return cmap
+
+    def hf_rope_style(self, config: Any) -> str:
+        return "gptj" if getattr(config, "rope_interleave", True) else "neox"
+
+    def _hf_rule(self, gate: Any) -> dict[str, Any]:
+        return {
+            "scoring_func": "sigmoid",  # DeepseekV3TopkRouter: scores = router_logits.sigmoid()
+            "n_group": int(gate.num_group),
+            "topk_group": int(gate.topk_group),
+            "routed_scaling_factor": float(gate.routed_scaling_factor),
+        }
+
+    def _router_extra_weights(self, prefix: str) -> list[str]:
+        return [f"{prefix}.gate.e_score_correction_bias"]
+
+
+DEEPSEEK_V3 = register(
+    DeepseekV3Adapter("DeepseekV3", "deepseek-v3", moe=True, sliding_window_flag=None, router_renormalizes=True),
+    Demo(
+        "deepseek-v3",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        {
+            **MLA_SHAPE,
+            "q_lora_rank": 128,  # q_a_proj -> q_a_layernorm -> q_b_proj (vLLM fuses q_a with kv_a)
+            "intermediate_size": 768,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 256,
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "scoring_func": "sigmoid",  # read by vLLM (HF's V3 router always uses a sigmoid)
+            "topk_method": "noaux_tc",  # vLLM: the router holds e_score_correction_bias
+            "rope_interleave": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        "DeepSeek-V3: MLA with q-LoRA, sigmoid grouped routing with a correction bias, 8 routed + 1 shared expert",
     ),
 )
