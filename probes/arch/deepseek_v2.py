@@ -1,4 +1,7 @@
-"""DeepSeek-V2: multi-head latent attention (MLA) and a MoE with shared experts.
+"""DeepSeek-V2 and V3: multi-head latent attention (MLA) and a MoE with shared experts.
+
+V3 (``DeepseekV3Adapter``, below) differs only in its router (sigmoid grouped
+top-k with a correction bias) and HF's RoPE layout (``rope_interleave``).
 
 An MLA layer projects the token to a compressed latent plus one decoupled
 RoPE key: ``kv_a_proj_with_mqa`` -> ``[compressed_kv | k_pe]``,
