@@ -111,8 +111,10 @@ def _gelu_tanh_fixed_calls(g: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` (Gemma's ``gelu_pytorch_tanh`` gated MLP) in fp32, rounded once.
 
-    Inference only (no backward).
+    Inference only: with autograd recording it raises (its fixed calls write in place).
     """
+    if needs_grad(gate, up):
+        raise NotImplementedError("gelu_tanh_and_mul: no backward")
     dtype = _compute_dtype(gate)
     return (_gelu_tanh_fixed_calls(gate.to(dtype)) * up.to(dtype)).to(gate.dtype)
 

@@ -38,7 +38,8 @@ Sliding window (Mistral, Gemma 2 and 3): with ``window = W`` a query at position
 ``p`` sees keys ``p - W < j <= p`` only (``W`` keys, its own included), as in HF's
 ``sliding_window_overlay`` and vLLM. The window is one more mask term, a
 function of absolute positions like the causal one, so hidden keys give the same
-exact zeros and every invariance above holds unchanged. Blocks wholly before a
+exact zeros and every invariance above holds unchanged (the backward's too: its
+probabilities are the forward's, zero where hidden). Blocks wholly before a
 query's window still take part (as exact zeros, in the same pairwise order in
 prefill and decode); callers whose cache drops old keys place the kept ones at
 their absolute indices and may leave the dropped ones as zeros.
@@ -135,15 +136,15 @@ def attention_heads_first(
     -> ``[B, Hq, T, D]``."""
     if window is not None and int(window) < 1:
         raise ValueError(f"attention: window must be at least 1, got {window}")
-    if softcap or window:
+    if softcap:
         if needs_grad(q, k, v):
-            raise NotImplementedError("attention: no backward with a softcap or a sliding window")
+            raise NotImplementedError("attention: no backward with a softcap")
         return _attention_forward(q, k, v, q_positions, scale, kv_lens, softcap, window)
     if needs_grad(q, k, v):
         from .attention_backward import Attention  # the backward builds on this module
 
-        return Attention.apply(q, k, v, q_positions, scale, kv_lens)
-    return _attention_forward(q, k, v, q_positions, scale, kv_lens)
+        return Attention.apply(q, k, v, q_positions, scale, kv_lens, window)
+    return _attention_forward(q, k, v, q_positions, scale, kv_lens, None, window)
 
 
 def _attention_forward(

@@ -45,16 +45,16 @@ class Attention(torch.autograd.Function):
     """:func:`attention_heads_first` with the fixed-order backward above."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_positions, scale, kv_lens):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, q_positions, scale, kv_lens, window=None):  # noqa: ANN001, ANN205
         ctx.save_for_backward(q, k, v, q_positions, kv_lens)
-        ctx.scale = scale
-        return _attention_forward(q, k, v, q_positions, scale, kv_lens)
+        ctx.scale, ctx.window = scale, window
+        return _attention_forward(q, k, v, q_positions, scale, kv_lens, None, window)
 
     @staticmethod
     def backward(ctx, d_out):  # noqa: ANN001, ANN205
         q, k, v, q_positions, kv_lens = ctx.saved_tensors
-        dq, dk, dv = attention_grads(q, k, v, q_positions, ctx.scale, kv_lens, d_out)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = attention_grads(q, k, v, q_positions, ctx.scale, kv_lens, d_out, ctx.window)
+        return dq, dk, dv, None, None, None, None
 
 
 def _pairs(x: torch.Tensor, nk_or_nq: int, dim: int) -> torch.Tensor:
@@ -72,11 +72,13 @@ def attention_grads(
     scale: float,
     kv_lens: torch.Tensor,
     d_out: torch.Tensor,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` for heads-first q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]`` and ``d_out`` like q."""
+    """``(dq, dk, dv)`` for heads-first q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]`` and ``d_out`` like q
+    (``window``: the forward's sliding window; hidden keys have zero probability, so zero gradient)."""
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
-    layout, g = _layout_of(q, k, q_positions, kv_lens)
+    layout, g = _layout_of(q, k, q_positions, kv_lens, window)
     q_tiles = _query_tiles(q, hkv, layout.n_qt)
     d_rows = torch.where(layout.has_query, d_out.reshape(b, hkv, g, t, d), 0)
     do_tiles = _query_tiles(d_rows.reshape(b, hq, t, d), hkv, layout.n_qt)

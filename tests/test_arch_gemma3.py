@@ -109,10 +109,11 @@ def test_consistent_covers_gemma2_with_a_window_shorter_than_the_sequences(demo_
     assert next(p for p in stock["pairs"] if p["infer"] == "vllm")["metrics"]["abs_diff_max"] > 0.0
 
 
-def test_consistent_training_step_refuses_the_window_in_one_line(demo_model: Callable[[str], Path]) -> None:
-    """The window kernel has no backward: ``train.grad=true`` under ``--consistent`` is one clear error (exit 2)."""
+def test_consistent_training_step_is_refused_in_one_line(demo_model: Callable[[str], Path]) -> None:
+    """``train.grad=true`` under ``--consistent``: the windowed attention has a backward now, but the gelu-tanh
+    MLP kernel has none; one clear error (exit 2), never a half-consistent step."""
     from logdiff.errors import InputError
 
     fast = {**SMALL, "depth": "logprobs"}
-    with pytest.raises(InputError, match="--consistent: attention: no backward with a softcap or a sliding window"):
+    with pytest.raises(InputError, match="--consistent: gelu_tanh_and_mul: no backward"):
         logdiff.scan(demo_model("gemma3"), infer=["hf-decode"], consistent=True, train_set={"grad": True}, **fast)

@@ -103,3 +103,24 @@ def test_a_mask_that_is_not_causal_is_refused(sequences):
     prompts, responses = sequences
     with consistent_hf(model), pytest.raises(NotImplementedError, match="not causal"):
         model(input_ids=torch.tensor([prompts[1] + responses[1]]))
+
+
+def test_windowed_training_step_has_the_inference_bits():
+    """Mistral with a window of 4 on 12 tokens (its SiLU MLP has a backward; Gemma's gelu-tanh kernel has none):
+    a train-mode step with autograd gives the no-grad bits, and every parameter gets a gradient."""
+    import transformers as tf
+
+    from logdiff import consistent_training, kernels
+
+    torch.manual_seed(0)
+    model = tf.MistralForCausalLM(tf.MistralConfig(**TINY, sliding_window=WINDOW)).to(torch.bfloat16).train()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    handle = consistent_training(model)
+    try:
+        lp = kernels.token_log_probs(model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:])
+        lp.sum().backward()
+        assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+        with torch.no_grad():
+            assert torch.equal(lp.detach(), kernels.token_log_probs(model(input_ids=ids).logits[:, :-1].float(), ids[:, 1:]))
+    finally:
+        handle.undo()

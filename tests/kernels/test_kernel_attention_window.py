@@ -101,9 +101,39 @@ def test_negative_control_the_window_changes_what_a_query_sees(gen):
     assert not torch.equal(attention(q, k_far, v, pos, 0.125)[60], causal[60])
 
 
-def test_window_has_no_backward_and_must_be_positive(gen):
+def test_window_must_be_positive(gen):
     q, k, v = _qkv(gen, s=8)
     with pytest.raises(ValueError, match="window"):
         attention(q, k, v, torch.arange(8), 0.125, window=0)
-    with pytest.raises(NotImplementedError, match="sliding window"):
-        attention(q.requires_grad_(), k, v, torch.arange(8), 0.125, window=4)
+
+
+@pytest.mark.parametrize("window", [1, 8, 23])
+def test_windowed_gradients_agree_with_fp64_autograd_of_the_reference(gen, window):
+    q, k, v = _qkv(gen, s=40, hq=4, hkv=2, d=16)
+    dy = torch.randn(q.shape, generator=gen)
+    pos = torch.arange(40)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ours = torch.autograd.grad(attention(*leaves, pos, 0.3, window=window), leaves, dy)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(attention_reference(*ref_leaves, pos, 0.3, window=window), ref_leaves, dy.double())
+    for got, want in zip(ours, ref):
+        assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, float(want.abs().max()))
+    k_far = k.clone().requires_grad_()
+    dk = torch.autograd.grad(attention(q, k_far, v, pos, 0.3, window=window)[-1:].sum(), k_far)[0]
+    assert torch.equal(dk[: 40 - window], torch.zeros_like(dk[: 40 - window]))  # keys outside the last query's window
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_windowed_query_gradients_are_the_same_in_prefill_and_in_decode_steps(gen, dtype):
+    q, k, v = _qkv(gen, s=37, hq=4, hkv=2, d=16, dtype=dtype)
+    dy = torch.randn(q.shape, generator=gen).to(dtype)
+    pos = torch.arange(37)
+
+    def dq(rows: slice, kv: int) -> torch.Tensor:
+        leaf = q[rows].clone().requires_grad_()
+        out = attention(leaf, k[:kv], v[:kv], pos[rows], 0.3, window=8)
+        return torch.autograd.grad(out, leaf, dy[rows])[0]
+
+    prefill = dq(slice(0, 37), 37)
+    for step in (0, 9, 16, 36):
+        assert torch.equal(dq(slice(step, step + 1), step + 1), prefill[step : step + 1]), step

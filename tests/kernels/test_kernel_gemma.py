@@ -117,3 +117,11 @@ def test_softcapped_attention_has_no_backward():
     q = torch.randn(3, 2, 8, requires_grad=True)
     with pytest.raises(NotImplementedError, match="softcap"):
         attention(q, torch.randn(3, 1, 8), torch.randn(3, 1, 8), torch.arange(3), 0.3, softcap=5.0)
+
+
+def test_gelu_tanh_and_mul_has_no_backward_and_says_so():
+    gate = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="gelu_tanh_and_mul: no backward"):
+        gelu_tanh_and_mul(gate, torch.randn(4, 8))
+    with torch.no_grad():  # control: inference runs
+        assert gelu_tanh_and_mul(gate, torch.ones(4, 8)).shape == (4, 8)
