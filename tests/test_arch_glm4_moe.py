@@ -256,3 +256,13 @@ def test_vllm_shared_expert_fault_is_found_behind_the_packed_gate_up(demo_model:
     # the shared expert's own op, and the block whose HF replay reruns it: both for this weight
     assert set(blamed) == {"model.layers.1.mlp.shared_experts.up_proj", "model.layers.1.mlp"}, blamed
     assert all(c["kind"] == "weights" and c["differs"] == [name] for c in blamed.values()), blamed
+
+
+@pytest.mark.vllm
+def test_consistent_training_step_equals_vllm_bitwise(demo_model: Callable[[str], Path]) -> None:
+    """``train.grad=true``: HF runs a real step (train mode, backward) through the grouped router's, the
+    experts' and the shared expert's kernels, and still equals vLLM bitwise."""
+    small = {**SMALL, "depth": "logprobs", "train_set": {"grad": True}}
+    r = logdiff.scan(demo_model("glm4-moe"), infer=["vllm"], consistent=True, **small)
+    assert r["verdict"] == "consistent" and r["logprobs"]["abs_diff_max"] == 0.0
+    assert next(p for p in r["paths"] if p["role"] == "train")["settings"]["grad"] is True
