@@ -87,6 +87,9 @@ class CorrespondenceMap:
     mapped: bool = True  # False for the name-matching fallback
     functions: dict[str, str] = field(default_factory=dict)  # role (rope_q, rope_k, attn_core) -> "...{N}..."
     rope_function: str = "apply_rotary_pos_emb"  # the modeling module's RoPE function the HF recorder wraps
+    #: the adapter's replay of an attention core not fed by q/k/v boundaries (MLA), or None;
+    #: called as ``(fn, owner, inputs, q, k, v, args, kwargs, live)`` (``live``: this layer's HF values)
+    attention_replay: Callable[..., Any] | None = None
     _index: dict[str, Boundary] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -529,9 +529,11 @@ class Recorder:
         if b is None:
             return
         spec = None
-        # the call sees the whole context and its q, k, v are the three input boundaries (not MLA's latent): replayable
-        if k.shape[2] == q.shape[2] and len(b.inputs) == 3:
-            spec = replay.attention(fn, owner, b.inputs, q, k, v, a, kw)
+        if k.shape[2] == q.shape[2]:  # the call sees the whole context: replayable
+            if self.cmap.attention_replay is not None:  # q, k, v rebuilt from other boundaries (MLA's latent)
+                spec = self.cmap.attention_replay(fn, owner, b.inputs, q, k, v, a, kw, dict(self._ctx))
+            elif len(b.inputs) == 3:
+                spec = replay.attention(fn, owner, b.inputs, q, k, v, a, kw)
         self._emit(name, out[0], PLAIN, self._rmap, spec, pseudo)
 
     def _hf_log_softmax(self, fn: Any, logits: Any, out: Any) -> None:

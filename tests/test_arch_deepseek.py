@@ -45,6 +45,12 @@ def test_scan_locates_mla_and_shared_expert_boundaries(demo_model: Callable[[str
     assert r["contracts"]["differs"] == [] and r["contracts"]["weights"]["differs"] == []
     assert r["contracts"]["train"]["rope_style"] == r["contracts"]["infer"]["rope_style"] == "gptj"
     assert r["contracts"]["weights"].get("unverified", []) == []
+    # the MLA attention is replayed on vLLM's (q nope, RoPE'd q, latent, RoPE'd k): its own error is separated
+    ops = {o["boundary"]: o for o in r["introducing_ops"]}
+    latent = ops.get("model.layers.1.self_attn.latent_attn")
+    assert latent is not None and latent["method"] == "replay", r["introducing_ops"]
+    assert latent["local_max_abs_diff"] <= latent["propagated_max_abs_diff"]
+    assert not [w for w in r["warnings"] if "could not separate" in w], r["warnings"]
 
 
 @pytest.mark.vllm

@@ -68,6 +68,7 @@ from typing import Any
 from logdiff.probes.arch.base import Demo, register
 from logdiff.probes.arch.decoder import KEY_BOUNDARY, DecoderAdapter
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
+from logdiff.probes.replay import ReplaySpec
 
 _L = r"model\.layers\.{N}"
 _N = "model.layers.{N}"
@@ -169,6 +170,41 @@ ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor"
 _MLA_KEYS = {"latent_norm_eps": ("model.layers.0.self_attn.kv_a_layernorm", "norm")}
 
 
+def latent_attention_replay(
+    fn: Any, owner: Any, names: tuple[str, ...], q: Any, k: Any, v: Any, args: tuple, kwargs: dict, live: dict
+) -> ReplaySpec | None:
+    """HF's MLA attention on the other engine's ``(q nope, RoPE'd q, normed latent, RoPE'd k)``.
+
+    Rebuilds what HF's attention module does between those boundaries and its
+    attention function: ``q = [q_nope | rope_q]``, ``k, v = expand_kv(latent, rope_k)``
+    (``kv_b_proj`` and the per-head split), then the live call's attention
+    function with its mask and scale. Templates are the live tensors (``[B, heads,
+    L, D]``; the latent as ``kv_a_layernorm`` emitted it), so the live values
+    give back the live output exactly.
+    """
+    from logdiff.probes.align import HEADS_FIRST, PLAIN
+
+    latent = live.get(names[2])
+    if latent is None or not hasattr(owner, "expand_kv"):
+        return None
+    nope, batch, length = owner.qk_nope_head_dim, q.shape[0], q.shape[2]
+
+    def run(xs: list[Any]) -> Any:
+        import torch
+
+        query = torch.cat((xs[0], xs[1]), dim=-1)
+        key, value = owner.expand_kv(xs[2].reshape(batch, 1, length, -1), xs[3])
+        return fn(owner, query, key, value, *args, **kwargs)[0]
+
+    inputs = [
+        (names[0], q[..., :nope], HEADS_FIRST),
+        (names[1], q[..., nope:], HEADS_FIRST),
+        (names[2], latent, PLAIN),
+        (names[3], k[:, :1, :, nope:], HEADS_FIRST),
+    ]
+    return ReplaySpec(inputs, run, causal=True, method="attention")
+
+
 def _mlp(p: str, n: int, ln: str) -> list[Boundary]:
     """A gated MLP's boundaries under ``p`` (the dense layers' ``mlp``, the MoE's ``shared_experts``)."""
     return [
@@ -252,6 +288,7 @@ class DeepseekV2Adapter(DecoderAdapter):
             n_layers,
             functions=dict(FUNCTION_BOUNDARIES),
             rope_function="apply_rotary_emb",
+            attention_replay=latent_attention_replay,
         )
 
     # ---- classification ----------------------------------------------------------------------
