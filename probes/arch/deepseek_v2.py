@@ -37,9 +37,9 @@ How the engines expose it, and the boundaries named after what they compute
   absorbs ``kv_b_proj`` into the query and output (no ``k_nope``/``v`` ever
   exist), and its prefill builds k and v inside the attention op. HF's
   attention function output and vLLM's ``MLAAttention`` output are the equal
-  taps; ``kv_b_proj.weight`` is read here. HF's attention replay rebuilds
-  q, k, v, which vLLM never stores, so this op is classified by equal inputs
-  and contract, not replayed.
+  taps; ``kv_b_proj.weight`` is read here. The replay
+  (``latent_attention_replay``) rebuilds HF's q, k, v from the other engine's
+  four input boundaries, so the op's own error is separated from its inputs'.
 * the MoE: ``mlp.gate`` (router logits), ``mlp.shared_experts.*`` (gate,
   up, act_mul, down, as a dense MLP; vLLM packs gate/up), ``mlp`` (routed
   sum plus the shared experts: vLLM's MoE runner returns only the total).
