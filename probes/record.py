@@ -445,7 +445,8 @@ class Recorder:
 
     def _install_hf_functions(self) -> None:
         modeling = sys.modules.get(type(self.model).__module__)
-        rope_name = self.cmap.rope_function  # apply_rotary_pos_emb(q, k, cos, sin); DeepSeek: apply_rotary_emb(q, k, freqs)
+        # apply_rotary_pos_emb(q, k, cos, sin), or the adapter's (DeepSeek-V2: apply_rotary_emb(q, k, freqs))
+        rope_name = self.cmap.rope_function
         orig_rope = getattr(modeling, rope_name, None)
         if orig_rope is not None and self.cmap.mapped:
 

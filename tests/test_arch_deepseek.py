@@ -40,8 +40,9 @@ def test_scan_locates_mla_and_shared_expert_boundaries(demo_model: Callable[[str
     for part in ("q_proj.nope", "q_proj.pe", "kv_a_proj_with_mqa.compressed_kv", "kv_a_proj_with_mqa.k_pe",
                  "kv_a_layernorm", "rope_q", "rope_k", "latent_attn", "o_proj"):
         assert f"model.layers.1.self_attn.{part}" in table, part
-    for part in ("mlp.gate", "mlp.shared_experts.gate_proj", "mlp.shared_experts.act_mul", "mlp.shared_experts.down_proj", "mlp"):
-        assert f"model.layers.1.{part}" in table, part
+    for part in ("gate", "shared_experts.gate_proj", "shared_experts.act_mul", "shared_experts.down_proj"):
+        assert f"model.layers.1.mlp.{part}" in table, part
+    assert "model.layers.1.mlp" in table
     assert r["contracts"]["differs"] == [] and r["contracts"]["weights"]["differs"] == []
     assert r["contracts"]["train"]["rope_style"] == r["contracts"]["infer"]["rope_style"] == "gptj"
     assert r["contracts"]["weights"].get("unverified", []) == []
