@@ -79,6 +79,22 @@ def test_shared_expert_fault_is_blamed_on_its_projection(demo_model: Callable[[s
 
 
 @pytest.mark.vllm
+def test_rms_norm_eps_set_on_both_sides_still_differs_in_the_latent_norm(demo_model: Callable[[str], Path]) -> None:
+    """HF builds kv_a_layernorm with the default eps whatever rms_norm_eps says; vLLM uses rms_norm_eps.
+
+    The same ``--set rms_norm_eps`` on both engines leaves their latent norms apart:
+    the contract names it and the causes sit at the latent norms, not at the norms it was set for.
+    """
+    eps = {"rms_norm_eps": 1e-5}
+    r = logdiff.scan(demo_model("deepseek-v2"), infer=["vllm"], train_set=eps, infer_set=eps, **SMALL)
+    assert r["contracts"]["differs"] == ["latent_norm_eps"], r["contracts"]["differs"]
+    assert (r["contracts"]["train"]["latent_norm_eps"], r["contracts"]["infer"]["latent_norm_eps"]) == (1e-6, 1e-5)
+    blamed = [c for c in r["causes"] if "latent_norm_eps" in c.get("differs", [])]
+    assert blamed and {c["boundary"] for c in blamed} <= {f"model.layers.{n}.self_attn.kv_a_layernorm" for n in range(4)}
+    assert all(c["class"] == "framework_difference" for c in blamed), blamed
+
+
+@pytest.mark.vllm
 def test_v3_correction_bias_fault_is_a_router_weight(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
     """V3 routes on sigmoid + e_score_correction_bias: a one-sided bias is blamed on the router, as a weight."""
     from safetensors.torch import load_file, save_file

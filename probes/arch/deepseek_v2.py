@@ -48,8 +48,9 @@ vLLM resolves the attention's children through ``self_attn.mla_attn`` (the
 wrapper calls them), so the taps accept both paths. Contract: HF rotates
 interleaved pairs (``rope_style`` ``gptj``, vLLM's ``is_neox_style=False``);
 vLLM's attention scale sits on the MLA op (``mla_attn.mla_attn.impl.scale``);
-``latent_norm_eps`` is ``kv_a_layernorm``'s eps (HF builds it with the
-default 1e-6 whatever ``rms_norm_eps`` says, vLLM with ``rms_norm_eps``).
+``latent_norm_eps``/``q_latent_norm_eps`` are ``kv_a_layernorm``'s and
+``q_a_layernorm``'s eps (HF builds both with the default 1e-6 whatever
+``rms_norm_eps`` says, vLLM with ``rms_norm_eps``).
 
 The CPU vLLM refuses MLA head sizes other than the real ones (``Head dimension
 48 is not supported by MLA``), so the demo keeps ``kv_lora_rank`` 512,
@@ -76,7 +77,7 @@ _A = _L + r"\.self_attn(?:\.mla_attn)?"  # vLLM's MLA wrapper calls the attentio
 _Q_SPLIT = "split_heads:qk_nope_head_dim,qk_rope_head_dim"
 _KV_SPLIT = "split:kv_lora_rank,qk_rope_head_dim"
 _KV = f"{_N}.self_attn.kv_a_proj_with_mqa"
-#: synthetic suffixes of split projections -> nothing (their weight is the projection's)
+#: suffixes of the boundaries a projection's output is split into (each reads the projection's weight)
 _SPLIT_PARTS = (".nope", ".pe", ".compressed_kv", ".k_pe")
 
 
@@ -167,7 +168,10 @@ FUNCTION_BOUNDARIES = {
 ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
 
 #: where DeepSeek's own contract keys are read first
-_MLA_KEYS = {"latent_norm_eps": ("model.layers.0.self_attn.kv_a_layernorm", "norm")}
+_MLA_KEYS = {
+    "latent_norm_eps": ("model.layers.0.self_attn.kv_a_layernorm", "norm"),
+    "q_latent_norm_eps": ("model.layers.0.self_attn.q_a_layernorm", "norm"),
+}
 
 
 def latent_attention_replay(
@@ -266,6 +270,10 @@ def _layer_boundaries(n: int, q_lora: bool, sparse: bool) -> list[Boundary]:
 class DeepseekV2Adapter(DecoderAdapter):
     """``DecoderAdapter`` with MLA attention and a shared-experts MoE after ``first_k_dense_replace`` layers."""
 
+    #: the first MoE layer, where routing keys are labelled (config-free: DeepSeek-V2's and the demos'
+    #: ``first_k_dense_replace``; V3 checkpoints have 3)
+    first_moe_layer: int = 1
+
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         n_layers = int(config["num_hidden_layers"])
         q_lora = config.get("q_lora_rank") is not None
@@ -297,8 +305,8 @@ class DeepseekV2Adapter(DecoderAdapter):
         keys, weights = super().contract_keys(boundary, kind)
         if boundary.endswith(_SPLIT_PARTS):  # a part of a projection reads the projection's weight
             weights = [f"{boundary.rsplit('.', 1)[0]}.weight"]
-        elif kind == "norm" and boundary.endswith("kv_a_layernorm"):
-            keys = ["latent_norm_eps"]
+        elif kind == "norm" and boundary.endswith(("kv_a_layernorm", "q_a_layernorm")):
+            keys = ["latent_norm_eps" if boundary.endswith("kv_a_layernorm") else "q_latent_norm_eps"]
         elif kind == "attn":  # the latent's up-projection runs inside the attention op (vLLM absorbs it)
             weights = [f"{boundary.rsplit('.', 1)[0]}.kv_b_proj.weight"]
         elif kind in ("router", "moe"):
@@ -324,7 +332,8 @@ class DeepseekV2Adapter(DecoderAdapter):
 
     @property
     def key_boundary(self) -> dict[str, tuple[str, str]]:
-        moe = {k: ("model.layers.0.mlp.gate", "router") for k in ROUTING_KEYS}
+        router = (f"model.layers.{self.first_moe_layer}.mlp.gate", "router")
+        moe = {k: router for k in ("num_experts_per_tok", "norm_topk_prob", *ROUTING_KEYS)}
         return {**KEY_BOUNDARY, **_MLA_KEYS, **moe}
 
     # ---- contract readers -----------------------------------------------------------------------
@@ -332,13 +341,18 @@ class DeepseekV2Adapter(DecoderAdapter):
     def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
         """RoPE style, the attention scale on vLLM's MLA op, the latent norm's eps, the routing rule."""
         layers = self.layers(model)
-        latent_eps = float(self.attention(layers[0]).kv_a_layernorm.variance_epsilon)
+        attn = self.attention(layers[0])
+        q_norm = getattr(attn, "q_a_layernorm", None)
+        eps = {  # HF builds both latent norms with the default eps, whatever rms_norm_eps says; vLLM uses it
+            "latent_norm_eps": float(attn.kv_a_layernorm.variance_epsilon),
+            "q_latent_norm_eps": float(q_norm.variance_epsilon) if q_norm is not None else None,
+        }
         block = next((layer.mlp for layer in layers if hasattr(layer.mlp, "gate")), None)
         if family == "hf":
-            out = {"rope_style": self.hf_rope_style(model.config), "latent_norm_eps": latent_eps}
+            out = {"rope_style": self.hf_rope_style(model.config), **eps}
             return out | (self._hf_rule(block.gate) if block is not None else dict.fromkeys(ROUTING_KEYS))
-        impl = getattr(getattr(getattr(self.attention(layers[0]), "mla_attn", None), "mla_attn", None), "impl", None)
-        out = {"attention_scale": float(impl.scale) if impl is not None else None, "latent_norm_eps": latent_eps}
+        impl = getattr(getattr(getattr(attn, "mla_attn", None), "mla_attn", None), "impl", None)
+        out = {"attention_scale": float(impl.scale) if impl is not None else None, **eps}
         if block is None:
             return out | dict.fromkeys(ROUTING_KEYS)
         runner = block.experts  # a MoERunner: its router chooses, it scales the routed output
