@@ -121,6 +121,19 @@ def test_consistent_refuses_mla_attention_in_one_line(demo_model: Callable[[str]
         logdiff.scan(demo_model("deepseek-v2"), infer=["hf-decode", "vllm"], consistent=True, **{**SMALL, "depth": "logprobs"})
 
 
+def test_hf_decode_scan_records_every_mla_boundary(demo_model: Callable[[str], Path]) -> None:
+    """Without vLLM: HF's KV-cache decode (the cache holds the latent) against its full forward, q-LoRA included."""
+    r = logdiff.scan(demo_model("deepseek-v3"), infer=["hf-decode"], **SMALL)
+    assert r["warnings"] == []
+    table = r["divergence_table"]["boundaries"]
+    for part in ("q_a_proj", "q_a_layernorm", "q_b_proj.nope", "q_b_proj.pe", "kv_a_proj_with_mqa.compressed_kv",
+                 "rope_q", "rope_k", "latent_attn"):
+        assert f"model.layers.3.self_attn.{part}" in table, part
+    assert r["contracts"]["differs"] == [] and r["contracts"]["weights"]["differs"] == []
+    first = r["first_divergence"]
+    assert first is None or first["inputs_equal"] is True
+
+
 def test_adapter_maps_mla_weights_to_the_ops_that_read_them() -> None:
     """Without vLLM: split projections read their projection's weight; kv_b_proj belongs to the attention."""
     from logdiff.probes.arch import adapter_for
