@@ -155,7 +155,8 @@ def test_demo_model_loads_in_transformers_as_bf16(built, arch):
     expected = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "qwen3-moe": "Qwen3MoeForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "llama3": "LlamaForCausalLM",
                 "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                "gemma3": "Gemma3ForCausalLM", "glm4-moe": "Glm4MoeForCausalLM"}[arch]
+                "gemma3": "Gemma3ForCausalLM", "glm4-moe": "Glm4MoeForCausalLM",
+                "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM"}[arch]
     assert type(model).__name__ == expected
     assert model.dtype == torch.bfloat16
     assert model.config.tie_word_embeddings is (arch in ("gemma2", "gemma3"))  # vLLM's Gemma 2 always ties
