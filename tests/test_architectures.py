@@ -31,6 +31,10 @@ NEW = {
     "mixtral": None,
     "phi3": None,
     "gemma2": None,
+    "glm4-moe": None,
+    "gemma3": None,
+    "deepseek-v2": "--consistent: consistent_hf: MLA attention",
+    "deepseek-v3": "--consistent: consistent_hf: MLA attention",
 }
 
 

@@ -38,7 +38,8 @@ from logdiff.probes.errors import InputError
 DOCS = "docs/architectures.md"
 
 #: family modules under probes/arch/, imported in this order on the first lookup
-FAMILIES = ("qwen3", "llama", "qwen3_moe", "qwen2", "mistral", "llama3", "mixtral", "phi3", "gemma2")
+FAMILIES = ("qwen3", "llama", "qwen3_moe", "qwen2", "mistral", "llama3", "mixtral", "phi3", "gemma2", "gemma3",
+            "glm4_moe", "deepseek_v2")
 
 _ADAPTERS: dict[str, ArchAdapter] = {}
 _DEMOS: dict[str, Demo] = {}
