@@ -84,7 +84,7 @@ def rollout(engine: Any, prompts: list[list[int]], response_len: int, seed: int,
     """Sampled responses and their rollout logprobs ``[B, R]`` from the running vLLM."""
     import torch
 
-    from logdiff.probes.consistent_vllm import consistent_vllm
+    from logdiff.engines.vllm.consistent import consistent_vllm
 
     with consistent_vllm(engine.llm) if consistent else contextlib.nullcontext():
         sampled = engine.sample(prompts, response_len, seed)

@@ -1,7 +1,7 @@
 """True on-policy training: the trainer's switch and the weight sync into a running vLLM.
 
 ``consistent_training(model)`` is what a trainer wraps around its forward *and*
-backward on a plain HF module (it lives in ``probes/consistent_training.py``,
+backward on a plain HF module (it lives in ``logdiff/engines/hf/training.py``,
 where the ``hf`` engine's ``--set train.grad=true`` shares it; see there). The
 name the issue asked for, ``logdiff.kernels.consistent_training``, cannot exist:
 ``logdiff.kernels`` imports nothing of logdiff. The switch is
@@ -18,7 +18,7 @@ prefix cache is reset (its KV blocks were computed with the old weights), and
 consistent mode on the engine must be *off* during the sync, since the reload
 replaces the ``cpu_linear`` that ``consistent_vllm`` patched and its exit
 would put back the stale handle. The next ``consistent_vllm(llm)`` block
-recovers the new weights (``vllm_weights`` keys its recovered copies by the
+recovers the new weights (``engines/vllm/weights.py`` keys its recovered copies by the
 rebuilt ``cpu_linear``). MoE models are refused: on vLLM 0.32's CPU build the
 fused experts gave wrong logprobs after the layer-wise reload (max |diff| 15
 against HF on a tiny Qwen3-MoE, stock vLLM included), and the recovered-expert
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from logdiff.probes.consistent_training import ConsistentTraining, active_dropout, consistent_training
+from logdiff.engines.hf.training import ConsistentTraining, active_dropout, consistent_training
 
 __all__ = ["ConsistentTraining", "active_dropout", "checkpoint_tensors", "consistent_training", "sync_vllm_weights"]
 
@@ -58,7 +58,7 @@ def sync_vllm_weights(llm: Any, weights: Any) -> int:
     weights). Consistent mode must be off on ``llm`` (re-enter ``consistent_vllm`` after
     the sync). Returns the number of vLLM parameters loaded.
     """
-    from logdiff.probes.consistent_vllm import engine_objects, is_active
+    from logdiff.engines.vllm.consistent import engine_objects, is_active
 
     model, _ = engine_objects(llm)
     if is_active(model):

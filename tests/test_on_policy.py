@@ -135,7 +135,7 @@ def test_sync_refuses_inside_consistent_mode(example_engine: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     from logdiff import sync_vllm_weights
-    from logdiff.probes.consistent_vllm import consistent_vllm
+    from logdiff.engines.vllm.consistent import consistent_vllm
 
     example, args, engine = example_engine
     policy = AutoModelForCausalLM.from_pretrained(args.model)

@@ -232,7 +232,7 @@ def test_raw_rollout_at_temperature_is_caught_by_the_contract(qwen3: Path) -> No
     """`--set infer.temperature=0.8` with raw logprobs: the numbers agree, the sampler does not."""
     from logdiff.pipeline import run_paths
     from logdiff.preflight import preflight
-    from logdiff.probes.contracts import vllm_contract
+    from logdiff.engines.vllm.contract import vllm_contract
 
     run = run_paths(ScanConfig(model=qwen3, infer=["vllm"], **RUN))  # the session's default engines
     infer = run.infer_engines[0]

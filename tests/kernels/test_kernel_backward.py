@@ -340,7 +340,7 @@ def test_the_differentiable_path_computes_the_inference_bits(op):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_training_step_under_consistent_hf_is_deterministic_and_computes_the_inference_logprobs(build_model, dtype):
-    from logdiff.probes.consistent_hf import consistent_hf
+    from logdiff.engines.hf.consistent import consistent_hf
 
     model = build_model("qwen3", dtype).train()
     ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from logdiff.probes.vllm_weights import dense_weight
+from logdiff.engines.vllm.weights import dense_weight
 
 
 def _packed_away(weight: torch.Tensor, gemm=None) -> torch.nn.Module:

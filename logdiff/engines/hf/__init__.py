@@ -107,11 +107,11 @@ class HFEngine(Engine):
 
     @contextlib.contextmanager
     def consistent(self, only: tuple[str, ...] | None = None) -> Iterator[None]:
-        from logdiff.probes.consistent_hf import consistent_hf
+        from logdiff.engines.hf.consistent import consistent_hf
 
         installer = consistent_hf(self.model, only)
         if self.spec.option("grad", False) and only is None:
-            from logdiff.probes.consistent_training import consistent_training  # refuses active dropout
+            from logdiff.engines.hf.training import consistent_training  # refuses active dropout
 
             installer = consistent_training(self.model)
         with unsupported_as_input_error(), installer:
@@ -125,12 +125,12 @@ class HFEngine(Engine):
         return self.model
 
     def contract(self) -> dict[str, Any]:
-        from logdiff.probes.contracts import hf_contract
+        from logdiff.engines.hf.contract import hf_contract
 
         return hf_contract(self.model, dict(self.spec.options))
 
     def fingerprints(self) -> dict[str, str]:
-        from logdiff.probes.contracts import hf_fingerprints
+        from logdiff.engines.hf.contract import hf_fingerprints
 
         return hf_fingerprints(self.model)
 
@@ -234,7 +234,7 @@ class HFForward(HFEngine):
             with torch.no_grad():
                 yield False
             return
-        from logdiff.probes.consistent_training import active_dropout
+        from logdiff.engines.hf.training import active_dropout
 
         dropout = active_dropout(self.model)
         if dropout:

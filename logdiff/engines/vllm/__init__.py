@@ -199,7 +199,7 @@ class VLLMEngine(Engine):
 
     @contextlib.contextmanager
     def consistent(self, only: tuple[str, ...] | None = None) -> Iterator[None]:
-        from logdiff.probes.consistent_vllm import consistent_vllm
+        from logdiff.engines.vllm.consistent import consistent_vllm
 
         with unsupported_as_input_error(), consistent_vllm(self.llm, only):
             self._consistent = True
@@ -219,12 +219,12 @@ class VLLMEngine(Engine):
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
     def contract(self) -> dict[str, Any]:
-        from logdiff.probes.contracts import vllm_contract
+        from logdiff.engines.vllm.contract import vllm_contract
 
         return vllm_contract(self.module(), dict(self.spec.options))
 
     def fingerprints(self) -> dict[str, str]:
-        from logdiff.probes.contracts import vllm_fingerprints
+        from logdiff.engines.vllm.contract import vllm_fingerprints
 
         model = self.module()
         return vllm_fingerprints(model, int(model.config.vocab_size))

@@ -7,7 +7,7 @@ whole context, old and new tokens, in the cache. The cache tensor is
 stores each (block, kv-head) slab in its own private order (K transposed, and
 ISA-dependent). ``PagedKVReader.discover`` therefore runs the backend's own
 write method on a two-block scratch cache filled from a known pattern
-(``vllm_layout.discover_permutation``), checks that the layout repeats block
+(``layout.discover_permutation``), checks that the layout repeats block
 by block, and keeps, for one block, the flat in-block position of every
 (slot, head, dim) element of K and of V. Reading all requests of a step is
 then one gather over the flat cache, at exactly the positions they need.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from logdiff.probes.vllm_layout import discover_permutation, inverse_gather_index
+from logdiff.engines.vllm.layout import discover_permutation, inverse_gather_index
 
 _READERS: dict[tuple[Any, ...], PagedKVReader] = {}
 

@@ -156,7 +156,7 @@ def log_softmax() -> Callable[..., Any]:
 
 def attention_forward(impl: Any) -> Callable[..., Any]:
     """``CPUAttentionBackendImpl.forward`` replacement over the paged KV cache."""
-    from logdiff.probes.vllm_kv_cache import PagedKVReader
+    from logdiff.engines.vllm.kv_cache import PagedKVReader
 
     kernels = _kernels()
     scale = float(impl.scale)

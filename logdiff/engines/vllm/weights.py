@@ -15,7 +15,7 @@ The MoE experts' ``w13_weight``/``w2_weight`` are prepacked in place into a
 grouped-GEMM tiling (``experts/cpu_moe.py``: zero-pad the intermediate size,
 then ``cpu_prepack_moe_weight``). We run the experts object's own
 ``process_weights_after_loading`` on a scratch layer holding a known pattern
-(``vllm_layout``) and invert the permutation it applies.
+(``layout``) and invert the permutation it applies.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from logdiff.probes.vllm_layout import discover_permutation, inverse_gather_index
+from logdiff.engines.vllm.layout import discover_permutation, inverse_gather_index
 
 _DENSE: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _MOE: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Any]] = weakref.WeakKeyDictionary()

@@ -14,11 +14,12 @@ block around their step.
 
 The name the issue asked for, ``logdiff.kernels.consistent_training``, cannot
 exist: ``logdiff.kernels`` imports nothing of logdiff, and installing kernels
-into HF modules is ``probes/consistent_hf.py``'s job. The switch is
+into HF modules is ``logdiff/engines/hf/consistent.py``'s job. The switch is
 ``logdiff.consistent_training`` (this module, re-exported by ``logdiff/training.py``).
 
-It lives in ``probes/`` beside ``consistent_hf`` so that the ``hf`` engine's
-``--set train.grad=true`` path and ``logdiff.consistent_training`` share it.
+It lives in the ``hf`` engine's folder beside ``consistent`` (the installer), so
+that the engine's ``--set train.grad=true`` path and ``logdiff.consistent_training``
+share it.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class ConsistentTraining:
 
     def __init__(self, model: Any):
         from logdiff import kernels
-        from logdiff.probes.consistent_hf import consistent_hf
+        from logdiff.engines.hf.consistent import consistent_hf
 
         dropout = active_dropout(model)
         if dropout:

@@ -34,7 +34,7 @@ numerical path that no replacement covers (another norm, a scaled RoPE,
 a quantized layer, speculative decoding, ...) raises
 ``NotImplementedError`` naming it, rather than giving a silently half-consistent
 engine. Weights that the CPU build has packed away are recovered bit-exactly
-(``vllm_weights``). The prefix cache is reset on entry and on exit, because a
+(``weights``). The prefix cache is reset on entry and on exit, because a
 cached block computed in the other mode would leak its numerics into this one.
 
 The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
@@ -136,8 +136,8 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
         VocabParallelEmbedding,
     )
 
-    from logdiff.probes import vllm_consistent_ops as ops
-    from logdiff.probes.vllm_weights import dense_weight
+    from logdiff.engines.vllm import consistent_ops as ops
+    from logdiff.engines.vllm.weights import dense_weight
 
     config = llm.llm_engine.vllm_config
     if config.speculative_config is not None:
@@ -241,8 +241,8 @@ def _plan_shared_expert(name: str, runner: Any, plan: list, summary: ConsistentV
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
-    from logdiff.probes import vllm_consistent_ops as ops
-    from logdiff.probes.vllm_weights import dense_weight
+    from logdiff.engines.vllm import consistent_ops as ops
+    from logdiff.engines.vllm.weights import dense_weight
 
     shared = runner.shared_experts
     if shared is None:
@@ -291,8 +291,8 @@ def _moe_problem(runner: Any) -> str | None:
 
 
 def _moe_replacement(runner: Any) -> Any:
-    from logdiff.probes import vllm_consistent_ops as ops
-    from logdiff.probes.vllm_weights import dense_weight, moe_runner_weights
+    from logdiff.engines.vllm import consistent_ops as ops
+    from logdiff.engines.vllm.weights import dense_weight, moe_runner_weights
 
     w13, w2 = moe_runner_weights(runner)
     gate_weight = dense_weight(runner.gate) if runner.gate is not None else None

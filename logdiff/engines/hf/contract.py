@@ -1,0 +1,47 @@
+"""The HF engine's contract reader and weight fingerprints (what a transformers model computes with).
+
+The values are read from the loaded module, not from config files; the architecture adapter
+says where each sits. The shared pieces (``fingerprint``, ``sampler``) are in ``probes/contracts.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from logdiff.probes.contracts import fingerprint, narrowest, norm_eps, sampler
+
+
+def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """Effective settings of a transformers model."""
+    from logdiff.probes.arch import adapter_of
+
+    arch = adapter_of(model)
+    cfg = model.config
+    layer = arch.layers(model)[0]
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    attn = arch.attention(layer)
+    return {
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "vocab_size": int(model.lm_head.weight.shape[0]),
+        "rms_norm_eps": norm_eps(arch.input_norm(layer)),
+        "qk_norm_eps": norm_eps(arch.qk_norm_module(attn)),
+        "final_norm_eps": norm_eps(arch.final_norm(model)),
+        "rope_theta": float(rope.get("rope_theta", getattr(cfg, "rope_theta", 0.0))),
+        "rope_type": rope.get("rope_type", "default"),
+        "rope_style": "neox",  # transformers' Llama/Qwen families rotate halves
+        "attention_scale": float(attn.scaling),
+        "sliding_window": arch.sliding_window(cfg),
+        "tie_word_embeddings": model.lm_head.weight.data_ptr() == arch.embed(model).weight.data_ptr(),
+        "num_experts_per_tok": getattr(cfg, "num_experts_per_tok", None),
+        "norm_topk_prob": getattr(cfg, "norm_topk_prob", None),
+        "temperature": float(options.get("temperature", 1.0)),  # logits / T before log_softmax
+        "logprobs_mode": "processed_logprobs" if options.get("temperature", 1.0) != 1.0 else "raw_logprobs",
+        # The distribution it samples from (hf-decode) or scores under (the trainer): full support.
+        **sampler(options),
+        **arch.contract_extras(model, "hf"),
+    }
+
+
+def hf_fingerprints(model: Any) -> dict[str, str]:
+    dtype = next(model.parameters()).dtype
+    return {name: fingerprint(narrowest(p, dtype)) for name, p in model.state_dict().items()}
