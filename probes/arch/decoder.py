@@ -121,6 +121,26 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 #: vLLM FusedMoE parameters -> HF fused-expert parameters (vLLM's CPU build prepacks them)
 MOE_PARAMS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
 
+#: a grouped router's contract keys besides top-k and renormalisation (GLM-4.5, DeepSeek-V2/V3)
+ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
+
+
+def vllm_routing_rule(block: Any) -> dict[str, Any]:
+    """``ROUTING_KEYS`` as vLLM applies them: read from the MoE block's runner (``block.experts``),
+    whose router chooses and which scales the routed output (both scalings multiply)."""
+    runner = block.experts
+    router = getattr(runner, "router", None) or runner
+    scale = float(getattr(router, "routed_scaling_factor", 1.0))
+    if router is not runner:
+        scale *= float(getattr(runner, "routed_scaling_factor", 1.0))
+    groups, topk_groups = getattr(router, "num_expert_group", None), getattr(router, "topk_group", None)
+    return {
+        "scoring_func": str(getattr(router, "scoring_func", None)),
+        "n_group": None if groups is None else int(groups),
+        "topk_group": None if topk_groups is None else int(topk_groups),
+        "routed_scaling_factor": scale,
+    }
+
 
 def _layer_boundaries(n: int, qk_norm: bool, moe: bool) -> list[Boundary]:
     p = f"model.layers.{n}"

@@ -67,7 +67,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from logdiff.probes.arch.base import Demo, register
-from logdiff.probes.arch.decoder import KEY_BOUNDARY, DecoderAdapter
+from logdiff.probes.arch.decoder import KEY_BOUNDARY, ROUTING_KEYS, DecoderAdapter, vllm_routing_rule
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
 from logdiff.probes.replay import ReplaySpec
 
@@ -164,8 +164,6 @@ FUNCTION_BOUNDARIES = {
     "attn_core": "model.layers.{N}.self_attn.latent_attn",
 }
 
-#: the routing rule's settings besides top-k and renormalisation, read from both engines' routers
-ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
 
 #: where DeepSeek's own contract keys are read first
 _MLA_KEYS = {
@@ -355,17 +353,7 @@ class DeepseekV2Adapter(DecoderAdapter):
         out = {"attention_scale": float(impl.scale) if impl is not None else None, **eps}
         if block is None:
             return out | dict.fromkeys(ROUTING_KEYS)
-        runner = block.experts  # a MoERunner: its router chooses, it scales the routed output
-        router = getattr(runner, "router", None) or runner
-        scale = float(getattr(router, "routed_scaling_factor", 1.0))
-        if router is not runner:
-            scale *= float(getattr(runner, "routed_scaling_factor", 1.0))
-        return out | {
-            "scoring_func": str(getattr(router, "scoring_func", None)),
-            "n_group": _int(getattr(router, "num_expert_group", None)),
-            "topk_group": _int(getattr(router, "topk_group", None)),
-            "routed_scaling_factor": scale,
-        }
+        return out | vllm_routing_rule(block)
 
     def hf_rope_style(self, config: Any) -> str:
         """V2's ``apply_rotary_emb`` rotates interleaved pairs (a complex multiply): GPT-J style."""
@@ -401,9 +389,6 @@ class DeepseekV2Adapter(DecoderAdapter):
     def is_attention(self, module: Any) -> bool:
         return hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "o_proj")
 
-
-def _int(value: Any) -> int | None:
-    return None if value is None else int(value)
 
 
 #: the MLA shapes vLLM's CPU MLA accepts, on the demo's hidden 256 / 4 heads

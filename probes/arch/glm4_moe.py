@@ -43,9 +43,11 @@ from logdiff.probes.arch.decoder import (
     FUNCTION_BOUNDARIES,
     HF_TAPS,
     KEY_BOUNDARY,
+    ROUTING_KEYS,
     VLLM_TAPS,
     DecoderAdapter,
     _layer_boundaries,
+    vllm_routing_rule,
 )
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
 
@@ -66,8 +68,6 @@ SHARED_VLLM_TAPS = (
     Tap(_S_VLLM + r"\.down_proj", "output", "first", (f"{_SB}.down_proj",)),
 )
 
-#: routing-rule contract keys (besides top-k and renormalisation), read from both engines' routers
-ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
 ROTARY_KEYS = ("rotary_dim",)
 BIAS = "e_score_correction_bias"
 
@@ -170,17 +170,7 @@ class Glm4MoeAdapter(DecoderAdapter):
                 "topk_group": int(gate.topk_group),
                 "routed_scaling_factor": float(gate.routed_scaling_factor),
             }
-        runner = block.experts  # a MoERunner: its router chooses, it scales the routed output
-        router = getattr(runner, "router", None) or runner
-        scale = float(getattr(router, "routed_scaling_factor", 1.0))
-        if router is not runner:
-            scale *= float(getattr(runner, "routed_scaling_factor", 1.0))
-        return out | {
-            "scoring_func": str(getattr(router, "scoring_func", None)),
-            "n_group": _int(getattr(router, "num_expert_group", None)),
-            "topk_group": _int(getattr(router, "topk_group", None)),
-            "routed_scaling_factor": scale,
-        }
+        return out | vllm_routing_rule(block)
 
     #: attribute of an MoE block holding its shared expert (a plain gated MLP)
     shared_expert = "shared_experts"
@@ -193,9 +183,6 @@ def _rotary_dim(rotary: Any) -> int | None:
         return int(rotary.rotary_dim)
     return 2 * int(rotary.inv_freq.numel())  # HF: inv_freq has rotary_dim / 2 entries
 
-
-def _int(value: Any) -> int | None:
-    return None if value is None else int(value)
 
 
 GLM4_MOE = register(
