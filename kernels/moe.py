@@ -65,11 +65,24 @@ def _rank_sum(terms: Iterable[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Position-independent fp32 ``sigmoid`` (``1 / (1 + exp(-x))``) or softmax of ``[T, E]`` logits."""
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + exp(-logits))
+    e = exp(logits - logits.amax(-1, keepdim=True))
+    return e / halving_sum(e, -1).unsqueeze(-1)
+
+
+def _scores_grad(d_scores: torch.Tensor, scores: torch.Tensor, scoring: str) -> torch.Tensor:
+    """The logits' gradient through :func:`_scores` (the softmax's row sum in the same halving order)."""
+    if scoring == "sigmoid":
+        return d_scores * (scores * (1.0 - scores))
+    return scores * (d_scores - halving_sum(d_scores * scores, -1).unsqueeze(-1))
+
+
 def _route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, ...]:
     """``(weights, ids, probs [T, E], top probabilities before renormalisation)``."""
-    logits = router_logits.float().reshape(-1, router_logits.shape[-1])
-    e = exp(logits - logits.amax(-1, keepdim=True))
-    probs = e / halving_sum(e, -1).unsqueeze(-1)
+    probs = _scores(router_logits.float().reshape(-1, router_logits.shape[-1]), "softmax")
     ranked, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     top, ids = ranked[:, :top_k].contiguous(), ids[:, :top_k].contiguous()
     weights = top / _rank_sum(top.unbind(1)).unsqueeze(-1) if renormalize else top
@@ -95,8 +108,7 @@ class _Route(torch.autograd.Function):
             total = _rank_sum(top.unbind(1)).unsqueeze(-1)
             dot = _rank_sum((d_top * (top / total)).unbind(1)).unsqueeze(-1)
             d_top = (d_top - dot) / total
-        d_probs = torch.zeros_like(probs).scatter_(-1, ids, d_top)
-        d_logits = probs * (d_probs - halving_sum(d_probs * probs, -1).unsqueeze(-1))
+        d_logits = _scores_grad(torch.zeros_like(probs).scatter_(-1, ids, d_top), probs, "softmax")
         return d_logits.to(ctx.logits_dtype).view(ctx.logits_shape), None, None
 
 
@@ -140,14 +152,6 @@ class _GroupedRule:
             raise ValueError(f"moe_route_grouped: top_k {self.top_k} exceeds the experts of {self.topk_group} groups")
 
 
-def _scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
-    """Position-independent fp32 ``sigmoid`` (``1 / (1 + exp(-x))``) or softmax of ``[T, E]`` logits."""
-    if scoring == "sigmoid":
-        return 1.0 / (1.0 + exp(-logits))
-    e = exp(logits - logits.amax(-1, keepdim=True))
-    return e / halving_sum(e, -1).unsqueeze(-1)
-
-
 def _route_grouped(router_logits: torch.Tensor, bias: torch.Tensor | None, rule: _GroupedRule) -> tuple[torch.Tensor, ...]:
     """``(weights, ids, scores [T, E], top scores before renormalisation)``."""
     logits = router_logits.float().reshape(-1, router_logits.shape[-1])
@@ -189,11 +193,7 @@ class _GroupedRoute(torch.autograd.Function):
             total = (_rank_sum(top.unbind(1)) + 1e-20).unsqueeze(-1)
             dot = _rank_sum((d_top * (top / total)).unbind(1)).unsqueeze(-1)
             d_top = (d_top - dot) / total
-        d_scores = torch.zeros_like(scores).scatter_(-1, ids, d_top)
-        if rule.scoring == "sigmoid":
-            d_logits = d_scores * (scores * (1.0 - scores))
-        else:
-            d_logits = scores * (d_scores - halving_sum(d_scores * scores, -1).unsqueeze(-1))
+        d_logits = _scores_grad(torch.zeros_like(scores).scatter_(-1, ids, d_top), scores, rule.scoring)
         return d_logits.to(ctx.logits_dtype).view(ctx.logits_shape), None, None
 
 
