@@ -92,6 +92,24 @@ VLLM_TAPS = (
 )
 
 #: boundaries HF computes in plain functions the recorder wraps (apply_rotary_pos_emb, the attention function)
+_SE = _L + r"\.mlp\.shared_experts"
+#: vLLM's fused-MoE runner calls the shared experts through its ``SharedExperts`` wrapper (holding them as
+#: ``_layer``): that call-stack name, or the plain one
+_SE_VLLM = _L + r"\.mlp(?:\.shared_experts|\.experts\._shared_experts\._layer)"
+_SEB = "model.layers.{N}.mlp.shared_experts"
+#: a MoE block's shared experts (a plain gated MLP on every token: GLM-4.5, DeepSeek), on each engine
+SHARED_EXPERT_HF_TAPS = (
+    Tap(_SE + r"\.gate_proj", "output", "tensor", (f"{_SEB}.gate_proj",)),
+    Tap(_SE + r"\.up_proj", "output", "tensor", (f"{_SEB}.up_proj",)),
+    Tap(_SE + r"\.down_proj", "input", "tensor", (f"{_SEB}.act_mul",)),
+    Tap(_SE + r"\.down_proj", "output", "tensor", (f"{_SEB}.down_proj",)),
+)
+SHARED_EXPERT_VLLM_TAPS = (
+    Tap(_SE_VLLM + r"\.gate_up_proj", "output", "split_half", (f"{_SEB}.gate_proj", f"{_SEB}.up_proj")),
+    Tap(_SE_VLLM + r"\.act_fn", "output", "tensor", (f"{_SEB}.act_mul",)),
+    Tap(_SE_VLLM + r"\.down_proj", "output", "first", (f"{_SEB}.down_proj",)),
+)
+
 FUNCTION_BOUNDARIES = {
     "rope_q": "model.layers.{N}.self_attn.rope_q",
     "rope_k": "model.layers.{N}.self_attn.rope_k",

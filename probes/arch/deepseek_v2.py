@@ -67,7 +67,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from logdiff.probes.arch.base import Demo, register
-from logdiff.probes.arch.decoder import KEY_BOUNDARY, ROUTING_KEYS, DecoderAdapter, vllm_routing_rule
+from logdiff.probes.arch.decoder import (
+    KEY_BOUNDARY,
+    ROUTING_KEYS,
+    SHARED_EXPERT_HF_TAPS,
+    SHARED_EXPERT_VLLM_TAPS,
+    DecoderAdapter,
+    vllm_routing_rule,
+)
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
 from logdiff.probes.replay import ReplaySpec
 
@@ -84,13 +91,6 @@ _SPLIT_PARTS = (".nope", ".pe", ".compressed_kv", ".k_pe")
 def _q_taps(q: str) -> tuple[Tap, ...]:
     return (Tap(_A + rf"\.{q}", "output", _Q_SPLIT, (f"{_N}.self_attn.{q}.nope", f"{_N}.self_attn.{q}.pe")),)
 
-
-_SHARED_HF = (
-    Tap(_L + r"\.mlp\.shared_experts\.gate_proj", "output", "tensor", (f"{_N}.mlp.shared_experts.gate_proj",)),
-    Tap(_L + r"\.mlp\.shared_experts\.up_proj", "output", "tensor", (f"{_N}.mlp.shared_experts.up_proj",)),
-    Tap(_L + r"\.mlp\.shared_experts\.down_proj", "input", "tensor", (f"{_N}.mlp.shared_experts.act_mul",)),
-    Tap(_L + r"\.mlp\.shared_experts\.down_proj", "output", "tensor", (f"{_N}.mlp.shared_experts.down_proj",)),
-)
 
 HF_TAPS = (
     Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
@@ -109,7 +109,7 @@ HF_TAPS = (
     Tap(_L + r"\.mlp\.up_proj", "output", "tensor", (f"{_N}.mlp.up_proj",)),
     Tap(_L + r"\.mlp\.down_proj", "input", "tensor", (f"{_N}.mlp.act_mul",)),
     Tap(_L + r"\.mlp\.down_proj", "output", "tensor", (f"{_N}.mlp.down_proj",)),
-    *_SHARED_HF,
+    *SHARED_EXPERT_HF_TAPS,
     Tap(_L + r"\.mlp\.gate", "output", "first", (f"{_N}.mlp.gate",)),
     Tap(_L + r"\.mlp", "output", "tensor", (f"{_N}.mlp",)),
     Tap(_L, "output", "tensor", (f"{_N}.residual_mlp",)),
@@ -117,8 +117,6 @@ HF_TAPS = (
     Tap(r"lm_head", "output", "tensor", ("logits",)),
 )
 
-#: vLLM's MoE runner calls the shared experts through its ``SharedExperts`` (which holds them as ``_layer``)
-_SHARED = _L + r"\.mlp(?:\.shared_experts|\.experts\._shared_experts\._layer)"
 VLLM_TAPS = (
     Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
     Tap(_L + r"\.input_layernorm", "output", "norm_pair", (f"{_N}.input_layernorm", "{PREV_RES}")),
@@ -145,14 +143,7 @@ VLLM_TAPS = (
     Tap(_L + r"\.mlp\.gate_up_proj", "output", "split_half", (f"{_N}.mlp.gate_proj", f"{_N}.mlp.up_proj")),
     Tap(_L + r"\.mlp\.act_fn", "output", "tensor", (f"{_N}.mlp.act_mul",)),
     Tap(_L + r"\.mlp\.down_proj", "output", "first", (f"{_N}.mlp.down_proj",)),
-    Tap(
-        _SHARED + r"\.gate_up_proj",
-        "output",
-        "split_half",
-        (f"{_N}.mlp.shared_experts.gate_proj", f"{_N}.mlp.shared_experts.up_proj"),
-    ),
-    Tap(_SHARED + r"\.act_fn", "output", "tensor", (f"{_N}.mlp.shared_experts.act_mul",)),
-    Tap(_SHARED + r"\.down_proj", "output", "first", (f"{_N}.mlp.shared_experts.down_proj",)),
+    *SHARED_EXPERT_VLLM_TAPS,
     Tap(_L + r"\.mlp(?:\.experts)?\.gate", "output", "first", (f"{_N}.mlp.gate",)),
     Tap(_L + r"\.mlp", "output", "tensor", (f"{_N}.mlp",)),
     Tap(r"model\.norm", "output", "norm_pair", ("model.norm", "{LAST_RES}")),

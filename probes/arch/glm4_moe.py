@@ -44,29 +44,14 @@ from logdiff.probes.arch.decoder import (
     HF_TAPS,
     KEY_BOUNDARY,
     ROUTING_KEYS,
+    SHARED_EXPERT_HF_TAPS,
+    SHARED_EXPERT_VLLM_TAPS,
     VLLM_TAPS,
     DecoderAdapter,
     _layer_boundaries,
     vllm_routing_rule,
 )
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
-
-_S = r"model\.layers\.{N}\.mlp\.shared_experts"
-#: vLLM's fused-MoE runner calls the shared expert through its own wrapper: that call-stack name, or the plain one
-_S_VLLM = r"model\.layers\.{N}\.mlp(?:\.shared_experts|\.experts\._shared_experts\._layer)"
-_SB = "model.layers.{N}.mlp.shared_experts"
-
-SHARED_HF_TAPS = (
-    Tap(_S + r"\.gate_proj", "output", "tensor", (f"{_SB}.gate_proj",)),
-    Tap(_S + r"\.up_proj", "output", "tensor", (f"{_SB}.up_proj",)),
-    Tap(_S + r"\.down_proj", "input", "tensor", (f"{_SB}.act_mul",)),
-    Tap(_S + r"\.down_proj", "output", "tensor", (f"{_SB}.down_proj",)),
-)
-SHARED_VLLM_TAPS = (
-    Tap(_S_VLLM + r"\.gate_up_proj", "output", "split_half", (f"{_SB}.gate_proj", f"{_SB}.up_proj")),
-    Tap(_S_VLLM + r"\.act_fn", "output", "tensor", (f"{_SB}.act_mul",)),
-    Tap(_S_VLLM + r"\.down_proj", "output", "first", (f"{_SB}.down_proj",)),
-)
 
 ROTARY_KEYS = ("rotary_dim",)
 BIAS = "e_score_correction_bias"
@@ -116,12 +101,12 @@ class Glm4MoeAdapter(DecoderAdapter):
             Boundary("logits", "logits", None, ("model.norm",)),
             Boundary("log_softmax", "log_softmax", None, ("logits",)),
         ]
-        taps = {"hf": [*HF_TAPS, *SHARED_HF_TAPS], "vllm": list(self.vllm_taps)}
+        taps = {"hf": [*HF_TAPS, *SHARED_EXPERT_HF_TAPS], "vllm": list(self.vllm_taps)}
         return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
 
     @property
     def vllm_taps(self) -> tuple[Tap, ...]:
-        return (*VLLM_TAPS, *SHARED_VLLM_TAPS)
+        return (*VLLM_TAPS, *SHARED_EXPERT_VLLM_TAPS)
 
     # ---- classification ----------------------------------------------------------------------
 
