@@ -126,10 +126,16 @@ def kv_decode_logprobs(
     return [torch.stack(x) for x in out]
 
 
+def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two paths' per-sequence logprobs are bitwise equal, sequence by sequence."""
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 @pytest.fixture
 def hf_paths() -> SimpleNamespace:
-    """The two HF paths: ``full(model, prompts, responses)`` and ``decode(...)`` -> per-sequence logprobs."""
-    return SimpleNamespace(full=full_forward_logprobs, decode=kv_decode_logprobs)
+    """The two HF paths: ``full(model, prompts, responses)`` and ``decode(...)`` -> per-sequence logprobs;
+    ``equal(a, b)`` compares two such results bitwise."""
+    return SimpleNamespace(full=full_forward_logprobs, decode=kv_decode_logprobs, equal=bitwise_equal)
 
 
 @pytest.fixture

@@ -13,9 +13,6 @@ ARCHS = ["qwen3", "llama", "qwen3_moe"]
 DTYPES = [torch.bfloat16, torch.float32]
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
 
 @pytest.mark.isa_sensitive
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -28,10 +25,10 @@ def test_full_forward_equals_kv_decode_inside_and_differs_outside(
     with consistent_hf(model):
         full = hf_paths.full(model, prompts, responses)
         decode = hf_paths.decode(model, prompts, responses)
-    assert _equal(full, decode)
+    assert hf_paths.equal(full, decode)
     assert torch.cat(full).mean() < -3.0  # peaked model: the random responses are unlikely
     # negative control: the stock paths disagree on the same tokens
-    stock = _equal(hf_paths.full(model, prompts, responses), hf_paths.decode(model, prompts, responses))
+    stock = hf_paths.equal(hf_paths.full(model, prompts, responses), hf_paths.decode(model, prompts, responses))
     stock_varies(stock, "stock HF full forward and KV-cache decode agree bitwise here")
 
 
@@ -39,7 +36,7 @@ def test_qwen2_with_qkv_biases(tiny_model, hf_paths, sequences):
     model = tiny_model("qwen2", torch.bfloat16)
     prompts, responses = sequences
     with consistent_hf(model):
-        assert _equal(hf_paths.full(model, prompts, responses), hf_paths.decode(model, prompts, responses))
+        assert hf_paths.equal(hf_paths.full(model, prompts, responses), hf_paths.decode(model, prompts, responses))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -49,7 +46,7 @@ def test_batched_forward_equals_each_sequence_alone(tiny_model, hf_paths, sequen
     with consistent_hf(model):
         batched = hf_paths.full(model, prompts, responses)
         alone = [hf_paths.full(model, [p], [r])[0] for p, r in zip(prompts, responses, strict=True)]
-    assert _equal(batched, alone)
+    assert hf_paths.equal(batched, alone)
 
 
 def _instance_forwards(model: torch.nn.Module) -> list[str]:
@@ -97,7 +94,7 @@ def test_a_stock_model_is_untouched_while_another_is_consistent(build_model, hf_
             pass
         assert _globals_snapshot(other)["attn"] == ATTN_IMPLEMENTATION
         assert hf_paths.full(stock, prompts, responses)[0].dtype == torch.float32
-    assert _equal(before, during)
+    assert hf_paths.equal(before, during)
     assert _globals_snapshot(stock) == _globals_snapshot(other)
 
 

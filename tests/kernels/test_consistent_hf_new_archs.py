@@ -38,9 +38,6 @@ def _phi3() -> torch.nn.Module:
     return tf.Phi3ForCausalLM(tf.Phi3Config(**TINY, pad_token_id=0)).to(torch.bfloat16).eval()
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
 
 @pytest.mark.parametrize("build", [_gemma2, _phi3], ids=["gemma2", "phi3"])
 def test_full_forward_equals_kv_decode(hf_paths, sequences, build):
@@ -49,7 +46,7 @@ def test_full_forward_equals_kv_decode(hf_paths, sequences, build):
     with consistent_hf(model) as report:
         full = hf_paths.full(model, prompts, responses)
         decode = hf_paths.decode(model, prompts, responses)
-    assert _equal(full, decode)
+    assert hf_paths.equal(full, decode)
     assert {"linear", "rms_norm", "rope", "attention", "silu_and_mul"} <= set(report.replaced)
 
 

@@ -46,9 +46,6 @@ def _gemma3(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> torch.n
     return tf.Gemma3ForCausalLM(config).to(dtype).eval()
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-
 
 @pytest.mark.parametrize("build", [_gemma2, _gemma3], ids=["gemma2", "gemma3"])
 def test_windowed_full_forward_equals_kv_decode(hf_paths, sequences, build):
@@ -57,7 +54,7 @@ def test_windowed_full_forward_equals_kv_decode(hf_paths, sequences, build):
     with consistent_hf(model) as report:
         full = hf_paths.full(model, prompts, responses)
         decode = hf_paths.decode(model, prompts, responses)
-    assert _equal(full, decode)
+    assert hf_paths.equal(full, decode)
     assert {"linear", "rms_norm", "rope", "attention", "silu_and_mul"} <= set(report.replaced)
 
 
@@ -86,7 +83,7 @@ def test_gemma3_qk_norms_are_gemma_norms_and_each_layer_type_rotates_with_its_ba
     local = _gemma3(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
                                      "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
     with consistent_hf(local):  # control: the sliding layers' base is used (same weights, another base)
-        assert not _equal(hf_paths.full(local, prompts, responses), base)
+        assert not hf_paths.equal(hf_paths.full(local, prompts, responses), base)
 
 
 @pytest.mark.parametrize("build", [_gemma2, _gemma3], ids=["gemma2", "gemma3"])
@@ -94,7 +91,7 @@ def test_negative_control_the_window_hides_keys(hf_paths, sequences, build):
     prompts, responses = sequences
     windowed, wide = build(), build(sliding_window=64)
     with consistent_hf(windowed), consistent_hf(wide):
-        assert not _equal(hf_paths.full(windowed, prompts, responses), hf_paths.full(wide, prompts, responses))
+        assert not hf_paths.equal(hf_paths.full(windowed, prompts, responses), hf_paths.full(wide, prompts, responses))
 
 
 def test_a_mask_that_is_not_causal_is_refused(sequences):
