@@ -36,7 +36,17 @@ from .moe import (
 from .registry import KERNELS, KernelInfo, SelfTestResult, consistent_kernels, self_test
 from .rmsnorm import gemma_rms_norm, gemma_rms_norm_reference, rms_norm, rms_norm_reference
 from .softcap import softcap, softcap_reference
-from .rope import rope, rope_apply, rope_cos_sin, rope_reference
+from .rope import (
+    RopeParams,
+    rope,
+    rope_apply,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_inv_freq_reference,
+    rope_params,
+    rope_reference,
+    rope_table_reference,
+)
 
 __all__ = [
     "KERNELS",
@@ -47,6 +57,7 @@ __all__ = [
     "N_TILED_MAX",
     "Q_TILE",
     "KernelInfo",
+    "RopeParams",
     "SelfTestResult",
     "attention",
     "attention_batched",
@@ -79,7 +90,11 @@ __all__ = [
     "rope",
     "rope_apply",
     "rope_cos_sin",
+    "rope_inv_freq",
+    "rope_inv_freq_reference",
+    "rope_params",
     "rope_reference",
+    "rope_table_reference",
     "self_test",
     "silu_and_mul",
     "silu_and_mul_reference",

@@ -26,7 +26,7 @@ class KernelCaches:
     """The caches of one ``kernel_caches()`` block."""
 
     weights: dict[int, tuple[Any, tuple, Any]] = field(default_factory=dict)  # id -> (weakref, key, prepared)
-    rope_tables: dict[tuple[float, int, str], tuple[Any, Any]] = field(default_factory=dict)
+    rope_tables: dict[tuple[Any, str], tuple[Any, Any]] = field(default_factory=dict)  # (RopeParams, device) -> (cos, sin)
     attention_layout: tuple[tuple, Any] | None = None  # (key, layout) of the last call
     wide_tiles: dict[tuple, bool] = field(default_factory=dict)  # GEMM shape -> wide row tiles give the narrow bits
 

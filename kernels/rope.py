@@ -2,21 +2,30 @@
 
 ``rope(x, positions, theta, style, rotary_dim)`` rotates the first
 ``rotary_dim`` features of every head of ``x`` by the angles
-``positions * inv_freq``, ``inv_freq[i] = theta ** (-2i / rotary_dim)``.
+``positions * inv_freq``. ``theta`` is a base (default RoPE,
+``inv_freq[i] = theta ** (-2i / rotary_dim)``) or a :class:`RopeParams`: a
+rope type (HF's ``rope_type``: ``default``, ``llama3``), its base, width and
+scaling fields, which define the inverse frequencies (and, for types that have
+one, the factor on cos/sin) in one place, :func:`rope_inv_freq` and
+:func:`rope_attention_scaling`.
 
 Why it is invariant and engine-independent:
 
-* **cos/sin come from one table.** The angles and their cos/sin are evaluated
-  in fp64 and rounded once to fp32, for blocks of :data:`TABLE_BLOCK` positions
-  at a time, every block with the same call shape (and under the serial
+* **cos/sin come from one table.** The inverse frequencies, the angles and
+  their cos/sin are evaluated in fp64 (times the type's attention scaling, in
+  fp64) and rounded once to fp32, for blocks of :data:`TABLE_BLOCK_ELEMENTS`
+  elements at a time, every block with the same call shape (and under the serial
   threshold of every elementwise op), so the entry for position ``p`` has the
   same bits however many positions a call asks for, in prefill or in decode.
-  Tables are cached per ``(theta, rotary_dim, device)`` and grown block by block,
-  so a model with a base per layer type (Gemma 3: 10k on sliding layers, 1M on
-  full ones) passes each layer's ``theta`` and reads that base's own table; the
-  kernel keeps no per-model theta.
-  HF computes cos/sin in fp32 then rounds them to the model dtype; vLLM keeps
-  its own cache; with this table both sides read identical numbers.
+  Tables are cached per ``(RopeParams, device)`` in the ``kernel_caches()``
+  block and grown block by block, so a model with a base per layer type
+  (Gemma 3: 10k on sliding layers, 1M on full ones) passes each layer's
+  parameters and reads that rope's own table; the kernel keeps no per-model
+  state. HF computes cos/sin in fp32 from its fp32 ``inv_freq`` buffer then
+  rounds them to the model dtype; vLLM keeps its own cache; both installers
+  read the rope's parameters from their module, check them against the
+  module's own frequencies (:func:`inv_freq_matches`), and then both sides read
+  identical numbers from this table.
 * **The rotation is fp32 and rounded once.** ``o1 = x1*c - x2*s``,
   ``o2 = x2*c + x1*s`` as four multiplies and two adds (separate, correctly
   rounded ops: no fused multiply-add whose use could depend on the code path),
@@ -29,6 +38,9 @@ Features past ``rotary_dim`` pass through unchanged.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from .caches import active
@@ -37,28 +49,144 @@ from .differentiable import needs_grad
 TABLE_BLOCK_ELEMENTS = 1024
 """Upper bound on the elements of one table-block call (below every serial threshold)."""
 
+#: the rope types whose tables the kernel builds (HF's ``rope_type`` names)
+ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """Everything that defines one RoPE table: the type, the base, the rotated width and the type's scaling.
+
+    ``rope_type`` is HF's name. ``default``: ``inv_freq[i] = theta ** (-2i / rotary_dim)``. ``llama3``
+    (HF ``_compute_llama3_parameters``, vLLM ``Llama3RotaryEmbedding``): the default frequencies whose
+    wavelength ``2 pi / f`` is above ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, those below ``original_max_position_embeddings / high_freq_factor`` are kept, and those
+    between are interpolated, ``(1 - s) f / factor + s f`` with
+    ``s = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
+    The scaling fields of other types are left at their defaults (they take part in the cache key).
+    Frozen and hashable: a table is cached per ``(params, device)``.
+    """
+
+    theta: float
+    rotary_dim: int
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        for name in ("rotary_dim", "original_max_position_embeddings"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r}: the kernel builds tables for {ROPE_TYPES} only")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise ValueError(f"rotary_dim must be even and positive, got {self.rotary_dim}")
+        if self.rope_type == "default":
+            scaling = (self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings)
+            if scaling != (1.0, 1.0, 4.0, 8192):
+                raise ValueError("default RoPE takes no scaling fields")
+        if self.rope_type == "llama3" and not (
+            self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor and self.original_max_position_embeddings > 0
+        ):
+            raise ValueError(f"llama3 RoPE needs factor > 0 and 0 < low_freq_factor < high_freq_factor: {self}")
+
+
+def rope_params(theta: float | RopeParams, rotary_dim: int | None = None) -> RopeParams:
+    """``theta`` as :class:`RopeParams`: a bare base is default RoPE over ``rotary_dim`` features."""
+    if isinstance(theta, RopeParams):
+        if rotary_dim is not None and rotary_dim != theta.rotary_dim:
+            raise ValueError(f"rotary_dim {rotary_dim} disagrees with the rope parameters' {theta.rotary_dim}")
+        return theta
+    if rotary_dim is None:
+        raise ValueError("rope: a bare theta needs rotary_dim")
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+    return RopeParams(float(theta), int(rotary_dim))
+
+
+def rope_inv_freq(params: RopeParams, device: torch.device | str | None = None) -> torch.Tensor:
+    """The fp64 inverse frequencies ``[rotary_dim // 2]`` of ``params``: the one definition of every table.
+
+    Default RoPE is ``1 / theta ** (2i / d)`` evaluated in fp64 on ``device``; the other types rescale
+    those fp64 values with fp64 elementwise ops (correctly rounded, so the same bits on every path).
+    """
+    d = params.rotary_dim
+    inv_freq = 1.0 / params.theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+    if params.rope_type == "llama3":
+        old = float(params.original_max_position_embeddings)
+        low, high, factor = params.low_freq_factor, params.high_freq_factor, params.factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(
+            wavelen < old / high, inv_freq, torch.where(wavelen > old / low, inv_freq / factor, smoothed)
+        )
+    return inv_freq
+
+
+def rope_attention_scaling(params: RopeParams) -> float:
+    """The factor that multiplies cos and sin (HF's ``attention_scaling``): 1 for default and llama3."""
+    return 1.0
+
+
+def inv_freq_rtol(params: RopeParams, dtype: torch.dtype = torch.float32) -> float:
+    """How far (relatively) an engine's ``inv_freq`` of ``dtype`` may sit from ``rope_inv_freq(params)`` and still
+    be the same rope: HF and vLLM evaluate the same formulas in fp32.
+
+    Default: ``theta ** (2i/d)`` and a division in fp32 stay within 2 eps (``torch.finfo(dtype).eps``, that
+    of fp32 or of the buffer's lower precision if the model was cast) of
+    the fp64 value. llama3 adds a few roundings (the wavelength, a division by ``factor``: about 2 eps
+    more), and in the interpolated band the error of ``s`` (from ``old / wavelength``, about 2 eps
+    relative) reaches the result multiplied by ``A = max(low, high / factor) * |factor - 1| / (high - low)``
+    (the largest ``(old / wavelength) * (factor - 1) / ((high - low) * (1 + s * (factor - 1)))`` over the
+    band, at one of its ends). So the bound is ``2 eps * (2 + A)``: 8.7 eps for the llama3 demo (factor 8,
+    low 1, high 4), where HF's buffer measures 1.7 eps; 24.7 eps at factor 32, measured 3.4. A wrong
+    scaling field moves the affected frequencies by a factor, far outside it.
+    """
+    eps = max(torch.finfo(torch.float32).eps, torch.finfo(dtype).eps)
+    if params.rope_type == "default":
+        return 2 * eps
+    low, high, factor = params.low_freq_factor, params.high_freq_factor, params.factor
+    amplification = max(low, high / factor) * abs(factor - 1) / (high - low)
+    return 2 * eps * (2 + amplification)
+
+
+def inv_freq_matches(params: RopeParams, inv_freq: torch.Tensor) -> bool:
+    """Whether an engine's ``inv_freq`` (any float dtype, any device) is ``params``' within :func:`inv_freq_rtol`."""
+    ours = rope_inv_freq(params, "cpu")
+    theirs = inv_freq.detach().double().cpu().reshape(-1)
+    rtol = inv_freq_rtol(params, inv_freq.dtype)
+    return theirs.shape == ours.shape and torch.allclose(ours, theirs, rtol=rtol, atol=0)
+
+
 def _block_positions(half: int) -> int:
     return max(1, TABLE_BLOCK_ELEMENTS // half)
 
 
-def _table_block(block: int, theta: float, rotary_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    half = rotary_dim // 2
-    rows = _block_positions(half)
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device=device) / rotary_dim)
+def _table_block(block: int, params: RopeParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = _block_positions(params.rotary_dim // 2)
+    inv_freq = rope_inv_freq(params, device)
     pos = torch.arange(block * rows, (block + 1) * rows, dtype=torch.float64, device=device)
     angles = pos[:, None] * inv_freq[None, :]
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos(), angles.sin()
+    scaling = rope_attention_scaling(params)
+    if scaling != 1.0:  # in fp64, before the one rounding
+        cos, sin = cos * scaling, sin * scaling
+    return cos.float(), sin.float()
 
 
-def _table(theta: float, rotary_dim: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (float(theta), int(rotary_dim), str(device))
+def _table(params: RopeParams, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (params, str(device))
     caches = active()
     tables = caches.rope_tables if caches is not None else {}
     cos, sin = tables.get(key, (None, None))
     have = 0 if cos is None else cos.shape[0]
     if have < length:
-        rows = _block_positions(rotary_dim // 2)
-        blocks = [_table_block(b, theta, rotary_dim, device) for b in range(have // rows, -(-length // rows))]
+        rows = _block_positions(params.rotary_dim // 2)
+        blocks = [_table_block(b, params, device) for b in range(have // rows, -(-length // rows))]
         new_cos = [c for c, _ in blocks]
         new_sin = [s for _, s in blocks]
         cos = torch.cat(([cos] if cos is not None else []) + new_cos)
@@ -67,15 +195,19 @@ def _table(theta: float, rotary_dim: int, length: int, device: torch.device) -> 
     return cos, sin
 
 
-def rope_cos_sin(positions: torch.Tensor, theta: float, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(cos, sin)`` of shape ``[*positions.shape, rotary_dim // 2]`` from the shared table."""
-    if rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+def rope_cos_sin(
+    positions: torch.Tensor, theta: float | RopeParams, rotary_dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` of shape ``[*positions.shape, rotary_dim // 2]`` from the shared table.
+
+    ``theta`` is a base (default RoPE over ``rotary_dim`` features) or a :class:`RopeParams`.
+    """
+    params = rope_params(theta, rotary_dim)
     positions = positions.long()
     length = int(positions.max()) + 1 if positions.numel() else 0
     if positions.numel() and int(positions.min()) < 0:
         raise ValueError("rope: negative position")
-    cos, sin = _table(theta, rotary_dim, length, positions.device)
+    cos, sin = _table(params, length, positions.device)
     return cos[positions], sin[positions]
 
 
@@ -134,29 +266,73 @@ class _RopeApply(torch.autograd.Function):
 def rope(
     x: torch.Tensor,
     positions: torch.Tensor,
-    theta: float,
+    theta: float | RopeParams,
     style: str = "neox",
     rotary_dim: int | None = None,
 ) -> torch.Tensor:
-    """RoPE on x ``[..., T, H, D]`` at absolute int positions ``[T]``."""
-    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
+    """RoPE on x ``[..., T, H, D]`` at absolute int positions ``[T]``; ``theta`` a base or :class:`RopeParams`."""
+    if rotary_dim is None and not isinstance(theta, RopeParams):
+        rotary_dim = x.shape[-1]
     cos, sin = rope_cos_sin(positions, theta, rotary_dim)
     return rope_apply(x, cos.unsqueeze(-2), sin.unsqueeze(-2), style)
+
+
+def rope_inv_freq_reference(params: RopeParams, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """HF's inverse frequencies, its own formulas transcribed, evaluated in ``dtype`` on the CPU.
+
+    ``default``: ``compute_default_rope_parameters``; ``llama3``: ``_compute_llama3_parameters``
+    (transformers 5.x ``modeling_rope_utils``), in HF's order of operations and masks. In fp32 this is
+    how HF fills the rotary module's ``inv_freq`` buffer; in fp64 it is what :func:`rope_inv_freq`
+    must equal bit for bit (HF's ``where``/mask form against the kernel's nested ``where``, vLLM's).
+    """
+    d = params.rotary_dim
+    inv_freq = 1.0 / (params.theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=dtype) / d))
+    if params.rope_type == "default":
+        return inv_freq
+    if params.rope_type != "llama3":
+        raise ValueError(f"rope_inv_freq_reference: rope_type {params.rope_type!r}")
+    factor = params.factor
+    low_freq_factor, high_freq_factor = params.low_freq_factor, params.high_freq_factor
+    old_context_len = params.original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def rope_table_reference(positions: torch.Tensor, params: RopeParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` ``[len(positions), rotary_dim // 2]`` in one unblocked evaluation: fp64 angles
+    from :func:`rope_inv_freq_reference`, fp64 cos/sin times the attention scaling, one rounding."""
+    inv_freq = rope_inv_freq_reference(params, torch.float64)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    scaling = rope_attention_scaling(params)
+    cos, sin = angles.cos(), angles.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return cos.float(), sin.float()
 
 
 def rope_reference(
     x: torch.Tensor,
     positions: torch.Tensor,
-    theta: float,
+    theta: float | RopeParams,
     style: str = "neox",
     rotary_dim: int | None = None,
 ) -> torch.Tensor:
     """HF's ``rotate_half`` formula (or the interleaved one) in fp32, fp64 for fp64 input."""
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rotary_dim = x.shape[-1] if rotary_dim is None else rotary_dim
-    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim)
+    if rotary_dim is None and not isinstance(theta, RopeParams):
+        rotary_dim = x.shape[-1]
+    params = rope_params(theta, rotary_dim)
+    rotary_dim = params.rotary_dim
+    inv_freq = rope_inv_freq_reference(params, dtype)
     angles = positions.to(dtype)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    scaling = rope_attention_scaling(params)
+    cos, sin = angles.cos()[:, None, :] * scaling, angles.sin()[:, None, :] * scaling
     xr, rest = x.to(dtype)[..., :rotary_dim], x.to(dtype)[..., rotary_dim:]
     if style == "neox":
         x1, x2 = xr.chunk(2, dim=-1)

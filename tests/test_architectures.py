@@ -27,7 +27,7 @@ SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modul
 NEW = {
     "qwen2": None,
     "mistral": None,
-    "llama3": "--consistent: consistent_hf: rope_type 'llama3'",
+    "llama3": None,
     "mixtral": None,
     "phi3": None,
     "gemma2": None,

@@ -3,8 +3,9 @@
 Same architecture string as Llama (``LlamaForCausalLM``), so no adapter of its
 own: only a demo config. vLLM runs it with ``Llama3RotaryEmbedding``, whose
 type the contract reader reports as ``llama3`` like HF's ``rope_type``.
-Consistent mode has no kernel for scaled RoPE yet: both installers refuse it
-(``rope_type 'llama3'``), see docs/architectures.md.
+Consistent mode covers it: both installers read the llama3 scaling from their
+rotary module into ``kernels.RopeParams`` and read one cos/sin table (see
+docs/kernels.md, RoPE, and docs/architectures.md).
 """
 
 from __future__ import annotations

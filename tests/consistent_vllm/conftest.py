@@ -1,6 +1,6 @@
 """Fixtures for consistent mode inside a real in-process vLLM.
 
-Tiny bf16 models (Qwen3, Llama, Qwen3-MoE) are built from transformers configs
+Tiny bf16 models (Qwen3, Llama, Qwen3-MoE, Llama with Llama 3's scaled RoPE) are built from transformers configs
 with weights drawn at std 0.2, so that next-token distributions are peaked and
 logprob differences are as large as on a trained model (std 0.02 makes every
 logprob about -8.4 and hides divergence). Each is saved once per session.
@@ -29,7 +29,11 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-ARCHS = ("qwen3", "llama", "qwen3-moe")
+ARCHS = ("qwen3", "llama", "qwen3-moe", "llama3")
+#: Llama 3's scaled RoPE (``rope_type: llama3``); original context 256 puts the 32 frequencies of
+#: head_dim 64 in all three bands (kept, interpolated, divided by the factor)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
 MAX_NUM_BATCHED_TOKENS = 32
 MAX_MODEL_LEN = 256
 INIT_STD = 0.2
@@ -63,6 +67,8 @@ def _build(arch: str, path: Path) -> Path:
         model = Qwen3ForCausalLM(Qwen3Config(**_COMMON))
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**_COMMON))
+    elif arch == "llama3":
+        model = LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters=LLAMA3_ROPE))
     elif arch == "qwen3-moe":
         config = Qwen3MoeConfig(
             **_COMMON,

@@ -14,9 +14,10 @@ HF object                             how                                    ker
 ====================================  =====================================  ====================
 every ``nn.Linear`` (incl. lm_head)   instance ``forward``                   ``linear``
 ``*RMSNorm`` (HF formula)             instance ``forward``                   ``rms_norm``
-``*RotaryEmbedding`` (default rope)   instance ``forward``: fp32 cos/sin     ``rope_cos_sin``
-                                      from the shared table of the layer
-                                      type's base (Gemma 3), tagged
+``*RotaryEmbedding`` (default or      instance ``forward``: fp32 cos/sin     ``rope_cos_sin``
+``llama3`` rope)                      from the shared table of the layer
+                                      type's ``RopeParams`` (Gemma 3),
+                                      checked against ``inv_freq``, tagged
 ``apply_rotary_pos_emb`` (modeling    module global, refcounted: tagged      ``rope_apply``
 module)                               cos/sin -> kernel, else the original
 attention core                        ``AttentionInterface`` +               ``attention_batched``
@@ -66,7 +67,7 @@ Which module classes and attributes count as the norm, the gated MLP, the
 experts and the attention module is the architecture adapter's knowledge
 (``hf_norm_classes``, ``mlp_parts``, ``experts_parts``, ``is_attention``).
 Everything is checked before anything is patched: a module that no replacement
-covers (another norm, a scaled RoPE, a non-SiLU MLP, a gated shared expert, ...)
+covers (another norm, a RoPE type other than default and llama3, a non-SiLU MLP, a gated shared expert, ...)
 raises ``NotImplementedError`` naming it. Every patch goes through
 ``patching.Patches`` and is undone newest first.
 """
@@ -151,7 +152,7 @@ def _drop_item(mapping: dict, key: str) -> None:
 class _Plan:
     linears: list[tuple[str, Any]] = field(default_factory=list)
     norms: list[tuple[str, Any]] = field(default_factory=list)
-    rotaries: list[tuple[str, Any, dict]] = field(default_factory=list)  # (name, module, {layer type: (theta, dim)})
+    rotaries: list[tuple[str, Any, dict]] = field(default_factory=list)  # (name, module, {layer type: RopeParams})
     mlps: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, mlp_parts)
     gated: str = "silu_and_mul"  # the gated-MLP kernel (by the adapter's activation)
     norm_offset: bool = False  # (1 + w) RMSNorm (Gemma)
@@ -162,44 +163,66 @@ class _Plan:
     modeling_modules: set[str] = field(default_factory=set)
 
 
-def _rope_params(module: Any) -> dict[str | None, tuple[float, int]]:
-    """``{layer type: (theta, rotary_dim)}`` of a default-RoPE HF rotary module, each checked against its inv_freq.
+def _rope_params(module: Any) -> dict[str | None, Any]:
+    """``{layer type: RopeParams}`` of an HF rotary module, each checked against its inv_freq buffer.
 
-    A module with one base gives one entry under ``None``; Gemma 3's computes cos/sin per layer type
+    A module with one rope gives one entry under ``None``; Gemma 3's computes cos/sin per layer type
     (``forward(x, position_ids, layer_type)``, ``{type}_inv_freq``, ``rope_parameters[type]``).
     """
     config = module.config
     params = getattr(config, "rope_parameters", None) or {}
     types = getattr(module, "layer_types", None)
     if not types:
-        theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+        if "rope_theta" not in params and getattr(config, "rope_theta", None) is not None:
+            params = {**params, "rope_theta": config.rope_theta}
         buffer = getattr(module, "original_inv_freq", module.inv_freq)
         scaling = getattr(module, "attention_scaling", 1.0)
-        return {None: _checked_rope(getattr(module, "rope_type", "default"), scaling, theta, buffer)}
+        return {None: _checked_rope(getattr(module, "rope_type", "default"), scaling, params, buffer)}
     return {
         t: _checked_rope(
             module.rope_type[t],
             getattr(module, f"{t}_attention_scaling", 1.0),
-            (params.get(t) or {}).get("rope_theta"),
+            params.get(t) or {},
             getattr(module, f"{t}_original_inv_freq", getattr(module, f"{t}_inv_freq")),
         )
         for t in types
     }
 
 
-def _checked_rope(rope_type: str, scaling: float, theta: float | None, buffer: Any) -> tuple[float, int]:
-    """``(theta, rotary_dim)`` of one default RoPE whose inv_freq ``buffer`` is ``theta ** (-2i/d)``."""
-    import torch
+#: HF ``rope_parameters`` keys of each covered scaled rope type -> the ``RopeParams`` field they fill
+_ROPE_FIELDS = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
-    if rope_type != "default" or float(scaling) != 1.0:
-        raise NotImplementedError(f"consistent_hf: rope_type {rope_type!r} (only default RoPE is supported)")
+
+def _checked_rope(rope_type: str, scaling: float, params: dict, buffer: Any) -> Any:
+    """The ``RopeParams`` of one HF rope (``params``: its ``rope_parameters``), whose inv_freq ``buffer``
+    must be what the kernel computes from them (``kernels.rope.inv_freq_matches``)."""
+    from logdiff.kernels import RopeParams
+    from logdiff.kernels.rope import inv_freq_matches, rope_attention_scaling
+
+    if rope_type != "default" and rope_type not in _ROPE_FIELDS:
+        raise NotImplementedError(
+            f"consistent_hf: rope_type {rope_type!r} (covered: default, {', '.join(_ROPE_FIELDS)})"
+        )
+    theta = params.get("rope_theta")
     if theta is None:
         raise NotImplementedError("consistent_hf: cannot find rope_theta in the config")
-    rotary_dim = 2 * buffer.numel()
-    ours = 1.0 / float(theta) ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
-    if not torch.allclose(ours, buffer.double().cpu(), rtol=2 * torch.finfo(buffer.dtype).eps, atol=0):
-        raise NotImplementedError("consistent_hf: the rotary module's inv_freq is not theta ** (-2i/d)")
-    return float(theta), rotary_dim
+    missing = [k for k in _ROPE_FIELDS.get(rope_type, ()) if params.get(k) is None]
+    if missing:
+        raise NotImplementedError(f"consistent_hf: rope_type {rope_type!r} without {', '.join(missing)} in the config")
+    fields = {k: params[k] for k in _ROPE_FIELDS.get(rope_type, ())}
+    try:
+        rope = RopeParams(float(theta), 2 * buffer.numel(), rope_type, **fields)
+    except ValueError as e:
+        raise NotImplementedError(f"consistent_hf: {e}") from None
+    if float(scaling) != rope_attention_scaling(rope):
+        raise NotImplementedError(f"consistent_hf: rope_type {rope_type!r} with attention scaling {float(scaling)}")
+    if not inv_freq_matches(rope, buffer):
+        raise NotImplementedError(
+            f"consistent_hf: the rotary module's inv_freq is not what its rope_parameters give ({rope_type} rope)"
+        )
+    return rope
 
 
 def _plan(model: Any) -> _Plan:
@@ -298,18 +321,17 @@ def _softcapped_logits_forward(module: Any, cap: float) -> Callable:
     return lambda x: kernels.softcap(kernels.linear(x, module.weight, module.bias), cap)
 
 
-def _rotary_forward(thetas: dict[str | None, tuple[float, int]]) -> Callable:
-    """The rotary module's ``forward``: cos/sin from the table of the calling layer type's base (Gemma 3 asks
-    per ``layer_type``; other families have one base, under ``None``)."""
+def _rotary_forward(ropes: dict[str | None, Any]) -> Callable:
+    """The rotary module's ``forward``: cos/sin from the table of the calling layer type's rope (Gemma 3 asks
+    per ``layer_type``; other families have one rope, under ``None``)."""
     import torch
 
     from logdiff import kernels
 
     def forward(x: Any, position_ids: Any, layer_type: str | None = None) -> tuple[Any, Any]:
-        if layer_type not in thetas:
-            raise NotImplementedError(f"consistent_hf: no RoPE base for layer type {layer_type!r}")
-        theta, rotary_dim = thetas[layer_type]
-        cos, sin = kernels.rope_cos_sin(position_ids, theta, rotary_dim)
+        if layer_type not in ropes:
+            raise NotImplementedError(f"consistent_hf: no RoPE for layer type {layer_type!r}")
+        cos, sin = kernels.rope_cos_sin(position_ids, ropes[layer_type])
         cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)  # HF's [.., rotary_dim] layout
         setattr(cos, _ROPE_TAG, True)
         setattr(sin, _ROPE_TAG, True)
@@ -609,8 +631,8 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
         for name, module in plan.norms if want("rms_norm") else []:
             patches.set(module, "forward", _norm_forward(module, plan.norm_offset))
             report.add("rms_norm", name)
-        for name, module, thetas in plan.rotaries if want("rope") else []:
-            patches.set(module, "forward", _rotary_forward(thetas))
+        for name, module, ropes in plan.rotaries if want("rope") else []:
+            patches.set(module, "forward", _rotary_forward(ropes))
             report.add("rope", name)
         for mod_name in sorted(plan.modeling_modules) if want("rope") else []:
             modeling = importlib.import_module(mod_name)

@@ -13,7 +13,8 @@ vLLM object                 attribute                                   kernel
 linear layers, lm_head      ``layer.cpu_linear`` (layers/utils.py,      ``linear``
 (anything with a CPU GEMM)  ``dispatch_cpu_unquantized_gemm``)
 ``RMSNorm``                 ``forward`` (with/without fused residual)   ``rms_norm``
-``RotaryEmbedding``         ``forward``                                 ``rope``
+``RotaryEmbedding``,        ``forward`` (the module's ``RopeParams``,   ``rope``
+``Llama3RotaryEmbedding``   checked against its ``_compute_inv_freq``)
 ``GemmaRMSNorm``            ``forward`` (``(1 + w)``, same fusions)      ``gemma_rms_norm``
 ``SiluAndMul``              ``forward``                                 ``silu_and_mul``
 ``GeluAndMul`` (tanh)       ``forward``                                 ``gelu_tanh_and_mul``
@@ -30,7 +31,8 @@ a ``soft_cap`` (Gemma 2)    kernel's cap)
 ==========================  ==========================================  ==================
 
 The plan is built and checked *before* anything is patched: a module on the
-numerical path that no replacement covers (another norm, a scaled RoPE,
+numerical path that no replacement covers (another norm, a RoPE class other
+than ``RotaryEmbedding`` and ``Llama3RotaryEmbedding`` (yarn, linear, ...),
 a quantized layer, speculative decoding, ...) raises
 ``NotImplementedError`` naming it, rather than giving a silently half-consistent
 engine. Weights that the CPU build has packed away are recovered bit-exactly
@@ -130,7 +132,7 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
-    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         UnquantizedEmbeddingMethod,
         VocabParallelEmbedding,
@@ -169,10 +171,15 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
             else:
                 plan.append(("rms_norm", module, "forward", ops.rms_norm_forward(module)))
                 summary.add("rms_norm", name)
-        elif type(module) is RotaryEmbedding:
-            plan.append(("rope", module, "forward", ops.rope_forward(module)))
-            summary.add("rope", name)
-            replaced_parents.append(name + ".")
+        elif isinstance(module, RotaryEmbeddingBase) or type(module).__name__.endswith("RotaryEmbedding"):
+            try:  # default and llama3 rope; any other rope class is refused naming its type
+                rope = ops.rope_params_of(module)
+            except NotImplementedError as e:
+                unsupported.append(f"{name} ({e})")
+            else:
+                plan.append(("rope", module, "forward", ops.rope_forward(module, rope)))
+                summary.add("rope", name)
+                replaced_parents.append(name + ".")
         elif type(module).__name__ == "GemmaRMSNorm":
             plan.append(("rms_norm", module, "forward", ops.gemma_rms_norm_forward(module)))
             summary.add("rms_norm", name)

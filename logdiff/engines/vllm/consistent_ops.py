@@ -12,7 +12,9 @@ implement:
 * ``rms_norm_forward``: ``RMSNorm.forward(x, residual=None)``; with a residual
   it returns ``(norm(x + residual), x + residual)`` like the fused op.
 * ``gemma_rms_norm_forward``: the same for ``GemmaRMSNorm`` (``(1 + w)``).
-* ``rope_forward``: ``RotaryEmbedding.forward(positions, query, key)``.
+* ``rope_forward``: ``RotaryEmbedding.forward(positions, query, key)``, also
+  ``Llama3RotaryEmbedding``'s; the rope's ``kernels.RopeParams`` are read from
+  the module and checked against its own ``_compute_inv_freq`` (``rope_params_of``).
 * ``silu_and_mul_forward``: ``SiluAndMul.forward(x)`` on ``[..., 2d]``;
   ``gelu_tanh_and_mul_forward``: ``GeluAndMul(approximate="tanh")`` alike.
 * ``softcapped_logits_forward``: ``LogitsProcessor.forward`` with a soft cap
@@ -91,16 +93,57 @@ def gemma_rms_norm_forward(module: Any) -> Callable[..., Any]:
     return forward
 
 
-def rope_forward(module: Any) -> Callable[..., Any]:
-    """``RotaryEmbedding.forward`` replacement: cos/sin from theta and absolute positions."""
+#: vLLM rotary class -> (HF rope_type, the RopeParams scaling fields and the module attribute each is read from)
+_VLLM_ROPES: dict[str, tuple[str, dict[str, str]]] = {
+    "RotaryEmbedding": ("default", {}),
+    "Llama3RotaryEmbedding": (
+        "llama3",
+        {
+            "factor": "scaling_factor",
+            "low_freq_factor": "low_freq_factor",
+            "high_freq_factor": "high_freq_factor",
+            "original_max_position_embeddings": "orig_max_position",
+        },
+    ),
+}
+
+
+def rope_params_of(module: Any) -> Any:
+    """The ``kernels.RopeParams`` of a vLLM rotary module, read from the module and checked against the
+    frequencies it computes itself (``_compute_inv_freq``); ``NotImplementedError`` (one line) for any
+    other rotary class or a module whose frequencies disagree."""
+    from logdiff.kernels import RopeParams
+    from logdiff.kernels.rope import inv_freq_matches
+    from logdiff.probes.contracts import VLLM_ROPE_TYPES
+
+    cls = type(module).__name__
+    if cls not in _VLLM_ROPES:
+        rope_type = VLLM_ROPE_TYPES.get(cls, "unknown")
+        covered = ", ".join(f"{c} ({t})" for c, (t, _) in _VLLM_ROPES.items())
+        raise NotImplementedError(f"{cls}: rope_type {rope_type!r} has no consistent kernel (covered: {covered})")
+    rope_type, fields = _VLLM_ROPES[cls]
+    try:
+        params = RopeParams(
+            float(module.base), int(module.rotary_dim), rope_type, **{k: getattr(module, a) for k, a in fields.items()}
+        )
+    except ValueError as e:
+        raise NotImplementedError(f"{cls}: {e}") from None
+    if not inv_freq_matches(params, module._compute_inv_freq(module.base)):
+        raise NotImplementedError(f"{cls}: its inv_freq is not what its parameters give ({rope_type} rope)")
+    return params
+
+
+def rope_forward(module: Any, params: Any = None) -> Callable[..., Any]:
+    """``RotaryEmbedding.forward`` replacement (and ``Llama3RotaryEmbedding``'s): cos/sin from the table of
+    the module's ``RopeParams`` (:func:`rope_params_of`) at absolute positions."""
     kernels = _kernels()
-    head_size, rotary_dim = module.head_size, module.rotary_dim
-    theta = float(module.base)
+    params = rope_params_of(module) if params is None else params
+    head_size = module.head_size
     style = "neox" if module.is_neox_style else "gptj"
 
     def rotate(positions: Any, x: Any) -> Any:
         heads = x.reshape(positions.shape[0], -1, head_size)
-        out = kernels.rope(heads, positions, theta, style=style, rotary_dim=rotary_dim)
+        out = kernels.rope(heads, positions, params, style=style)
         return out.reshape(x.shape)
 
     def forward(positions: Any, query: Any, key: Any = None) -> tuple[Any, Any]:
