@@ -50,7 +50,7 @@ TABLE_BLOCK_ELEMENTS = 1024
 """Upper bound on the elements of one table-block call (below every serial threshold)."""
 
 #: the rope types whose tables the kernel builds (HF's ``rope_type`` names)
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,15 @@ class RopeParams:
     ``factor``, those below ``original_max_position_embeddings / high_freq_factor`` are kept, and those
     between are interpolated, ``(1 - s) f / factor + s f`` with
     ``s = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)``.
-    The scaling fields of other types are left at their defaults (they take part in the cache key).
+    ``linear`` (HF ``_compute_linear_scaling_rope_parameters``, vLLM ``LinearScalingRotaryEmbedding``): the
+    default frequencies divided by ``factor``. ``yarn`` (HF ``_compute_yarn_parameters``, vLLM
+    ``YaRNScalingRotaryEmbedding``): the default frequencies ("extrapolation") and those divided by
+    ``factor`` ("interpolation") mixed by a linear ramp over the frequency index between the correction
+    dimensions of ``beta_fast`` and ``beta_slow`` rotations in ``original_max_position_embeddings``
+    (floored and ceiled when ``truncate``), and cos/sin multiplied by ``attention_factor`` (HF's
+    ``attention_scaling``, vLLM's ``mscale``: resolved by the engine from ``factor``, ``mscale``,
+    ``mscale_all_dim`` or the config's ``attention_factor``; read from the module, which is what runs).
+    The scaling fields a type does not use are left at their defaults (they take part in the cache key).
     Frozen and hashable: a table is cached per ``(params, device)``.
     """
 
@@ -74,24 +82,55 @@ class RopeParams:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+        for name in ("theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                     "attention_factor"):
             object.__setattr__(self, name, float(getattr(self, name)))
         for name in ("rotary_dim", "original_max_position_embeddings"):
             object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "truncate", bool(self.truncate))
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r}: the kernel builds tables for {ROPE_TYPES} only")
         if self.rotary_dim <= 0 or self.rotary_dim % 2:
             raise ValueError(f"rotary_dim must be even and positive, got {self.rotary_dim}")
-        if self.rope_type == "default":
-            scaling = (self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings)
-            if scaling != (1.0, 1.0, 4.0, 8192):
-                raise ValueError("default RoPE takes no scaling fields")
-        if self.rope_type == "llama3" and not (
-            self.factor > 0 and 0 < self.low_freq_factor < self.high_freq_factor and self.original_max_position_embeddings > 0
-        ):
-            raise ValueError(f"llama3 RoPE needs factor > 0 and 0 < low_freq_factor < high_freq_factor: {self}")
+        unused = {
+            "default": _SCALING_FIELDS,
+            "llama3": ("beta_fast", "beta_slow", "truncate", "attention_factor"),
+            "linear": tuple(f for f in _SCALING_FIELDS if f != "factor"),
+            "yarn": ("low_freq_factor", "high_freq_factor"),
+        }[self.rope_type]
+        defaults = RopeParams.__dataclass_fields__
+        if any(getattr(self, f) != defaults[f].default for f in unused):
+            raise ValueError(f"{self.rope_type} RoPE takes none of {', '.join(unused)}")
+        if self.factor <= 0 or self.attention_factor <= 0 or self.original_max_position_embeddings <= 0:
+            raise ValueError(f"RoPE factor, attention_factor and original_max_position_embeddings must be positive: {self}")
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"llama3 RoPE needs 0 < low_freq_factor < high_freq_factor: {self}")
+
+
+_SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings", "beta_fast",
+                   "beta_slow", "truncate", "attention_factor")
+
+
+def _yarn_ramp_bounds(params: RopeParams) -> tuple[float, float]:
+    """``(low, high)`` of yarn's ramp over the frequency index: the correction dimensions of ``beta_fast`` and
+    ``beta_slow`` rotations (HF ``find_correction_range``, vLLM ``yarn_find_correction_range``: Python floats),
+    ``high`` nudged by 0.001 where they meet (both engines' singularity guard)."""
+    d, base, old = params.rotary_dim, params.theta, params.original_max_position_embeddings
+
+    def dim(rotations: float) -> float:
+        return (d * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim(params.beta_fast), dim(params.beta_slow)
+    if params.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    return low, (high + 0.001 if low == high else high)
 
 
 def rope_params(theta: float | RopeParams, rotary_dim: int | None = None) -> RopeParams:
@@ -124,12 +163,53 @@ def rope_inv_freq(params: RopeParams, device: torch.device | str | None = None) 
         inv_freq = torch.where(
             wavelen < old / high, inv_freq, torch.where(wavelen > old / low, inv_freq / factor, smoothed)
         )
+    elif params.rope_type == "linear":
+        inv_freq = inv_freq / params.factor
+    elif params.rope_type == "yarn":
+        pos_freqs = params.theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+        interpolation = 1.0 / (params.factor * pos_freqs)
+        low, high = _yarn_ramp_bounds(params)
+        ramp = ((torch.arange(d // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
+        extrapolation_factor = 1 - ramp
+        inv_freq = interpolation * (1 - extrapolation_factor) + inv_freq * extrapolation_factor
     return inv_freq
 
 
 def rope_attention_scaling(params: RopeParams) -> float:
-    """The factor that multiplies cos and sin (HF's ``attention_scaling``): 1 for default and llama3."""
-    return 1.0
+    """The factor that multiplies cos and sin (HF's ``attention_scaling``, vLLM's yarn ``mscale``): yarn's
+    ``attention_factor``, 1 for the other types."""
+    return params.attention_factor if params.rope_type == "yarn" else 1.0
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """yarn's default ``attention_factor`` (no explicit one in the config), as HF and vLLM compute it:
+    ``0.1 * m * ln(factor) + 1`` (1 for ``factor <= 1``), with ``m = mscale`` over ``m = mscale_all_dim``
+    where both are given (DeepSeek), ``m = 1`` otherwise."""
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return float(get_mscale(factor))
+
+
+def _yarn_amplification(params: RopeParams) -> float:
+    """How much yarn's mix ``interp * ramp + extrap * (1 - ramp)`` amplifies the fp32 error of the ramp.
+
+    The ramp ``(i - low) / (high - low)`` is off by up to ``u * (i + |low|) / (high - low)`` in fp32 (``u``
+    = eps / 2: ``low`` rounded to fp32 when it is not an integer, and the division); the result moves by
+    ``(extrap - interp)`` times that, relative to ``interp * (1 + (factor - 1) * (1 - ramp))``. Frequencies
+    off the ramp (0 or 1 exactly) take no such error.
+    """
+    low, high = _yarn_ramp_bounds(params)
+    i = torch.arange(params.rotary_dim // 2, dtype=torch.float64)
+    ramp = ((i - low) / (high - low)).clamp(0, 1)
+    inside = (ramp > 0) & (ramp < 1)
+    if not bool(inside.any()):
+        return 0.0
+    k = abs(params.factor - 1)
+    return float((k * (i + abs(low)) / (high - low) / (1 + k * (1 - ramp)))[inside].max())
 
 
 def inv_freq_rtol(params: RopeParams, dtype: torch.dtype = torch.float32) -> float:
@@ -143,12 +223,19 @@ def inv_freq_rtol(params: RopeParams, dtype: torch.dtype = torch.float32) -> flo
     relative) reaches the result multiplied by ``A = max(low, high / factor) * |factor - 1| / (high - low)``
     (the largest ``(old / wavelength) * (factor - 1) / ((high - low) * (1 + s * (factor - 1)))`` over the
     band, at one of its ends). So the bound is ``2 eps * (2 + A)``: 8.7 eps for the llama3 demo (factor 8,
-    low 1, high 4), where HF's buffer measures 1.7 eps; 24.7 eps at factor 32, measured 3.4. A wrong
-    scaling field moves the affected frequencies by a factor, far outside it.
+    low 1, high 4), where HF's buffer measures 1.7 eps; 24.7 eps at factor 32, measured 3.4. linear: the
+    default's 2 eps and one division, 3 eps. yarn: ``eps * (4 + A)``, the default frequencies', the
+    interpolated ones' and the mix's roundings (4 eps) and the ramp's error amplified by the mix
+    (:func:`_yarn_amplification`, counted at twice its size). A wrong scaling field moves the affected
+    frequencies by a factor, far outside every bound.
     """
     eps = max(torch.finfo(torch.float32).eps, torch.finfo(dtype).eps)
     if params.rope_type == "default":
         return 2 * eps
+    if params.rope_type == "linear":  # one more rounding: the division by factor
+        return 3 * eps
+    if params.rope_type == "yarn":
+        return eps * (4 + _yarn_amplification(params))
     low, high, factor = params.low_freq_factor, params.high_freq_factor, params.factor
     amplification = max(low, high / factor) * abs(factor - 1) / (high - low)
     return 2 * eps * (2 + amplification)
@@ -289,6 +376,11 @@ def rope_inv_freq_reference(params: RopeParams, dtype: torch.dtype = torch.float
     inv_freq = 1.0 / (params.theta ** (torch.arange(0, d, 2, dtype=torch.int64).to(dtype=dtype) / d))
     if params.rope_type == "default":
         return inv_freq
+    if params.rope_type == "linear":
+        inv_freq /= params.factor
+        return inv_freq
+    if params.rope_type == "yarn":
+        return _yarn_inv_freq_reference(params, dtype)
     if params.rope_type != "llama3":
         raise ValueError(f"rope_inv_freq_reference: rope_type {params.rope_type!r}")
     factor = params.factor
@@ -302,6 +394,40 @@ def rope_inv_freq_reference(params: RopeParams, dtype: torch.dtype = torch.float
     smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
+def _yarn_inv_freq_reference(params: RopeParams, dtype: torch.dtype) -> torch.Tensor:
+    """HF's ``_compute_yarn_parameters`` (its inverse frequencies) transcribed, in ``dtype``."""
+    base, dim, factor = params.theta, params.rotary_dim, params.factor
+
+    def find_correction_dim(num_rotations, dim, base, max_position_embeddings):  # noqa: ANN001, ANN202
+        return (dim * math.log(max_position_embeddings / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    def find_correction_range(low_rot, high_rot, dim, base, max_position_embeddings, truncate):  # noqa: ANN001, ANN202
+        low = find_correction_dim(low_rot, dim, base, max_position_embeddings)
+        high = find_correction_dim(high_rot, dim, base, max_position_embeddings)
+        if truncate:
+            low = math.floor(low)
+            high = math.ceil(high)
+        return max(low, 0), min(high, dim - 1)
+
+    def linear_ramp_factor(min, max, dim):  # noqa: A002, ANN001, ANN202
+        if min == max:
+            max += 0.001
+        linear_func = (torch.arange(dim, dtype=dtype) - min) / (max - min)
+        return torch.clamp(linear_func, 0, 1)
+
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=dtype) / dim)
+    inv_freq_extrapolation = 1.0 / pos_freqs
+    inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+    low, high = find_correction_range(
+        params.beta_fast, params.beta_slow, dim, base, params.original_max_position_embeddings, params.truncate
+    )
+    inv_freq_extrapolation_factor = 1 - linear_ramp_factor(low, high, dim // 2).to(dtype=dtype)
+    return (
+        inv_freq_interpolation * (1 - inv_freq_extrapolation_factor)
+        + inv_freq_extrapolation * inv_freq_extrapolation_factor
+    )
 
 
 def rope_table_reference(positions: torch.Tensor, params: RopeParams) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Fixtures for consistent mode inside a real in-process vLLM.
 
-Tiny bf16 models (Qwen3, Llama, Qwen3-MoE, Llama with Llama 3's scaled RoPE) are built from transformers configs
+Tiny bf16 models (Qwen3, Llama, Qwen3-MoE, Llama with llama3, linear and yarn RoPE scaling) are built from transformers configs
 with weights drawn at std 0.2, so that next-token distributions are peaked and
 logprob differences are as large as on a trained model (std 0.02 makes every
 logprob about -8.4 and hides divergence). Each is saved once per session.
@@ -29,11 +29,16 @@ import pytest
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-ARCHS = ("qwen3", "llama", "qwen3-moe", "llama3")
-#: Llama 3's scaled RoPE (``rope_type: llama3``); original context 256 puts the 32 frequencies of
-#: head_dim 64 in all three bands (kept, interpolated, divided by the factor)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+ARCHS = ("qwen3", "llama", "qwen3-moe", "llama3", "llama-linear", "llama-yarn")
+#: Llama with scaled RoPE: Llama 3's (``rope_type: llama3``; original context 256 puts the 32 frequencies
+#: of head_dim 64 in all three bands: kept, interpolated, divided by the factor), linear, and yarn (original
+#: context 128: its ramp lies inside the 32 frequencies, cos/sin times 1.14)
+SCALED_ROPES = {
+    "llama3": {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    "llama-linear": {"rope_type": "linear", "rope_theta": 10_000.0, "factor": 4.0},
+    "llama-yarn": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+}
 MAX_NUM_BATCHED_TOKENS = 32
 MAX_MODEL_LEN = 256
 INIT_STD = 0.2
@@ -67,8 +72,8 @@ def _build(arch: str, path: Path) -> Path:
         model = Qwen3ForCausalLM(Qwen3Config(**_COMMON))
     elif arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**_COMMON))
-    elif arch == "llama3":
-        model = LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters=LLAMA3_ROPE))
+    elif arch in SCALED_ROPES:
+        model = LlamaForCausalLM(LlamaConfig(**_COMMON, rope_parameters=SCALED_ROPES[arch]))
     elif arch == "qwen3-moe":
         config = Qwen3MoeConfig(
             **_COMMON,

@@ -106,7 +106,7 @@ def test_unsupported_models_are_refused_before_anything_is_patched(build_model):
             pass
     assert _instance_forwards(model) == []
     scaled = build_model(
-        "llama", torch.float32, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+        "llama", torch.float32, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
     )
     with pytest.raises(NotImplementedError, match="rope_type"):
         with consistent_hf(scaled):

@@ -167,11 +167,11 @@ def test_error_against_fp64_is_within_the_stated_bound(gen, name):
 
 
 def test_parameters_are_validated():
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
-        RopeParams(1e4, 64, "yarn")
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        RopeParams(1e4, 64, "dynamic")
     with pytest.raises(ValueError, match="low_freq_factor < high_freq_factor"):
         RopeParams(1e4, 64, "llama3", 8.0, 4.0, 4.0, 8192)
-    with pytest.raises(ValueError, match="default RoPE takes no scaling"):
+    with pytest.raises(ValueError, match="default RoPE takes none of factor"):
         RopeParams(1e4, 64, "default", factor=8.0)
     with pytest.raises(ValueError, match="rotary_dim"):
         rope_cos_sin(torch.arange(3), LLAMA3["demo"], 32)

@@ -57,8 +57,9 @@ def test_negative_control_a_config_that_disagrees_with_the_buffer_is_refused(bui
 
 
 def test_other_scaled_ropes_are_refused_naming_the_type(build_model):
-    model = build_model("llama", torch.float32, rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4})
-    with pytest.raises(NotImplementedError, match=r"^consistent_hf: rope_type 'yarn' \(covered: default, llama3\)$"):
+    model = build_model("llama", torch.float32, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    match = r"^consistent_hf: rope_type 'dynamic' \(covered: default, llama3, linear, yarn\)$"
+    with pytest.raises(NotImplementedError, match=match):
         with consistent_hf(model):
             pass
 
@@ -69,13 +70,15 @@ def vllm_ropes():
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
-    from vllm.model_executor.layers.rotary_embedding.yarn_scaling_rope import YaRNScalingRotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.dynamic_ntk_scaling_rope import (
+        DynamicNTKScalingRotaryEmbedding,
+    )
 
     with set_current_vllm_config(VllmConfig()):
         return {
             "llama3": Llama3RotaryEmbedding(16, 16, 512, 500_000.0, True, torch.bfloat16, 8.0, 1.0, 4.0, 64),
             "default": RotaryEmbedding(16, 16, 512, 500_000.0, True, torch.bfloat16),
-            "yarn": YaRNScalingRotaryEmbedding(16, 16, 512, 1e4, True, 2.0, torch.bfloat16),
+            "dynamic": DynamicNTKScalingRotaryEmbedding(16, 16, 512, 256, 1e4, True, 2.0, torch.bfloat16),
         }
 
 
@@ -109,8 +112,9 @@ def test_vllm_rotation_is_bitwise_hfs(build_model, vllm_ropes, gen):
 def test_vllm_refuses_other_scaled_classes_in_one_line(vllm_ropes):
     from logdiff.engines.vllm.consistent_ops import rope_params_of
 
-    with pytest.raises(NotImplementedError, match=r"^YaRNScalingRotaryEmbedding: rope_type 'yarn' has no consistent"):
-        rope_params_of(vllm_ropes["yarn"])
+    match = r"^DynamicNTKScalingRotaryEmbedding: rope_type 'dynamic' has no consistent"
+    with pytest.raises(NotImplementedError, match=match):
+        rope_params_of(vllm_ropes["dynamic"])
 
 
 @pytest.mark.vllm

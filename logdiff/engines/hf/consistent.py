@@ -14,8 +14,8 @@ HF object                             how                                    ker
 ====================================  =====================================  ====================
 every ``nn.Linear`` (incl. lm_head)   instance ``forward``                   ``linear``
 ``*RMSNorm`` (HF formula)             instance ``forward``                   ``rms_norm``
-``*RotaryEmbedding`` (default or      instance ``forward``: fp32 cos/sin     ``rope_cos_sin``
-``llama3`` rope)                      from the shared table of the layer
+``*RotaryEmbedding`` (default,        instance ``forward``: fp32 cos/sin     ``rope_cos_sin``
+``llama3``, ``linear``, ``yarn``)     from the shared table of the layer
                                       type's ``RopeParams`` (Gemma 3),
                                       checked against ``inv_freq``, tagged
 ``apply_rotary_pos_emb`` (modeling    module global, refcounted: tagged      ``rope_apply``
@@ -67,7 +67,7 @@ Which module classes and attributes count as the norm, the gated MLP, the
 experts and the attention module is the architecture adapter's knowledge
 (``hf_norm_classes``, ``mlp_parts``, ``experts_parts``, ``is_attention``).
 Everything is checked before anything is patched: a module that no replacement
-covers (another norm, a RoPE type other than default and llama3, a non-SiLU MLP, a gated shared expert, ...)
+covers (another norm, a RoPE type other than default, llama3, linear and yarn, a non-SiLU MLP, a gated shared expert, ...)
 raises ``NotImplementedError`` naming it. Every patch goes through
 ``patching.Patches`` and is undone newest first.
 """
@@ -189,15 +189,19 @@ def _rope_params(module: Any) -> dict[str | None, Any]:
     }
 
 
-#: HF ``rope_parameters`` keys of each covered scaled rope type -> the ``RopeParams`` field they fill
-_ROPE_FIELDS = {
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+#: HF ``rope_parameters`` keys of each covered scaled rope type -> their default (None: required), as HF
+#: reads them; each fills the ``RopeParams`` field of its name
+_ROPE_FIELDS: dict[str, dict[str, Any]] = {
+    "llama3": dict.fromkeys(("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
+    "linear": {"factor": None},
+    "yarn": {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32, "beta_slow": 1, "truncate": True},
 }
 
 
 def _checked_rope(rope_type: str, scaling: float, params: dict, buffer: Any) -> Any:
     """The ``RopeParams`` of one HF rope (``params``: its ``rope_parameters``), whose inv_freq ``buffer``
-    must be what the kernel computes from them (``kernels.rope.inv_freq_matches``)."""
+    must be what the kernel computes from them (``kernels.rope.inv_freq_matches``). yarn's cos/sin factor
+    is the module's ``attention_scaling`` (HF resolves it from the config)."""
     from logdiff.kernels import RopeParams
     from logdiff.kernels.rope import inv_freq_matches, rope_attention_scaling
 
@@ -208,10 +212,13 @@ def _checked_rope(rope_type: str, scaling: float, params: dict, buffer: Any) -> 
     theta = params.get("rope_theta")
     if theta is None:
         raise NotImplementedError("consistent_hf: cannot find rope_theta in the config")
-    missing = [k for k in _ROPE_FIELDS.get(rope_type, ()) if params.get(k) is None]
+    wanted = _ROPE_FIELDS.get(rope_type, {})
+    missing = [k for k, default in wanted.items() if default is None and params.get(k) is None]
     if missing:
         raise NotImplementedError(f"consistent_hf: rope_type {rope_type!r} without {', '.join(missing)} in the config")
-    fields = {k: params[k] for k in _ROPE_FIELDS.get(rope_type, ())}
+    fields = {k: default if params.get(k) is None else params[k] for k, default in wanted.items()}
+    if rope_type == "yarn":
+        fields["attention_factor"] = float(scaling)
     try:
         rope = RopeParams(float(theta), 2 * buffer.numel(), rope_type, **fields)
     except ValueError as e:

@@ -13,8 +13,9 @@ vLLM object                 attribute                                   kernel
 linear layers, lm_head      ``layer.cpu_linear`` (layers/utils.py,      ``linear``
 (anything with a CPU GEMM)  ``dispatch_cpu_unquantized_gemm``)
 ``RMSNorm``                 ``forward`` (with/without fused residual)   ``rms_norm``
-``RotaryEmbedding``,        ``forward`` (the module's ``RopeParams``,   ``rope``
-``Llama3RotaryEmbedding``   checked against its ``_compute_inv_freq``)
+``RotaryEmbedding``, its    ``forward`` (the module's ``RopeParams``,   ``rope``
+llama3, linear and yarn     checked against its ``_compute_inv_freq``)
+subclasses
 ``GemmaRMSNorm``            ``forward`` (``(1 + w)``, same fusions)      ``gemma_rms_norm``
 ``SiluAndMul``              ``forward``                                 ``silu_and_mul``
 ``GeluAndMul`` (tanh)       ``forward``                                 ``gelu_tanh_and_mul``
@@ -32,7 +33,8 @@ a ``soft_cap`` (Gemma 2)    kernel's cap)
 
 The plan is built and checked *before* anything is patched: a module on the
 numerical path that no replacement covers (another norm, a RoPE class other
-than ``RotaryEmbedding`` and ``Llama3RotaryEmbedding`` (yarn, linear, ...),
+than ``RotaryEmbedding`` and its llama3, linear and yarn subclasses (DeepSeek's
+yarn, dynamic NTK, ...),
 a quantized layer, speculative decoding, ...) raises
 ``NotImplementedError`` naming it, rather than giving a silently half-consistent
 engine. Weights that the CPU build has packed away are recovered bit-exactly
@@ -172,7 +174,7 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
                 plan.append(("rms_norm", module, "forward", ops.rms_norm_forward(module)))
                 summary.add("rms_norm", name)
         elif isinstance(module, RotaryEmbeddingBase) or type(module).__name__.endswith("RotaryEmbedding"):
-            try:  # default and llama3 rope; any other rope class is refused naming its type
+            try:  # default, llama3, linear and yarn rope; any other rope class is refused naming its type
                 rope = ops.rope_params_of(module)
             except NotImplementedError as e:
                 unsupported.append(f"{name} ({e})")

@@ -13,7 +13,8 @@ implement:
   it returns ``(norm(x + residual), x + residual)`` like the fused op.
 * ``gemma_rms_norm_forward``: the same for ``GemmaRMSNorm`` (``(1 + w)``).
 * ``rope_forward``: ``RotaryEmbedding.forward(positions, query, key)``, also
-  ``Llama3RotaryEmbedding``'s; the rope's ``kernels.RopeParams`` are read from
+  ``Llama3RotaryEmbedding``'s, ``LinearScalingRotaryEmbedding``'s (one factor) and
+  ``YaRNScalingRotaryEmbedding``'s (its ``mscale`` on cos/sin); the rope's ``kernels.RopeParams`` are read from
   the module and checked against its own ``_compute_inv_freq`` (``rope_params_of``).
 * ``silu_and_mul_forward``: ``SiluAndMul.forward(x)`` on ``[..., 2d]``;
   ``gelu_tanh_and_mul_forward``: ``GeluAndMul(approximate="tanh")`` alike.
@@ -105,7 +106,29 @@ _VLLM_ROPES: dict[str, tuple[str, dict[str, str]]] = {
             "original_max_position_embeddings": "orig_max_position",
         },
     ),
+    "LinearScalingRotaryEmbedding": ("linear", {}),  # its one factor: scaling_factors[0]
+    "YaRNScalingRotaryEmbedding": (
+        "yarn",
+        {
+            "factor": "scaling_factor",
+            "original_max_position_embeddings": "max_position_embeddings",  # yarn's is the original context
+            "beta_fast": "beta_fast",
+            "beta_slow": "beta_slow",
+            "truncate": "truncate",
+            "attention_factor": "mscale",
+        },
+    ),
 }
+
+
+def _module_inv_freq(module: Any, rope_type: str) -> Any:
+    """The frequencies the vLLM module's cos/sin cache is built from (linear scales the positions instead:
+    its frequencies divided by the factor; yarn's ``_compute_inv_freq`` takes the factor)."""
+    if rope_type == "linear":
+        return module._compute_inv_freq(module.base) / module.scaling_factors[0]
+    if rope_type == "yarn":
+        return module._compute_inv_freq(module.scaling_factor)
+    return module._compute_inv_freq(module.base)
 
 
 def rope_params_of(module: Any) -> Any:
@@ -122,19 +145,22 @@ def rope_params_of(module: Any) -> Any:
         covered = ", ".join(f"{c} ({t})" for c, (t, _) in _VLLM_ROPES.items())
         raise NotImplementedError(f"{cls}: rope_type {rope_type!r} has no consistent kernel (covered: {covered})")
     rope_type, fields = _VLLM_ROPES[cls]
+    values = {k: getattr(module, a) for k, a in fields.items()}
+    if rope_type == "linear":
+        if len(module.scaling_factors) != 1:
+            raise NotImplementedError(f"{cls}: {len(module.scaling_factors)} scaling factors (one is covered)")
+        values["factor"] = module.scaling_factors[0]
     try:
-        params = RopeParams(
-            float(module.base), int(module.rotary_dim), rope_type, **{k: getattr(module, a) for k, a in fields.items()}
-        )
+        params = RopeParams(float(module.base), int(module.rotary_dim), rope_type, **values)
     except ValueError as e:
         raise NotImplementedError(f"{cls}: {e}") from None
-    if not inv_freq_matches(params, module._compute_inv_freq(module.base)):
+    if not inv_freq_matches(params, _module_inv_freq(module, rope_type)):
         raise NotImplementedError(f"{cls}: its inv_freq is not what its parameters give ({rope_type} rope)")
     return params
 
 
 def rope_forward(module: Any, params: Any = None) -> Callable[..., Any]:
-    """``RotaryEmbedding.forward`` replacement (and ``Llama3RotaryEmbedding``'s): cos/sin from the table of
+    """``RotaryEmbedding.forward`` replacement (and its covered scaled subclasses'): cos/sin from the table of
     the module's ``RopeParams`` (:func:`rope_params_of`) at absolute positions."""
     kernels = _kernels()
     params = rope_params_of(module) if params is None else params

@@ -1,0 +1,210 @@
+"""rope with linear and yarn scaling: HF's semantics, one table for HF and vLLM, cos/sin times yarn's factor."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from logdiff.engines.hf.consistent import _rope_params, consistent_hf
+from logdiff.kernels import (
+    RopeParams,
+    kernel_caches,
+    rope,
+    rope_cos_sin,
+    rope_inv_freq,
+    rope_inv_freq_reference,
+    rope_reference,
+    rope_table_reference,
+)
+from logdiff.kernels.rope import _yarn_ramp_bounds, inv_freq_matches, inv_freq_rtol, yarn_attention_factor
+
+# HF rope_parameters (and the HF config's max_position_embeddings: yarn's context after scaling) of each case
+CASES = {
+    "linear": (64, {"rope_type": "linear", "rope_theta": 10_000.0, "factor": 4.0}, 512),
+    "linear-llama": (128, {"rope_type": "linear", "rope_theta": 500_000.0, "factor": 8.0}, 512),
+    # Qwen2.5's long-context setting: factor 4 over 32k
+    "yarn-qwen2.5": (128, {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                           "original_max_position_embeddings": 32768}, 131072),
+    # DeepSeek-V3's numbers (factor 40 over 4k, mscale = mscale_all_dim = 1: attention factor 1)
+    "yarn-deepseek": (64, {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "mscale": 1.0,
+                           "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                           "original_max_position_embeddings": 4096}, 163840),
+    # the demo's: a short original context so that the ramp lies inside head_dim 64
+    "yarn-demo": (64, {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                       "original_max_position_embeddings": 128}, 512),
+    "yarn-untruncated": (64, {"rope_type": "yarn", "rope_theta": 1e6, "factor": 32.0, "truncate": False,
+                              "original_max_position_embeddings": 1024}, 32768),
+}
+
+
+def _hf_rotary(name: str) -> torch.nn.Module:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    d, rope_parameters, max_pos = CASES[name]
+    config = LlamaConfig(hidden_size=4 * d, num_attention_heads=4, head_dim=d, max_position_embeddings=max_pos,
+                         rope_parameters=dict(rope_parameters))
+    return LlamaRotaryEmbedding(config)
+
+
+def _params(name: str) -> RopeParams:
+    """The RopeParams the HF installer reads from the case's rotary module."""
+    return _rope_params(_hf_rotary(name))[None]
+
+
+def test_the_installer_reads_every_field():
+    assert _params("yarn-qwen2.5") == RopeParams(1e6, 128, "yarn", factor=4.0, original_max_position_embeddings=32768,
+                                                 attention_factor=yarn_attention_factor(4.0))
+    assert _params("yarn-deepseek").attention_factor == 1.0 == yarn_attention_factor(40.0, 1.0, 1.0)
+    assert _params("yarn-untruncated").truncate is False
+    assert _params("linear") == RopeParams(10_000.0, 64, "linear", factor=4.0)
+
+
+def test_the_yarn_cases_have_a_ramp_inside_the_head():
+    """Otherwise the mix would be all interpolation or all extrapolation and the tests would not see it."""
+    for name in ("yarn-qwen2.5", "yarn-deepseek", "yarn-demo", "yarn-untruncated"):
+        p = _params(name)
+        low, high = _yarn_ramp_bounds(p)
+        ramp = ((torch.arange(p.rotary_dim // 2) - low) / (high - low)).clamp(0, 1)
+        assert ((ramp > 0) & (ramp < 1)).any() and (ramp == 1).any(), (name, low, high)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_inv_freq_is_bitwise_hfs_formula_in_fp64(name):
+    p = _params(name)
+    assert torch.equal(rope_inv_freq(p), rope_inv_freq_reference(p, torch.float64))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reference_in_fp32_is_hfs_own_inv_freq_buffer(name):
+    module = _hf_rotary(name)
+    assert torch.equal(rope_inv_freq_reference(_params(name), torch.float32), module.inv_freq)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_inv_freq_is_hfs_buffer_within_the_fp32_bound(name):
+    p, buffer = _params(name), _hf_rotary(name).inv_freq
+    rel = ((rope_inv_freq(p) - buffer.double()).abs() / buffer.double()).max().item()
+    assert rel <= inv_freq_rtol(p), (rel, inv_freq_rtol(p))
+
+
+@pytest.mark.parametrize(
+    "name, field, value",
+    [("linear", "factor", 2.0), ("yarn-demo", "factor", 2.0), ("yarn-demo", "beta_slow", 2.0),
+     ("yarn-demo", "original_max_position_embeddings", 256), ("yarn-untruncated", "truncate", True)],
+)
+def test_negative_control_a_wrong_scaling_field_is_refused_and_changes_the_bits(name, field, value):
+    p = _params(name)
+    wrong = dataclasses.replace(p, **{field: value})
+    assert not inv_freq_matches(wrong, _hf_rotary(name).inv_freq)
+    pos = torch.arange(300)
+    assert not torch.equal(rope_cos_sin(pos, wrong)[0], rope_cos_sin(pos, p)[0])
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_table_is_bitwise_the_unblocked_reference(name):
+    p = _params(name)
+    pos = torch.arange(3000)
+    with kernel_caches():
+        cos, sin = rope_cos_sin(pos, p)
+    ref_cos, ref_sin = rope_table_reference(pos, p)
+    torch.testing.assert_close(cos, ref_cos, rtol=0, atol=0)
+    torch.testing.assert_close(sin, ref_sin, rtol=0, atol=0)
+
+
+def test_yarns_attention_factor_scales_cos_and_sin():
+    p = _params("yarn-demo")
+    assert p.attention_factor > 1.1
+    pos = torch.arange(200)
+    cos, sin = rope_cos_sin(pos, p)
+    # the same angles at factor 1, scaled in fp64 and rounded once: the table's cos/sin are exactly that
+    unscaled = dataclasses.replace(p, attention_factor=1.0)
+    angles = pos.double()[:, None] * rope_inv_freq(unscaled)[None]
+    assert torch.equal(cos, (angles.cos() * p.attention_factor).float())
+    assert torch.equal(sin, (angles.sin() * p.attention_factor).float())
+    assert float((cos.double() ** 2 + sin.double() ** 2).sqrt().max()) > 1.1
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_error_against_fp64_is_within_the_stated_bound(gen, name):
+    from logdiff.kernels import KERNELS
+
+    p = _params(name)
+    x = torch.randn(300, 2, p.rotary_dim, generator=gen)
+    pos = torch.arange(0, 30000, 100)
+    ref = rope_reference(x.double(), pos, p)
+    bound = {k.name: k.bound for k in KERNELS}["rope"]
+    assert (rope(x, pos, p).double() - ref).abs().max() / ref.abs().max() <= bound
+
+
+# ----------------------------------------------------------------------------- HF and vLLM modules
+
+
+def _hf_model(build_model, name: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    rope_parameters = dict(CASES[name][1])
+    if rope_parameters["rope_type"] == "yarn":  # the tiny model's head_dim 16: a ramp inside 8 frequencies
+        rope_parameters["original_max_position_embeddings"] = 32
+    return build_model("llama", dtype, rope_parameters=rope_parameters,
+                       max_position_embeddings=32 * int(rope_parameters["factor"]))
+
+
+@pytest.mark.parametrize("name", ["linear", "yarn-demo"])
+def test_hf_full_forward_equals_kv_decode(build_model, hf_paths, sequences, name):
+    model = _hf_model(build_model, name)
+    prompts, responses = sequences
+    with consistent_hf(model) as report:
+        full = hf_paths.full(model, prompts, responses)
+        decode = hf_paths.decode(model, prompts, responses)
+    assert "model.rotary_emb" in report.replaced["rope"]
+    assert hf_paths.equal(full, decode)
+
+
+def _vllm_rope(p: RopeParams) -> torch.nn.Module:
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    rope_parameters = {"rope_type": p.rope_type, "rope_theta": p.theta, "factor": p.factor}
+    if p.rope_type == "yarn":
+        rope_parameters.update(original_max_position_embeddings=p.original_max_position_embeddings,
+                               beta_fast=p.beta_fast, beta_slow=p.beta_slow, truncate=p.truncate)
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(p.rotary_dim, max_position=32 * int(p.factor), is_neox_style=True,
+                        rope_parameters=rope_parameters, dtype=torch.bfloat16)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["linear", "yarn-demo"])
+def test_vllm_reads_the_same_rope_and_rotates_bitwise_as_hf(build_model, gen, name):
+    pytest.importorskip("vllm")
+    from logdiff.engines.vllm.consistent_ops import rope_forward, rope_params_of
+
+    model = _hf_model(build_model, name)
+    hf_params = _rope_params(model.model.rotary_emb)[None]
+    module = _vllm_rope(hf_params)
+    assert type(module).__name__ == {"linear": "LinearScalingRotaryEmbedding", "yarn": "YaRNScalingRotaryEmbedding"}[
+        hf_params.rope_type]
+    assert rope_params_of(module) == hf_params
+    modeling = sys.modules[type(model).__module__]
+    q = torch.randn(1, 4, 150, 16, generator=gen).bfloat16()  # HF [B, H, T, D]
+    pos = torch.arange(150)
+    with consistent_hf(model, only={"rope"}):
+        cos, sin = model.model.rotary_emb(q, pos[None])
+        hf_q, _ = modeling.apply_rotary_pos_emb(q, q, cos, sin)
+    vllm_q, _ = rope_forward(module)(pos, q[0].transpose(0, 1).reshape(150, 64))
+    assert torch.equal(hf_q[0].transpose(0, 1).reshape(150, 64), vllm_q)
+
+
+@pytest.mark.vllm
+def test_vllm_negative_control_a_module_whose_frequencies_disagree_is_refused(monkeypatch):
+    pytest.importorskip("vllm")
+    from logdiff.engines.vllm.consistent_ops import rope_params_of
+
+    module = _vllm_rope(_params("yarn-demo"))
+    built_with = module._compute_inv_freq(module.scaling_factor)  # the frequencies of its cos/sin cache
+    monkeypatch.setattr(module, "beta_slow", 2)  # reports another ramp than the one its cache was built with
+    monkeypatch.setattr(module, "_compute_inv_freq", lambda factor: built_with)
+    with pytest.raises(NotImplementedError, match="inv_freq is not what its parameters give"):
+        rope_params_of(module)
