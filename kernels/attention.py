@@ -49,6 +49,11 @@ Soft-capping (Gemma 2's ``attn_logit_softcapping``): each score becomes
 position-independent :func:`fixed_order.tanh`, so the invariance above holds
 unchanged (inference only: the backward refuses a softcap).
 
+Value head size (MLA: DeepSeek's q/k heads are ``qk_nope + qk_rope`` = 192 wide,
+its v heads 128): ``v`` may be narrower or wider than ``q``/``k``. The score GEMMs
+are over the q/k dim, the value GEMMs produce ``Dv + 1`` columns, and every
+invariance above holds unchanged (the backward's too).
+
 Groups hold at most :data:`MAX_TILE_ELEMENTS` accumulator elements; rows are
 independent, so the grouping never changes a bit.
 """
@@ -83,7 +88,8 @@ def attention(
     softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """One sequence: q ``[T, Hq, D]``, k/v ``[S, Hkv, D]`` (keys at positions 0..S-1) -> ``[T, Hq, D]``.
+    """One sequence: q ``[T, Hq, D]``, k ``[S, Hkv, D]``, v ``[S, Hkv, Dv]`` (keys at positions 0..S-1)
+    -> ``[T, Hq, Dv]``.
 
     Query ``i`` sees key ``j`` iff ``j <= q_positions[i]`` (and ``j < kv_len``, and
     ``j > q_positions[i] - window`` with a ``window``). ``softcap``: scores become
@@ -114,8 +120,8 @@ def attention_batched(
     softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Padded batch: q ``[B, T, Hq, D]``, k/v ``[B, S, Hkv, D]``, q_positions ``[B, T]`` (-1: no query),
-    kv_lens ``[B]`` -> ``[B, T, Hq, D]``. Sequence ``b``'s keys are ``k[b, :kv_lens[b]]``."""
+    """Padded batch: q ``[B, T, Hq, D]``, k ``[B, S, Hkv, D]``, v ``[B, S, Hkv, Dv]``, q_positions ``[B, T]``
+    (-1: no query), kv_lens ``[B]`` -> ``[B, T, Hq, Dv]``. Sequence ``b``'s keys are ``k[b, :kv_lens[b]]``."""
     out = attention_heads_first(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_positions, scale, kv_lens, softcap, window
     )
@@ -132,8 +138,8 @@ def attention_heads_first(
     softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """:func:`attention_batched` in the heads-first layout of HF: q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]``
-    -> ``[B, Hq, T, D]``."""
+    """:func:`attention_batched` in the heads-first layout of HF: q ``[B, Hq, T, D]``, k ``[B, Hkv, S, D]``,
+    v ``[B, Hkv, S, Dv]`` -> ``[B, Hq, T, Dv]``."""
     if window is not None and int(window) < 1:
         raise ValueError(f"attention: window must be at least 1, got {window}")
     if softcap:
@@ -157,24 +163,26 @@ def _attention_forward(
     softcap: float | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    b, hq, t, d = q.shape
+    b, hq, t, _ = q.shape
+    dv = v.shape[-1]
     layout, g = _layout_of(q, k, q_positions, kv_lens, window)
     q_tiles = _query_tiles(q, k.shape[1], layout.n_qt)
     k_blocks, v_blocks = _kv_blocks(k, v, layout.n_kb)
-    acc = torch.empty(*q_tiles.shape[:-1], d + 1, dtype=torch.float32, device=q.device)
+    acc = torch.empty(*q_tiles.shape[:-1], dv + 1, dtype=torch.float32, device=q.device)
     for q0, q1, n_blocks, hidden in layout.groups:
         acc[:, :, q0:q1] = _tile_group(
             q_tiles[:, :, q0:q1], k_blocks[:, :, :n_blocks], v_blocks[:, :, :n_blocks], hidden, scale, softcap
         )[0]
-    out = _from_query_tiles(acc[..., :d] / acc[..., d:], t, g)
+    out = _from_query_tiles(acc[..., :dv] / acc[..., dv:], t, g)
     out = torch.where(layout.has_query, out, 0.0)
-    return out.reshape(b, hq, t, d).to(q.dtype)
+    return out.reshape(b, hq, t, dv).to(q.dtype)
 
 
 def _layout_of(
     q: torch.Tensor, k: torch.Tensor, q_positions: torch.Tensor, kv_lens: torch.Tensor, window: int | None = None
 ) -> tuple:
-    """``(layout, G)`` for heads-first q ``[B, Hq, T, D]`` and k ``[B, Hkv, S, D]``."""
+    """``(layout, G)`` for heads-first q ``[B, Hq, T, D]`` and k ``[B, Hkv, S, D]`` (``D`` sizes the groups'
+    accumulators only: the bits never depend on it)."""
     hq, d, hkv = q.shape[1], q.shape[3], k.shape[1]
     if hq % hkv:
         raise ValueError(f"attention: {hq} query heads are not a multiple of {hkv} kv heads")
@@ -197,16 +205,17 @@ def _from_query_tiles(tiles: torch.Tensor, t: int, g: int) -> torch.Tensor:
 
 
 def _kv_blocks(k: torch.Tensor, v: torch.Tensor, n_kb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys in absolute fp32 blocks ``[B, Hkv, nK, KV_BLOCK, D]``; values ``[..., D+1]`` with a ones column,
+    """Keys in absolute fp32 blocks ``[B, Hkv, nK, KV_BLOCK, D]``; values ``[..., Dv+1]`` with a ones column,
     so that the value GEMM also yields each block's sum of p, in the same fixed order."""
     b, hkv, s, d = k.shape
+    dv = v.shape[-1]
     s_used = min(s, n_kb * KV_BLOCK)
     k_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, d, dtype=torch.float32, device=k.device)
     k_pad[:, :, :s_used] = k[:, :, :s_used]
-    v_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, d + 1, dtype=torch.float32, device=k.device)
-    v_pad[:, :, :s_used, :d] = v[:, :, :s_used]
-    v_pad[..., d] = 1.0
-    return k_pad.view(b, hkv, n_kb, KV_BLOCK, d), v_pad.view(b, hkv, n_kb, KV_BLOCK, d + 1)
+    v_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, dv + 1, dtype=torch.float32, device=k.device)
+    v_pad[:, :, :s_used, :dv] = v[:, :, :s_used]
+    v_pad[..., dv] = 1.0
+    return k_pad.view(b, hkv, n_kb, KV_BLOCK, d), v_pad.view(b, hkv, n_kb, KV_BLOCK, dv + 1)
 
 
 class _Layout:
@@ -286,12 +295,12 @@ def _layout(
 def _tile_group(
     q_tiles: torch.Tensor,  # [B, Hkv, nq, Q_TILE, D]
     k_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, D]
-    v_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, D+1]
+    v_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, Dv+1]
     hidden: torch.Tensor,  # [B, 1, nq, nk, Q_TILE, KV_BLOCK]: masked (row, key) pairs
     scale: float,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([sum(p v) | sum(p)] [B, Hkv, nq, Q_TILE, D+1], p [B, Hkv, nq, nk, Q_TILE, KV_BLOCK])`` over every
+    """``([sum(p v) | sum(p)] [B, Hkv, nq, Q_TILE, Dv+1], p [B, Hkv, nq, nk, Q_TILE, KV_BLOCK])`` over every
     (tile, block) pair; ``p = exp(s - row max)`` is unnormalised."""
     b, hkv, nq, _, d = q_tiles.shape
     nk, d1 = k_blocks.shape[2], v_blocks.shape[-1]
@@ -307,7 +316,7 @@ def _tile_group(
     # Exact row max over all blocks, then p = exp(s - max) with exact zeros where masked.
     row_max = scores.amax(-1).amax(3)  # [B, Hkv, nq, Q_TILE]
     p = exp(scores.sub_(row_max[:, :, :, None, :, None]))
-    # One [Q_TILE, KV_BLOCK] @ [KV_BLOCK, D+1] GEMM per pair: the block's [p v | sum p].
+    # One [Q_TILE, KV_BLOCK] @ [KV_BLOCK, Dv+1] GEMM per pair: the block's [p v | sum p].
     vb = v_blocks.unsqueeze(2).expand(*pairs, KV_BLOCK, d1).reshape(-1, KV_BLOCK, d1)
     pv = torch.bmm(p.view(-1, Q_TILE, KV_BLOCK), vb).view(*pairs, Q_TILE, d1)
     return pairwise_sum(pv, 3), p

@@ -74,32 +74,33 @@ def attention_grads(
     d_out: torch.Tensor,
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` for heads-first q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, D]`` and ``d_out`` like q
+    """``(dq, dk, dv)`` for heads-first q ``[B, Hq, T, D]``, k ``[B, Hkv, S, D]``, v ``[B, Hkv, S, Dv]`` and
+    ``d_out`` ``[B, Hq, T, Dv]``
     (``window``: the forward's sliding window; hidden keys have zero probability, so zero gradient)."""
     b, hq, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
+    hkv, s, dv = k.shape[1], k.shape[2], v.shape[-1]
     layout, g = _layout_of(q, k, q_positions, kv_lens, window)
     q_tiles = _query_tiles(q, hkv, layout.n_qt)
-    d_rows = torch.where(layout.has_query, d_out.reshape(b, hkv, g, t, d), 0)
-    do_tiles = _query_tiles(d_rows.reshape(b, hq, t, d), hkv, layout.n_qt)
+    d_rows = torch.where(layout.has_query, d_out.reshape(b, hkv, g, t, dv), 0)
+    do_tiles = _query_tiles(d_rows.reshape(b, hq, t, dv), hkv, layout.n_qt)
     k_blocks, v_blocks = _kv_blocks(k, v, layout.n_kb)
     dq_tiles = torch.zeros_like(q_tiles)
     dk_blocks = torch.zeros_like(k_blocks)
-    dv_blocks = torch.zeros_like(k_blocks)
+    dv_blocks = k_blocks.new_zeros(*k_blocks.shape[:-1], dv)
     for q0, q1, n_blocks, hidden in layout.groups:
         qt, do_t = q_tiles[:, :, q0:q1], do_tiles[:, :, q0:q1]
         kb, vb = k_blocks[:, :, :n_blocks], v_blocks[:, :, :n_blocks]
         acc, p = _tile_group(qt, kb, vb, hidden, scale)
         nq, nk = qt.shape[2], n_blocks
         pairs = (b, hkv, nq, nk)
-        p = p / acc[..., d:].unsqueeze(3)  # normalised, [B, Hkv, nq, nk, Q_TILE, KV_BLOCK]
-        delta = halving_sum(do_t * (acc[..., :d] / acc[..., d:]), -1)  # [B, Hkv, nq, Q_TILE]
-        dp = torch.bmm(_pairs(do_t, nk, 3), _pairs(vb[..., :d], nq, 2).transpose(1, 2)).view(*pairs, Q_TILE, KV_BLOCK)
+        p = p / acc[..., dv:].unsqueeze(3)  # normalised, [B, Hkv, nq, nk, Q_TILE, KV_BLOCK]
+        delta = halving_sum(do_t * (acc[..., :dv] / acc[..., dv:]), -1)  # [B, Hkv, nq, Q_TILE]
+        dp = torch.bmm(_pairs(do_t, nk, 3), _pairs(vb[..., :dv], nq, 2).transpose(1, 2)).view(*pairs, Q_TILE, KV_BLOCK)
         ds = p * (dp - delta[:, :, :, None, :, None])
         flat_ds, flat_p = ds.view(-1, Q_TILE, KV_BLOCK), p.view(-1, Q_TILE, KV_BLOCK)
         dq_tiles[:, :, q0:q1] = pairwise_sum(torch.bmm(flat_ds, _pairs(kb, nq, 2)).view(*pairs, Q_TILE, d), 3)
         dk_part = torch.bmm(flat_ds.transpose(1, 2), _pairs(qt, nk, 3)).view(*pairs, KV_BLOCK, d)
-        dv_part = torch.bmm(flat_p.transpose(1, 2), _pairs(do_t, nk, 3)).view(*pairs, KV_BLOCK, d)
+        dv_part = torch.bmm(flat_p.transpose(1, 2), _pairs(do_t, nk, 3)).view(*pairs, KV_BLOCK, dv)
         for i in range(nq):  # query tiles in order, left to right
             dk_blocks[:, :, :nk] += dk_part[:, :, i]
             dv_blocks[:, :, :nk] += dv_part[:, :, i]

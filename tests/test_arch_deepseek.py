@@ -1,17 +1,21 @@
 """DeepSeek-V2/V3 (MLA + shared experts) against the real CPU vLLM, and the adapters' own answers.
 
-The scan and the consistent-mode refusal are the generic properties of
-tests/test_architectures.py (``NEW``); here: planted one-sided faults in the
-two places only this family has (the latent up-projection ``kv_b_proj``,
-read inside vLLM's MLA op, and a shared expert), each blamed on the op that
-reads it, V3's one-sided correction bias blamed on the router, and the
-adapters' maps without vLLM.
+The scan and ``--consistent`` bitwise 0 (HF, HF decode, vLLM decode and
+prefill) are the generic properties of tests/test_architectures.py (``NEW``);
+here: planted one-sided faults in the two places only this family has (the
+latent up-projection ``kv_b_proj``, read inside vLLM's MLA op, and a shared
+expert), each blamed on the op that reads it, V3's one-sided correction bias
+blamed on the router, the adapters' maps without vLLM, and consistent mode's
+MLA on each engine: every vLLM ``MLAAttention`` runs the latent kernel on the
+paged latent cache (its layout learnt from the CPU backend's own writer), HF's
+forward equals its decode bitwise, and a YaRN MLA is refused in one line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,9 +123,152 @@ def test_v3_correction_bias_fault_is_a_router_weight(demo_model: Callable[[str],
 
 
 @pytest.mark.vllm
-def test_consistent_refuses_mla_attention_in_one_line(demo_model: Callable[[str], Path]) -> None:
-    with pytest.raises(InputError, match=r"--consistent: consistent_hf: MLA attention .*\(model\.layers\.0\.self_attn\)"):
-        logdiff.scan(demo_model("deepseek-v2"), infer=["hf-decode", "vllm"], consistent=True, **{**SMALL, "depth": "logprobs"})
+@pytest.mark.parametrize("arch", ["deepseek-v2", "deepseek-v3"])
+def test_consistent_vllm_runs_every_mla_layer_from_the_latent_cache(demo_model: Callable[[str], Path], arch: str) -> None:
+    """Every MLAAttention's forward_impl is the latent kernel (its absorbed decode and SDPA prefill are not
+    reached); the wrapper's own children (q/kv projections, latent norm, RoPE, o_proj) are planned kernels."""
+    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.engines.vllm.consistent import consistent_vllm, engine_objects
+
+    spec = EngineSpec(model_dir=str(demo_model(arch)), dtype="bfloat16",
+                      options=(("max_model_len", 256), ("max_num_seqs", 4)))  # fmt: skip
+    llm = acquire("vllm", spec).llm
+    model, _ = engine_objects(llm)
+    layers = range(len(model.model.layers))
+    mla = [f"model.layers.{n}.self_attn.mla_attn.mla_attn" for n in layers]
+    stock = model.model.layers[1].self_attn.mla_attn.mla_attn.forward_impl
+    with consistent_vllm(llm) as summary:
+        assert summary.replaced["attention"] == mla
+        q = "q_b_proj" if arch == "deepseek-v3" else "q_proj"
+        kv_a = "fused_qkv_a_proj" if arch == "deepseek-v3" else "kv_a_proj_with_mqa"
+        for n in layers:
+            a = f"model.layers.{n}.self_attn"
+            assert {f"{a}.{q}", f"{a}.{kv_a}", f"{a}.kv_b_proj", f"{a}.o_proj"} <= set(summary.replaced["linear"])
+            assert f"{a}.kv_a_layernorm" in summary.replaced["rms_norm"]
+        assert model.model.layers[1].self_attn.mla_attn.mla_attn.forward_impl != stock
+    assert model.model.layers[1].self_attn.mla_attn.mla_attn.forward_impl == stock  # the original is back
+
+
+@pytest.mark.vllm
+def test_latent_cache_reader_reads_back_what_the_cpu_mla_backend_wrote() -> None:
+    """The layout is learnt from CPUMLAImpl.do_kv_cache_update itself; random rows written at scattered slots of
+    a paged cache come back bitwise, per request, in position order, zero past each request's length."""
+    import torch
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from logdiff.engines.vllm.kv_cache import LatentCacheReader
+
+    impl = object.__new__(CPUMLAImpl)  # the write method reads nothing of the instance but its dtype setting
+    impl.kv_cache_dtype = "auto"
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(9, 16, 576, generator=gen).to(torch.bfloat16)  # garbage wherever nothing is written
+    reader = LatentCacheReader.discover(impl, cache, 512, 64)
+    tables = torch.tensor([[7, 2, 5], [0, 8, 3]])
+    lens = torch.tensor([40, 17])
+    latent = torch.randn(2, 40, 512, generator=gen).to(torch.bfloat16)
+    k_pe = torch.randn(2, 40, 64, generator=gen).to(torch.bfloat16)
+    for b in range(2):
+        n = int(lens[b])
+        slots = tables[b, torch.arange(n) // 16] * 16 + torch.arange(n) % 16
+        impl.do_kv_cache_update(latent[b, :n], k_pe[b, :n, None], cache, slots, "auto", torch.ones(()))
+    got_latent, got_pe = reader.read_batch(cache, tables, lens)
+    assert got_latent.shape == (2, 40, 512) and got_pe.shape == (2, 40, 64)
+    for b in range(2):
+        n = int(lens[b])
+        assert torch.equal(got_latent[b, :n], latent[b, :n]) and torch.equal(got_pe[b, :n], k_pe[b, :n])
+        assert not got_latent[b, n:].any() and not got_pe[b, n:].any()
+
+
+def test_latent_cache_reader_learns_a_private_layout() -> None:
+    """A backend that stores each block's rope part first and the latent transposed is read back right."""
+    import torch
+
+    from logdiff.engines.vllm.kv_cache import LatentCacheReader
+
+    class Private:
+        kv_cache_dtype = "auto"
+
+        def do_kv_cache_update(self, latent, k_pe, cache, slots, dtype, scale):  # noqa: ANN001, ANN202
+            for row, slot in enumerate(slots.tolist()):
+                block, i = divmod(slot, 4)
+                flat = cache[block].view(-1)
+                flat[i * 3 : i * 3 + 3] = k_pe[row, 0]  # [4 slots x 3 rope] first
+                flat[12:].view(5, 4)[:, i] = latent[row]  # then the latent, dim-major
+
+    cache = torch.zeros(3, 4, 8)
+    reader = LatentCacheReader.discover(Private(), cache, 5, 3)
+    latent, k_pe = torch.randn(6, 5), torch.randn(6, 3)
+    table = torch.tensor([[2, 0]])
+    slots = table[0, torch.arange(6) // 4] * 4 + torch.arange(6) % 4
+    Private().do_kv_cache_update(latent, k_pe[:, None], cache, slots, "auto", None)
+    got_latent, got_pe = reader.read_batch(cache, table, torch.tensor([6]))
+    assert torch.equal(got_latent[0], latent) and torch.equal(got_pe[0], k_pe)
+
+
+def _hf_paths(model: Any) -> tuple[Any, Any, Any]:
+    """(full forward, KV-cache decode steps after a 5-token prefill, row 1 alone) logits of 2 x 20 tokens."""
+    import torch
+
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids[:, :5], use_cache=True)
+        steps, cache = [out.logits], out.past_key_values
+        for i in range(5, 20):
+            out = model(ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+            steps.append(out.logits)
+            cache = out.past_key_values
+        return model(ids).logits, torch.cat(steps, 1), model(ids[1:]).logits
+
+
+@pytest.mark.parametrize("arch", ["deepseek-v2", "deepseek-v3"])
+def test_consistent_hf_mla_forward_equals_decode_and_batch_rows(demo_model: Callable[[str], Path], arch: str) -> None:
+    """Without vLLM: HF's MLA under consistent_hf gives a token the same logits in a full forward, in KV-cache
+    decode steps (the latent cache up-projected again each step) and alone in its batch."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from logdiff.engines.hf.consistent import consistent_hf
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model(arch), dtype=torch.bfloat16).eval()
+    with consistent_hf(model) as report:
+        full, steps, alone = _hf_paths(model)
+    assert [n for n in report.replaced["rope"] if n.endswith("self_attn.forward")] == [
+        f"model.layers.{n}.self_attn.forward" for n in range(model.config.num_hidden_layers)
+    ]
+    assert torch.equal(full, steps) and torch.equal(full[1:], alone)
+    assert not torch.equal(_hf_paths(model)[0], full)  # the originals are back: stock HF computes other bits
+
+
+@pytest.mark.parametrize("arch", ["deepseek-v2", "deepseek-v3"])
+def test_negative_control_stock_hf_mla_varies_across_paths(
+    demo_model: Callable[[str], Path], stock_varies: Callable[[bool, str], None], arch: str
+) -> None:
+    """The comparison above can fail: stock HF's MLA decode or batch rows differ (where this CPU's kernels vary)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model(arch), dtype=torch.bfloat16).eval()
+    full, steps, alone = _hf_paths(model)
+    same = torch.equal(full, steps) and torch.equal(full[1:], alone)
+    stock_varies(same, f"stock HF {arch} gives the same logits in decode and alone in its batch")
+
+
+def test_consistent_refuses_yarn_mla_in_one_line() -> None:
+    """Real DeepSeek checkpoints use YaRN, which also rescales the attention (mscale): refused, named."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.probes.arch.deepseek_v2 import MLA_SHAPE
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    config = DeepseekV2Config(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
+                              intermediate_size=64, q_lora_rank=None, first_k_dense_replace=1, rope_parameters=yarn,
+                              **MLA_SHAPE)  # fmt: skip
+    model = DeepseekV2ForCausalLM(config).eval()
+    with pytest.raises(NotImplementedError, match=r"MLA attention with rope_type 'yarn' .*\(model\.layers\.0\.self_attn\)"):
+        with consistent_hf(model):
+            pass
 
 
 def test_hf_decode_scan_records_every_mla_boundary(demo_model: Callable[[str], Path]) -> None:

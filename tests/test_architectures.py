@@ -33,8 +33,8 @@ NEW = {
     "gemma2": None,
     "glm4-moe": None,
     "gemma3": None,
-    "deepseek-v2": "--consistent: consistent_hf: MLA attention",
-    "deepseek-v3": "--consistent: consistent_hf: MLA attention",
+    "deepseek-v2": None,
+    "deepseek-v3": None,
 }
 
 

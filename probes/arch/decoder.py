@@ -442,3 +442,7 @@ class DecoderAdapter(ArchAdapter):
     def is_attention(self, module: Any) -> bool:
         """An attention module (its modeling module holds ``apply_rotary_pos_emb``)."""
         return hasattr(module, "q_proj") and hasattr(module, "o_proj")
+
+    def latent_attention(self, module: Any) -> bool:
+        """An MLA attention module (DeepSeek), whose ``forward`` consistent mode replaces, RoPE included."""
+        return False

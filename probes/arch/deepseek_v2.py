@@ -56,8 +56,17 @@ The CPU vLLM refuses MLA head sizes other than the real ones (``Head dimension
 48 is not supported by MLA``), so the demo keeps ``kv_lora_rank`` 512,
 ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, and
 sets ``n_group``/``topk_group`` 1 (vLLM always routes grouped and asserts
-they are set; one group is plain top-k, HF's ``greedy``). Consistent mode
-has no MLA kernel and refuses it (``consistent_refusal``).
+they are set; one group is plain top-k, HF's ``greedy``).
+
+Consistent mode (docs/kernels.md, ``latent_attention``): both engines run
+``kv_b_proj``'s up-projection of every cached latent on the ``linear`` kernel,
+then the attention kernel with q/k heads of ``qk_nope + qk_rope`` and v heads
+of ``v_head_dim``. HF: the attention module's ``forward`` (``latent_attention``
+names it) is HF's own steps with RoPE on the kernel in ``hf_rope_style``
+(interleaved pairs kept interleaved, as vLLM keeps them). vLLM: each
+``MLAAttention.forward_impl`` reads the latent back from the paged cache, for
+decode and prefill alike (no absorbed decode). A YaRN MLA, whose scaling
+also rescales the attention (``mscale``), is refused (``consistent_refusal``).
 """
 
 from __future__ import annotations
@@ -373,12 +382,19 @@ class DeepseekV2Adapter(DecoderAdapter):
     shared_expert = "shared_experts"
 
     def consistent_refusal(self, module: Any) -> str | None:
-        if hasattr(module, "kv_b_proj") and hasattr(module, "kv_a_layernorm"):
-            return "MLA attention (latent kv_b_proj up-projection, decoupled RoPE heads) has no consistent kernel"
+        """MLA is covered with default RoPE; a scaled one (real checkpoints' YaRN) also rescales the
+        attention (``mscale``), which no kernel covers."""
+        if self.latent_attention(module):
+            rope = dict(getattr(module.config, "rope_parameters", None) or {})
+            if rope.get("rope_type", "default") != "default":
+                return f"MLA attention with rope_type {rope['rope_type']!r} (YaRN mscale) has no consistent kernel"
         return None
 
     def is_attention(self, module: Any) -> bool:
         return hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "o_proj")
+
+    def latent_attention(self, module: Any) -> bool:
+        return self.is_attention(module) and hasattr(module, "kv_b_proj") and hasattr(module, "expand_kv")
 
 
 

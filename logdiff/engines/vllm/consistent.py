@@ -23,6 +23,13 @@ subclasses
 a ``soft_cap`` (Gemma 2)    kernel's cap)
 ``Attention.impl``          ``forward`` (v1/attention/backends/         ``attention``
 (CPUAttentionBackendImpl)   cpu_attn.py); the cache write is kept
+``MLAAttention``            ``forward_impl`` (layers/attention/         ``latent_attention``
+(DeepSeek, CPU MLA)         mla_attention.py): every request from the
+                            paged latent cache (``kv_cache.
+                            LatentCacheReader``), no absorbed decode;
+                            vLLM's cache write is kept; its wrapper
+                            (``MultiHeadLatentAttentionWrapper``) only
+                            calls patched children
 ``MoERunner``               ``forward`` (fused_moe/runner/moe_runner;   ``moe_route`` or
                             gate GEMM, router and fused experts; a      ``moe_route_grouped``,
                             shared expert through its own patched       ``moe_experts``
@@ -134,6 +141,7 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
+    from vllm.model_executor.layers.mla import MLAAttention, MultiHeadLatentAttentionWrapper
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
     from vllm.model_executor.layers.vocab_parallel_embedding import (
         UnquantizedEmbeddingMethod,
@@ -198,6 +206,19 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
             else:
                 plan.append(("attention", module.impl, "forward", ops.attention_forward(module.impl)))
                 summary.add("attention", name)
+        elif isinstance(module, MultiHeadLatentAttentionWrapper):  # calls its children, planned on their own
+            problem = _mla_wrapper_problem(module)
+            if problem:
+                unsupported.append(f"{name} ({problem})")
+        elif isinstance(module, MLAAttention):
+            problem = _mla_problem(module)
+            if problem:
+                unsupported.append(f"{name} ({problem})")
+            else:
+                weight = dense_weight(module.kv_b_proj)
+                plan.append(("attention", module, "forward_impl", ops.mla_forward_impl(module, weight)))
+                summary.add("attention", name)
+                replaced_parents.append(name + ".")
         elif isinstance(module, MoERunner):
             problem = _moe_problem(module)
             if problem:
@@ -241,6 +262,36 @@ def _attention_problem(layer: Any) -> str | None:
         return "attention sinks"
     if impl.kv_cache_dtype != "auto" or impl.kv_sharing_target_layer_name is not None:
         return f"KV cache dtype {impl.kv_cache_dtype} or shared KV cache"
+    return None
+
+
+def _mla_wrapper_problem(wrapper: Any) -> str | None:
+    """Why the MLA wrapper's steps are not all planned kernels (a fused norm, an indexer, a gate), or None."""
+    if wrapper.fuse_qkv_rmsnorm:
+        return "MLA with the fused q/kv RMSNorm"
+    if wrapper.indexer is not None or wrapper.is_sparse:
+        return "sparse MLA (indexer)"
+    if wrapper.g_proj is not None or wrapper.dcp_q_replicate:
+        return "MLA with an output gate or a replicated query"
+    return None
+
+
+def _mla_problem(layer: Any) -> str | None:
+    """Why the consistent latent attention cannot stand in for ``layer`` (an ``MLAAttention``), or None."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    impl = layer.impl
+    if not isinstance(impl, CPUMLAImpl):
+        return f"MLA backend {type(impl).__name__}; only the CPU MLA backend is covered"
+    if layer.kv_cache_dtype != "auto" or getattr(layer, "use_sparse", False):
+        return f"MLA KV cache dtype {layer.kv_cache_dtype} or sparse MLA"
+    if layer.sliding_window is not None or layer.non_causal_multi_token_decode:
+        return "MLA with a sliding window or non-causal decode"
+    if impl.dcp_world_size > 1 or getattr(layer, "use_pcp", False):
+        return "MLA with context parallelism"
+    if not isinstance(getattr(layer.kv_b_proj, "quant_method", None), UnquantizedLinearMethod):
+        return "MLA with a quantized kv_b_proj"
     return None
 
 

@@ -27,7 +27,12 @@ implement:
   (soft-capped scores where the layer has ``logits_soft_cap``; the layer's
   ``sliding_window`` masked by the kernel, and the cache slots before a
   request's first window zeroed: vLLM may have freed those blocks).
-* ``moe_forward``: ``MoERunner.forward``; router GEMM (``linear``),
+* ``mla_forward_impl``: ``MLAAttention.forward_impl`` (DeepSeek MLA); reads
+  each request's latent and RoPE'd ``k_pe`` back from the paged latent cache
+  and runs ``kernels.latent_attention`` (the explicit ``kv_b_proj``
+  up-projection, then the attention kernel), decode and prefill alike.
+* ``moe_forward``: ``MoERunner.forward``; router GEMM (``linear``; on fp32 rows
+  for a router with a correction bias, as HF),
   ``moe_route`` (or ``moe_route_grouped``: sigmoid, groups, correction
   bias, routed scaling), then ``moe_experts`` (kernel linears and SiLU-and-mul per
   expert, fixed-order ``moe_combine``) on the recovered plain expert weights,
@@ -277,6 +282,83 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
     return forward
 
 
+def mla_forward_impl(layer: Any, kv_b_weight: Any) -> Callable[..., Any]:
+    """``MLAAttention.forward_impl`` replacement (DeepSeek MLA) over the paged latent cache.
+
+    vLLM's layer has already written this step's latent and RoPE'd ``k_pe`` into
+    the cache (``update_kv_cache``) when it calls ``forward_impl``; the stock impl
+    then runs prefill tokens as MHA (``kv_b_proj`` up-projection, SDPA) and
+    decode tokens as MQA against the latent with ``kv_b_proj`` absorbed into
+    the query and output. Here every request, decode or prefill, reads its
+    whole context back from the cache (``LatentCacheReader``) and runs
+    ``kernels.latent_attention``: the explicit up-projection through the
+    ``linear`` kernel with vLLM's own loaded ``kv_b_proj`` weight, then the
+    consistent attention kernel (q/k heads ``qk_nope + qk_rope``, v heads
+    ``v_head_dim``), all requests of the step in one padded batch.
+    """
+    from logdiff.engines.vllm.kv_cache import LatentCacheReader
+    from logdiff.kernels.mla import latent_attention
+
+    impl = layer.impl
+    scale = float(impl.scale)
+    heads, rank, v_dim = int(layer.num_heads), int(layer.kv_lora_rank), int(layer.v_head_dim)
+    rope_dim = int(layer.qk_rope_head_dim)
+
+    def forward_impl(
+        q: Any,
+        k_c_normed: Any,
+        k_pe: Any,
+        kv_cache: Any,
+        attn_metadata: Any,
+        output: Any,
+        output_scale: Any = None,
+        output_block_scale: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("consistent MLA attention: fused output quantization")
+        if kwargs.get("q_dcp_replicated") is not None:
+            raise NotImplementedError("consistent MLA attention: decode context parallelism")
+        if attn_metadata is None:  # warm-up / profiling run
+            return output.fill_(0)
+        if not attn_metadata.causal:
+            raise NotImplementedError("consistent MLA attention: only causal decoder attention")
+        starts = attn_metadata.query_start_loc.tolist()
+        n_dec = int(attn_metadata.num_decodes)
+        decode, prefill = attn_metadata.decode, attn_metadata.prefill
+        context = prefill.chunked_context.context_lens_list if prefill is not None and prefill.chunked_context else None
+        requests, rows = [], []  # (start, stop, seq_len), block table rows
+        for r in range(len(starts) - 1):
+            start, stop = starts[r], starts[r + 1]
+            if stop <= start:
+                continue
+            if r < n_dec:
+                seq_len, row = int(decode.seq_lens[r]), decode.block_table[r]
+            else:
+                seq_len = (int(context[r - n_dec]) if context else 0) + stop - start
+                row = prefill.block_table[r - n_dec]
+            requests.append((start, stop, seq_len))
+            rows.append(row)
+        if not requests:
+            return output
+        reader = LatentCacheReader.discover(impl, kv_cache, rank, rope_dim)
+        block_rows = torch.stack(rows)  # decode and prefill rows: slices of one block table
+        kv_lens = torch.tensor([n for *_, n in requests], dtype=torch.int64)
+        latent, pe = reader.read_batch(kv_cache, block_rows, kv_lens)
+        longest_q = max(stop - start for start, stop, _ in requests)
+        query = q.new_zeros(len(requests), longest_q, *q.shape[1:])
+        positions = torch.full((len(requests), longest_q), -1, dtype=torch.int64)
+        for i, (start, stop, seq_len) in enumerate(requests):
+            query[i, : stop - start] = q[start:stop]
+            positions[i, : stop - start] = torch.arange(seq_len - (stop - start), seq_len)
+        out = latent_attention(query, latent, pe, kv_b_weight, positions, scale, kv_lens, v_dim)
+        for i, (start, stop, _) in enumerate(requests):
+            output[start:stop] = out[i, : stop - start].reshape(stop - start, heads * v_dim)
+        return output
+
+    return forward_impl
+
+
 def moe_forward(runner: Any, gate_weight: Any, w13: Any, w2: Any) -> Callable[..., Any]:
     """``MoERunner.forward`` replacement: the router GEMM where the runner owns it, ``moe_route`` (plain
     softmax top-k: Qwen3-MoE, Mixtral) or ``moe_route_grouped`` (sigmoid or grouped, a correction bias,
@@ -287,11 +369,14 @@ def moe_forward(runner: Any, gate_weight: Any, w13: Any, w2: Any) -> Callable[..
     router = runner.router
     top_k, renormalize = int(router.top_k), bool(router.renormalize)
     rule = routing_rule(runner)
+    fp32_logits = router.e_score_correction_bias is not None
     shared = runner.shared_experts._layer if runner.shared_experts is not None else None
 
     def forward(hidden_states: Any, router_logits: Any, input_ids: Any = None, shared_experts_input: Any = None) -> Any:
         if gate_weight is not None:  # the runner owns the gate: vLLM passes the hidden states as logits
-            router_logits = kernels.linear(hidden_states, gate_weight)
+            # a router with a correction bias routes on fp32 logits, as consistent HF computes them (HF's
+            # DeepSeek-V3/GLM routers): DeepSeek-V3's vLLM gate gives model-dtype logits (moe_router_dtype unset)
+            router_logits = kernels.linear(hidden_states.float() if fp32_logits else hidden_states, gate_weight)
         if rule is None:
             weights, ids = kernels.moe_route(router_logits, top_k, renormalize)
         else:
