@@ -239,6 +239,27 @@ def test_consistent_hf_mla_forward_equals_decode_and_batch_rows(demo_model: Call
     assert not torch.equal(_hf_paths(model)[0], full)  # the originals are back: stock HF computes other bits
 
 
+def test_consistent_hf_mla_training_forward_has_the_inference_bits(demo_model: Callable[[str], Path]) -> None:
+    """With autograd recording, the MLA kernels' differentiable paths (rope_apply, linear, attention with v heads
+    narrower than q/k) give the inference logits bitwise, and gradients reach kv_b_proj and the q-LoRA."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from logdiff.engines.hf.consistent import consistent_hf
+
+    model = AutoModelForCausalLM.from_pretrained(demo_model("deepseek-v3"), dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with consistent_hf(model):
+        with torch.no_grad():
+            inference = model(ids).logits
+        logits = model(ids).logits
+        logits.float().logsumexp(-1).mean().backward()
+    assert torch.equal(logits.detach(), inference)
+    attn = model.model.layers[1].self_attn
+    for weight in (attn.kv_b_proj.weight, attn.q_a_proj.weight, attn.kv_a_proj_with_mqa.weight):
+        assert weight.grad is not None and torch.isfinite(weight.grad).all() and weight.grad.abs().max() > 0
+
+
 @pytest.mark.parametrize("arch", ["deepseek-v2", "deepseek-v3"])
 def test_negative_control_stock_hf_mla_varies_across_paths(
     demo_model: Callable[[str], Path], stock_varies: Callable[[bool, str], None], arch: str
