@@ -8,6 +8,7 @@ from typing import Any
 
 from logdiff import attribute, classify, diagnose
 from logdiff.config import ScanConfig
+from logdiff.result import Pair, ScanResult, ScanSettings, SequencesInfo
 
 
 def test_levers_on_a_stock_scan_install_only_their_families() -> None:
@@ -35,11 +36,14 @@ def test_norm_kind_depends_on_whether_the_engine_fuses_the_residual_add() -> Non
 def _counting_rescanner(gap: Callable[[ScanConfig], float]) -> tuple[diagnose.Rescanner, list[ScanConfig]]:
     seen: list[ScanConfig] = []
 
-    def scan(c: ScanConfig) -> dict[str, Any]:
+    def measure(c: ScanConfig) -> ScanResult:
         seen.append(c)
-        return {"pairs": [{"metrics": {"abs_diff_max": gap(c)}}], "introducing_ops": [], "warnings": []}
+        settings = ScanSettings(c.seed, c.depth, c.consistent, {}, "probe", False, c.is_threshold)
+        pair = Pair("hf", "vllm", {"abs_diff_max": gap(c)}, {}, {}, {})
+        return ScanResult(str(c.model), None, None, "Qwen3ForCausalLM", c.dtype, settings, {}, [],
+                          SequencesInfo(0, "probe", None, [], []), [pair])  # fmt: skip
 
-    return diagnose.Rescanner(scan), seen
+    return diagnose.Rescanner(measure), seen
 
 
 def _operator_path(family: str) -> dict[str, Any]:
