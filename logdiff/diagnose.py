@@ -161,6 +161,6 @@ def diagnose(
             found.attribution = attribute.attribute(causes, cfg, baseline, rescanner.logdiff, progress)
     except Exception as e:  # noqa: BLE001 - classification stands without attribution
         found.warnings.append(f"attribution skipped ({type(e).__name__}: {e})")
-    causes.sort(key=lambda c: (-(c["share"] if c["share"] is not None else -1.0), c["boundary"]))
+    causes.sort(key=lambda c: (-(c.share if c.share is not None else -1.0), c.boundary))
     found.causes = causes
     return found

@@ -13,9 +13,9 @@ dict filled in by whoever comes next:
 
 ``to_dict`` writes exactly the JSON that docs/result-schema.md documents (the
 contract, with ``schema_version``); ``reports/`` and ``logdiff check`` read that
-JSON back. The findings of one kind whose shape docs/result-schema.md spells out
-field by field (a cause, the contracts, the ``moe`` section, the metrics) stay
-JSON objects (``Json``) here, written by the module that computes them.
+JSON back. The sections whose shape docs/result-schema.md spells out field by
+field and that one module computes whole (the metrics, the contracts, the
+``moe`` section, the attribution summary) stay JSON objects (``Json``) here.
 """
 
 from __future__ import annotations
@@ -28,6 +28,32 @@ from typing import Any
 from logdiff.reports.schema import SCHEMA_VERSION
 
 Json = dict[str, Any]  # a JSON object whose fields docs/result-schema.md documents
+
+
+@dataclass
+class Cause:
+    """One cause of the divergence (docs/result-schema.md *Causes*; docs/causes.md lists the kinds)."""
+
+    boundary: str
+    layer: int | None
+    op_kind: str  # the boundary's kind: linear, norm, rope, attn, ...
+    family: str | None  # the reference-kernel family that neutralises it
+    class_: str  # "class" in JSON: operator_path | framework_difference
+    kind: str
+    evidence: list[str]
+    fix: str
+    share: float | None = None  # attribution: the fraction of abs_diff_max gone with this cause alone fixed
+    necessity: bool | None = None  # attribution: whether the gap stays open with every other cause fixed
+    differs: list[str] = field(default_factory=list)  # the contract keys / weight names behind it
+    paths: list[str] | None = None  # the paths that show it (non_finite, sampling)
+    sampling: Json | None = None  # per path, the sampling fit (logdiff/sampling.py)
+
+    def to_dict(self) -> Json:
+        out = {k: getattr(self, k) for k in ("boundary", "layer", "op_kind", "family")}
+        out["class"] = self.class_
+        out.update({k: getattr(self, k) for k in ("kind", "evidence", "fix", "share", "necessity", "differs")})
+        out.update({k: getattr(self, k) for k in ("paths", "sampling") if getattr(self, k) is not None})
+        return out
 
 
 @dataclass
@@ -118,26 +144,24 @@ class Located:
 class Findings:
     """What one diagnosis step concluded: causes, warnings, and the contracts or attribution it measured."""
 
-    causes: list[Json] = field(default_factory=list)
+    causes: list[Cause] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     contracts: Json | None = None
     attribution: Json | None = None
 
 
-def merge_causes(causes: list[Json], new: list[Json]) -> None:
+def merge_causes(causes: list[Cause], new: list[Cause]) -> None:
     """Add ``new`` to ``causes``; one already at the same boundary with the same kind takes its evidence."""
     for c in new:
-        same = next((x for x in causes if (x["boundary"], x["kind"]) == (c["boundary"], c["kind"])), None)
+        same = next((x for x in causes if (x.boundary, x.kind) == (c.boundary, c.kind)), None)
         if same is None:
             causes.append(c)
             continue
-        same["evidence"] += [e for e in c["evidence"] if e not in same["evidence"]]
-        same["differs"] = list(dict.fromkeys([*same.get("differs", []), *c.get("differs", [])]))
-        for key in ("paths", "sampling"):
-            if key in c:
-                same[key] = c[key]
-        if "sampling" in c:  # a fit from the numbers names the concrete setting
-            same["fix"] = c["fix"]
+        same.evidence += [e for e in c.evidence if e not in same.evidence]
+        same.differs = list(dict.fromkeys([*same.differs, *c.differs]))
+        same.paths = c.paths if c.paths is not None else same.paths
+        if c.sampling is not None:  # a fit from the numbers names the concrete setting
+            same.sampling, same.fix = c.sampling, c.fix
 
 
 @dataclass
@@ -156,7 +180,7 @@ class ScanResult:
     pairs: list[Pair]
     located: Located = field(default_factory=Located)
     warnings: list[str] = field(default_factory=list)
-    causes: list[Json] = field(default_factory=list)
+    causes: list[Cause] = field(default_factory=list)
     non_finite: Json | None = None
     contracts: Json | None = None
     moe: Json | None = None
@@ -199,7 +223,7 @@ class ScanResult:
 
         pairs = [self.primary] if self.classified else self.pairs
         self.verdict = verdict(self.causes, consistent=not self.causes and all(p.bitwise_equal for p in pairs))
-        self.cause_groups = group_causes(self.causes)
+        self.cause_groups = group_causes([c.to_dict() for c in self.causes])
 
     def to_dict(self) -> Json:
         """result.json: the documented fields, in the documented order."""
@@ -222,7 +246,7 @@ class ScanResult:
             "logprobs": self.primary.metrics,
             "first_divergence": self.located.first_divergence,
             "introducing_ops": self.located.introducing_ops,
-            "causes": self.causes,
+            "causes": [c.to_dict() for c in self.causes],
             "verdict": self.verdict,
             "non_finite": self.non_finite,
             "divergence_table": self.located.divergence_table,

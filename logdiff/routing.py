@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.result import Json, ScanResult
+from logdiff.result import Cause, Json, ScanResult
 
 #: the float formats router logits come in -> their machine epsilon (spacing at 1.0)
 _EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23, "float64": 2.0**-52}
@@ -244,7 +244,7 @@ def flipped_tokens(forced: Mapping[int, np.ndarray]) -> np.ndarray | None:
 
 
 def classify_layer(
-    stats: dict[str, Any], contracts: dict[str, Any] | None, causes: list[dict[str, Any]]
+    stats: dict[str, Any], contracts: dict[str, Any] | None, causes: list[Cause]
 ) -> tuple[str | None, str | None, list[str]]:
     """(class, kind, evidence) of one layer's routing differences; (None, None, []) when there are none."""
     contracts = contracts or {}
@@ -262,15 +262,15 @@ def classify_layer(
                      f"{contracts['infer'][k]!r} (infer)" for k in keys]  # fmt: skip
         evidence += [f"router weight differs: {w}" for w in weights]
         return "framework_difference", "weights" if weights else "moe_routing", evidence  # the layer's own first
-    local = next((c for c in causes if c["boundary"] == boundary and c["class"] == "framework_difference"), None)
+    local = next((c for c in causes if c.boundary == boundary and c.class_ == "framework_difference"), None)
     if local is not None:
-        return "framework_difference", local["kind"], [seen, f"the router op itself differs: {local['kind']}"]
+        return "framework_difference", local.kind, [seen, f"the router op itself differs: {local.kind}"]
     if flips == 0:
         return None, None, []
-    upstream = [c for c in causes if c["class"] == "framework_difference" and (c.get("layer") is None or c["layer"] <= n)
-                and c["boundary"] != boundary]  # fmt: skip
+    upstream = [c for c in causes if c.class_ == "framework_difference" and (c.layer is None or c.layer <= n)
+                and c.boundary != boundary]  # fmt: skip
     if upstream:
-        names = ", ".join(sorted({c["boundary"] for c in upstream})[:3])
+        names = ", ".join(sorted({c.boundary for c in upstream})[:3])
         return "framework_difference", "upstream_difference", [
             seen, f"the router computes the same function on both sides; its inputs already differ "
             f"because of a framework difference upstream ({names})"]  # fmt: skip
@@ -288,7 +288,7 @@ def analyze(
     rule_train: Rule,
     rule_infer: Rule,
     contracts: dict[str, Any] | None = None,
-    causes: list[dict[str, Any]] | None = None,
+    causes: list[Cause] | None = None,
     biases: Mapping[str, Mapping[int, np.ndarray]] | None = None,
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     """The ``moe`` section (without the replay) and the forced ids per layer for the replay.
@@ -394,7 +394,7 @@ def moe_section(
     routers: Mapping[str, Any],
     paths: tuple[str, str],
     contracts: dict[str, Any] | None,
-    causes: list[dict[str, Any]],
+    causes: list[Cause],
     config: Mapping[str, Any],
     family_renormalizes: bool | None,
     biases: Mapping[str, Mapping[int, np.ndarray]] | None = None,

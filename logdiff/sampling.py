@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from logdiff.result import Findings, ScanResult
+from logdiff.result import Cause, Findings, ScanResult
 
 #: the sampler's settings in each engine's contract (the distribution it draws tokens from)
 SAMPLER_KEYS = ("sampling_temperature", "sampling_top_k", "sampling_top_p")
@@ -370,7 +370,7 @@ def _reports(contract: dict[str, Any]) -> str:
     return "raw logprobs (log_softmax of the unscaled logits, full vocabulary)"
 
 
-def contract_cause(contracts: dict[str, Any] | None) -> dict[str, Any] | None:
+def contract_cause(contracts: dict[str, Any] | None) -> Cause | None:
     """The ``sampling_semantics`` cause of differing sampler or scoring settings, or None."""
     from logdiff.classify import framework_cause
 
@@ -446,11 +446,11 @@ def _finding_lines(path: str, f: dict[str, Any]) -> tuple[list[str], str]:
     return evidence, "; ".join(fixes)
 
 
-def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[Cause]:
     """One cause per finding kind, over the paths (pairs with the trainer) that show it."""
     from logdiff.classify import framework_cause
 
-    out: list[dict[str, Any]] = []
+    out: list[Cause] = []
     for kind in ("sampling_semantics", "token_alignment", "tokens"):
         paths = {p: f for p, f in findings.items() if f["kind"] == kind}
         if not paths:
@@ -461,8 +461,7 @@ def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             evidence += lines
             fixes += [fix] if fix not in fixes else []
         cause = framework_cause(BOUNDARY, "log_softmax", kind, evidence, "; ".join(fixes))
-        cause["paths"] = list(paths)
-        cause["sampling"] = paths
+        cause.paths, cause.sampling = list(paths), paths
         out.append(cause)
     return out
 

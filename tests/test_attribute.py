@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from logdiff import attribute, classify, diagnose
 from logdiff.config import ScanConfig
-from logdiff.result import Pair, ScanResult, ScanSettings, SequencesInfo
+from logdiff.result import Cause, Pair, ScanResult, ScanSettings, SequencesInfo
 
 
 def test_levers_on_a_stock_scan_install_only_their_families() -> None:
@@ -29,8 +28,8 @@ def test_levers_on_a_consistent_scan_keep_its_kernels() -> None:
 
 def test_norm_kind_depends_on_whether_the_engine_fuses_the_residual_add() -> None:
     ev = classify.OpEvidence("model.layers.0.input_layernorm", "norm", 0, 0.01, 1.0, True)
-    assert classify.classify_op(ev, None, fused_add_norm=True)["kind"] == "fused_vs_unfused"
-    assert classify.classify_op(ev, None, fused_add_norm=False)["kind"] == "reduction_order"
+    assert classify.classify_op(ev, None, fused_add_norm=True).kind == "fused_vs_unfused"
+    assert classify.classify_op(ev, None, fused_add_norm=False).kind == "reduction_order"
 
 
 def _counting_rescanner(gap: Callable[[ScanConfig], float]) -> tuple[diagnose.Rescanner, list[ScanConfig]]:
@@ -46,8 +45,8 @@ def _counting_rescanner(gap: Callable[[ScanConfig], float]) -> tuple[diagnose.Re
     return diagnose.Rescanner(measure), seen
 
 
-def _operator_path(family: str) -> dict[str, Any]:
-    return {"class": "operator_path", "family": family, "kind": "reduction_order", "evidence": [], "share": None}
+def _operator_path(family: str) -> Cause:
+    return Cause(f"model.layers.0.{family}", 0, "module", family, "operator_path", "reduction_order", [], "")
 
 
 def test_one_cause_family_costs_attribution_no_rescan_of_its_own() -> None:
@@ -62,7 +61,7 @@ def test_one_cause_family_costs_attribution_no_rescan_of_its_own() -> None:
     causes = [_operator_path("rope")]
     summary = attribute.attribute(causes, cfg, 0.5, rescanner.logdiff)
     assert len(seen) == 1  # nothing rescanned
-    assert causes[0]["share"] == 1.0 and causes[0]["necessity"] is True and summary["residual_abs_diff_max"] == 0.0
+    assert causes[0].share == 1.0 and causes[0].necessity is True and summary["residual_abs_diff_max"] == 0.0
 
 
 def test_several_families_reuse_the_reference_rescan_as_everything_fixed() -> None:
@@ -75,4 +74,4 @@ def test_several_families_reuse_the_reference_rescan_as_everything_fixed() -> No
     causes = [_operator_path(f) for f in sorted(families)]
     attribute.attribute(causes, cfg, 0.5, rescanner.logdiff)
     assert len(seen) == 1 + 3 + 3  # the reference check, three alone, three all-but-one
-    assert all(c["necessity"] is True and c["share"] == 0.0 for c in causes)
+    assert all(c.necessity is True and c.share == 0.0 for c in causes)

@@ -30,6 +30,7 @@ from logdiff.probes.routing import RouterLogits
 from logdiff.reports.html import render_html
 from logdiff.reports.schema import validate_result
 from logdiff.reports.terminal import print_summary
+from logdiff.result import Cause
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 RULE = routing.Rule(top_k=2, renormalize=True)
@@ -96,7 +97,7 @@ def test_differing_router_setting_is_a_framework_difference_in_every_layer() -> 
 def test_flip_downstream_of_a_framework_difference_is_not_blamed_on_noise() -> None:
     t = _logits([[1.0, 0.5, 0.0, -1.0]], 2)
     i = _logits([[1.0, -0.5, 0.75, -1.0]], 2)
-    causes = [{"boundary": "model.layers.1.self_attn.q_proj", "layer": 1, "class": "framework_difference", "kind": "weights"}]
+    causes = [Cause("model.layers.1.self_attn.q_proj", 1, "linear", "linear", "framework_difference", "weights", [], "")]
     layer = routing.analyze({t.boundary: t}, {t.boundary: i}, RULE, RULE, {}, causes)[0]["layers"][0]
     assert (layer["class"], layer["kind"]) == ("framework_difference", "upstream_difference")
 

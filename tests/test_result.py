@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from logdiff.result import Findings, Located, Pair, PathInfo, ScanResult, ScanSettings, SequencesInfo
+from logdiff.result import Cause, Findings, Located, Pair, PathInfo, ScanResult, ScanSettings, SequencesInfo
 
 ALWAYS = ["schema_version", "tool", "created", "complete", "warnings", "model", "checkpoint", "infer_checkpoint",
           "architecture", "dtype", "settings", "environment", "paths", "sequences", "pairs", "logprobs",
@@ -21,8 +21,8 @@ def _result(*pairs: Pair) -> ScanResult:
                       SequencesInfo(1, "probe", None, [8], [8]), list(pairs))  # fmt: skip
 
 
-def _cause(boundary: str, cls: str, kind: str, evidence: str) -> dict:
-    return {"boundary": boundary, "class": cls, "kind": kind, "evidence": [evidence], "fix": "", "share": None}
+def _cause(boundary: str, cls: str, kind: str, evidence: str) -> Cause:
+    return Cause(boundary, None, "module", None, cls, kind, [evidence], "")
 
 
 def test_without_causes_the_verdict_is_whether_the_logprobs_are_bitwise_equal() -> None:
@@ -60,14 +60,14 @@ def test_findings_merge_a_cause_at_the_same_boundary_and_kind_and_keep_the_rest(
     r = _result(_pair("vllm", 0.5))
     r.add(Findings(causes=[_cause("sampling", "framework_difference", "sampling_semantics", "contract")],
                    warnings=["w1"], contracts={"differs": []}))  # fmt: skip
-    fit = {**_cause("sampling", "framework_difference", "sampling_semantics", "numbers"), "sampling": {"vllm": {}}}
-    fit["fix"] = "set temperature=1"
+    fit = _cause("sampling", "framework_difference", "sampling_semantics", "numbers")
+    fit.sampling, fit.fix = {"vllm": {}}, "set temperature=1"
     r.add(Findings(causes=[fit], warnings=["w1", "w2"]))
-    assert len(r.causes) == 1 and r.causes[0]["evidence"] == ["contract", "numbers"]
-    assert r.causes[0]["fix"] == "set temperature=1" and r.causes[0]["sampling"] == {"vllm": {}}
+    assert len(r.causes) == 1 and r.causes[0].evidence == ["contract", "numbers"]
+    assert r.causes[0].fix == "set temperature=1" and r.causes[0].sampling == {"vllm": {}}
     assert r.warnings == ["w1", "w2"] and r.contracts == {"differs": []}  # a later step without contracts keeps them
     r.add(Findings(causes=[_cause("sampling", "framework_difference", "tokens", "bos")]))
-    assert [c["kind"] for c in r.causes] == ["sampling_semantics", "tokens"]
+    assert [c.kind for c in r.causes] == ["sampling_semantics", "tokens"]
 
 
 def test_to_dict_is_the_documented_json() -> None:
