@@ -2,10 +2,10 @@
 
 The flow follows docs (../shared/design.md): token sequences -> paths ->
 compare -> (locate -> classify -> attribute) -> a ``ScanResult``
-(logdiff/result.py), whose ``to_dict()`` is docs/result-schema.md. ``measure``
-is the undiagnosed first half, and what diagnosis rescans run. Engines come from a process-wide pool, so repeated
-scans in one process (tests, a training loop calling ``logdiff.scan``) load
-each engine once.
+(logdiff/result.py), whose ``to_dict()`` is docs/result-schema.md.
+``measure`` is the undiagnosed first half, and what diagnosis rescans run.
+Engines come from a process-wide pool, so repeated scans in one process
+(tests, a training loop calling ``logdiff.scan``) load each engine once.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def run_paths(cfg: ScanConfig, progress: Progress = silent) -> PathRun:
     weights["infer"] = nonfinite.checkpoint_nonfinite(staged_infer.path, cfg.dtype)
     probes = None
     if cfg.depth != "logprobs":
-        from logdiff.probes.record import ProbeSession
+        from logdiff.probes.session import ProbeSession
 
         probes = ProbeSession(
             seqs,
