@@ -62,10 +62,12 @@ def hwm():
 t = time.time()
 cfg = ScanConfig(model=Path(model), infer=[infer], num_sequences=int(n), prompt_len=int(prompt),
                  response_len=int(response), depth=depth)
-import inspect
 # localization only: no follow-up scans (classification reruns paths with kernels swapped)
-extra = {"classify": False} if "classify" in inspect.signature(scan).parameters else {}
-r = scan(cfg, **extra)
+try:
+    from logdiff.pipeline import measure
+    r = measure(cfg).result.to_dict()
+except ImportError:  # a revision before the typed result
+    r = scan(cfg, classify=False)
 print(json.dumps({"peak_rss": hwm(), "seconds": time.time() - t, "store_bytes": live["peak"],
                   "boundaries": len((r.get("divergence_table") or {}).get("boundaries", []))}))
 """

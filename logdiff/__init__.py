@@ -18,7 +18,9 @@ __version__ = "0.1.0"
 
 
 def scan(model: str | Path, ckpt: str | Path | None = None, **options: Any) -> dict[str, Any]:
-    """Run a scan and return the result dict (docs/result-schema.md).
+    """Run a scan and return the result dict (docs/result-schema.md): ``result.json``'s content.
+
+    (``logdiff.pipeline.scan`` returns the typed ``logdiff.result.ScanResult`` it serializes.)
 
     ``options`` are ``ScanConfig`` fields: ``train``, ``infer`` (list), ``dtype``,
     ``sequences`` (a JSONL path), ``num_sequences``, ``prompt_len``, ``response_len``,
@@ -30,7 +32,7 @@ def scan(model: str | Path, ckpt: str | Path | None = None, **options: Any) -> d
     for key in ("sequences", "prompts", "infer_ckpt"):
         if options.get(key) is not None:
             options[key] = Path(options[key])
-    return run(ScanConfig(model=Path(model), ckpt=Path(ckpt) if ckpt else None, **options))
+    return run(ScanConfig(model=Path(model), ckpt=Path(ckpt) if ckpt else None, **options)).to_dict()
 
 
 def __getattr__(name: str) -> Any:

@@ -30,6 +30,7 @@ from typing import Any
 
 from logdiff.config import KERNEL_FAMILIES, ScanConfig
 from logdiff.phases import silent
+from logdiff.result import Cause
 
 Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key)
 
@@ -37,14 +38,14 @@ Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key
 CONFIG_KEY = {"qk_norm_eps": "rms_norm_eps", "final_norm_eps": "rms_norm_eps"}
 
 
-def lever_of(cause: dict[str, Any], cfg: ScanConfig) -> Lever | None:
+def lever_of(cause: Cause, cfg: ScanConfig) -> Lever | None:
     """The action that neutralises ``cause``, or None when no rescan can."""
-    if cause["class"] == "operator_path":
-        return ("kernel", cause["family"]) if cause.get("family") else None
-    if cause["kind"] == "weights":
+    if cause.class_ == "operator_path":
+        return ("kernel", cause.family) if cause.family else None
+    if cause.kind == "weights":
         return ("weights", "") if cfg.infer_ckpt is not None else None
     overridden = set(cfg.train_set) | set(cfg.infer_set)
-    for key in cause.get("differs", []):
+    for key in cause.differs:
         config_key = CONFIG_KEY.get(key, key)
         if config_key in overridden:
             return ("config", config_key)
@@ -70,7 +71,7 @@ def apply_levers(cfg: ScanConfig, levers: set[Lever]) -> ScanConfig:
 
 
 def attribute(
-    causes: list[dict[str, Any]],
+    causes: list[Cause],
     cfg: ScanConfig,
     baseline: float,
     measure: Callable[[ScanConfig], float],
@@ -92,22 +93,22 @@ def attribute(
     alone = {lv: rescan(apply_levers(cfg, {lv}), f"only {':'.join(lv).rstrip(':')} fixed") for lv in distinct}
     # A framework cause's op may also compute differently (a norm with another eps *and* a fused
     # add): "everything neutralised" also swaps in the kernels of those ops' families.
-    everything = set(distinct) | {("kernel", c["family"]) for c in causes if c.get("family")}
+    everything = set(distinct) | {("kernel", c.family) for c in causes if c.family}
     others = {lv: rescan(apply_levers(cfg, everything - {lv}), f"all but {':'.join(lv).rstrip(':')} fixed")
               for lv in distinct}
     residual = rescan(apply_levers(cfg, everything), "everything fixed") if distinct else baseline
     for c in causes:
         lv = levers[id(c)]
         if lv is None:
-            c["evidence"].append("no rescan can neutralise this cause alone; share not measured")
+            c.evidence.append("no rescan can neutralise this cause alone; share not measured")
             continue
-        c["share"] = 1.0 - alone[lv] / baseline if baseline > 0 else 0.0
-        c["necessity"] = others[lv] > 0
+        c.share = 1.0 - alone[lv] / baseline if baseline > 0 else 0.0
+        c.necessity = others[lv] > 0
         what = f"the {lv[1]} reference kernel on both sides" if lv[0] == "kernel" else (
             "the training weights on the inference side" if lv[0] == "weights" else f"no override of {lv[1]}"
         )  # fmt: skip
-        c["evidence"].append(f"with {what} alone, max |Δ logprob| goes from {baseline:.3g} to {alone[lv]:.3g}")
-        c["evidence"].append(f"with every other cause neutralised, it is {others[lv]:.3g}")
+        c.evidence.append(f"with {what} alone, max |Δ logprob| goes from {baseline:.3g} to {alone[lv]:.3g}")
+        c.evidence.append(f"with every other cause neutralised, it is {others[lv]:.3g}")
     return {
         "baseline_abs_diff_max": baseline,
         "levers": [

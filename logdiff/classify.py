@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from logdiff.result import Cause
+
 if TYPE_CHECKING:
     from logdiff.probes.arch import ArchAdapter
 
@@ -108,7 +110,7 @@ def _operator_kind(kind: str, fused_add_norm: bool) -> str:
 
 def classify_op(
     ev: OpEvidence, contracts: dict[str, Any] | None, fused_add_norm: bool, adapter: ArchAdapter | None = None
-) -> dict[str, Any]:
+) -> Cause:
     """One cause: class, kind, evidence lines and a fix.
 
     ``fused_add_norm``: the inference engine adds the residual inside its norm kernel.
@@ -170,34 +172,22 @@ def classify_op(
 
 def _cause(
     ev: OpEvidence, cls: str, kind: str, evidence: list[str], fix: str, differs: list[str] | None = None
-) -> dict[str, Any]:
-    return {
-        "boundary": ev.boundary,
-        "layer": ev.layer,
-        "op_kind": ev.kind,
-        "family": FAMILY.get(ev.kind),
-        "class": cls,
-        "kind": kind,
-        "evidence": evidence,
-        "fix": fix,
-        "share": None,
-        "necessity": None,
-        "differs": differs or [],  # the contract keys / weight names behind a framework difference
-    }
+) -> Cause:
+    return Cause(ev.boundary, ev.layer, ev.kind, FAMILY.get(ev.kind), cls, kind, evidence, fix, differs=differs or [])
 
 
 def framework_cause(
     boundary: str, op_kind: str, kind: str, evidence: list[str], fix: str, differs: list[str] | None = None
-) -> dict[str, Any]:
+) -> Cause:
     """A ``framework_difference`` found outside the per-op classification (sampling semantics, alignment)."""
     return _cause(OpEvidence(boundary, op_kind, None, 0.0, None, None), "framework_difference", kind, evidence, fix, differs)
 
 
-def verdict(causes: list[dict[str, Any]], consistent: bool) -> str:
+def verdict(causes: list[Cause], consistent: bool) -> str:
     """The overall verdict from the classified causes."""
     if consistent:
         return "consistent"
-    classes = {c["class"] for c in causes}
+    classes = {c.class_ for c in causes}
     if not classes:
         return "divergent"
     if len(classes) == 2:
@@ -205,25 +195,25 @@ def verdict(causes: list[dict[str, Any]], consistent: bool) -> str:
     return classes.pop()
 
 
-def merge_fused(causes: list[dict[str, Any]], adapter: ArchAdapter | None = None) -> list[dict[str, Any]]:
+def merge_fused(causes: list[Cause], adapter: ArchAdapter | None = None) -> list[Cause]:
     """One cause per fused add+norm: a residual add folds into the norm that consumes it (the adapter's ``fused_norm``)."""
     arch = _adapter(adapter)
-    by_boundary = {c["boundary"]: c for c in causes}
+    by_boundary = {c.boundary: c for c in causes}
     out = []
     for c in causes:
-        if c["op_kind"] == "add":
-            norm = arch.fused_norm(c["boundary"])
+        if c.op_kind == "add":
+            norm = arch.fused_norm(c.boundary)
             target = by_boundary.get(norm) if norm else None
-            if target is not None and target["class"] == c["class"]:
-                target["evidence"].append(f"fused with {c['boundary']} (one add+norm kernel in vLLM)")
+            if target is not None and target.class_ == c.class_:
+                target.evidence.append(f"fused with {c.boundary} (one add+norm kernel in vLLM)")
                 continue
         out.append(c)
     return out
 
 
 def preflight_only_causes(
-    contracts: dict[str, Any] | None, causes: list[dict[str, Any]], adapter: ArchAdapter | None = None
-) -> list[dict[str, Any]]:
+    contracts: dict[str, Any] | None, causes: list[Cause], adapter: ArchAdapter | None = None
+) -> list[Cause]:
     """Contract or weight differences that no introducing op accounts for.
 
     The preflight alone is enough for a framework verdict: a stale expert that no
@@ -233,7 +223,7 @@ def preflight_only_causes(
     if not contracts:
         return []
     arch = _adapter(adapter)
-    covered = {d for c in causes for d in c.get("differs", [])}
+    covered = {d for c in causes for d in c.differs}
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
     from logdiff import sampling  # sampler and scoring keys: one sampling_semantics cause (logdiff/sampling.py)
@@ -255,14 +245,14 @@ def preflight_only_causes(
         kind_name = _framework_kind([] if is_weight else [item], [item] if is_weight else [])
         out.append(_cause(ev, "framework_difference", kind_name, evidence, fix, [item]))
     semantics = sampling.contract_cause(contracts)
-    if semantics is not None and not any((c["boundary"], c["kind"]) == (semantics["boundary"], semantics["kind"]) for c in causes):
+    if semantics is not None and not any((c.boundary, c.kind) == (semantics.boundary, semantics.kind) for c in causes):
         out.append(semantics)  # else the op's own cause takes this evidence (sampling.diagnose merges it)
     return out
 
 
 def non_finite_cause(
     first: dict[str, Any] | None, weights: list[str], evidence: list[str], fix: str, adapter: ArchAdapter | None = None
-) -> dict[str, Any]:
+) -> Cause:
     """A ``framework_difference``/``non_finite`` cause: NaN or inf on a path (docs/causes.md).
 
     Its boundary is the first one that holds the value (``first``, from locate), else

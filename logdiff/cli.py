@@ -116,9 +116,9 @@ def _run_scan(cfg: Any, quiet: bool, tables: Optional[dict[str, Any]] = None) ->
 
     console = _stderr()
     if quiet or not console.is_terminal:
-        return run(cfg, tables=tables)
+        return run(cfg, tables=tables).to_dict()
     with PhaseProgress(console) as shown:
-        return run(cfg, progress=Phases(shown), tables=tables)
+        return run(cfg, progress=Phases(shown), tables=tables).to_dict()
 
 
 def _say(console: Console, text: str, **kwargs: Any) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from logdiff import attribute, classify
 from logdiff.config import KERNEL_FAMILIES, ScanConfig
@@ -32,6 +31,7 @@ from logdiff.phases import Phases, silent
 from logdiff.preflight import preflight
 from logdiff.probes.arch import find as find_adapter
 from logdiff.engines.base import Engine
+from logdiff.result import Findings, ScanResult
 
 # Relative spacing of each dtype (its machine epsilon): local_rel / EPS = ulps at the output's magnitude.
 EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
@@ -39,22 +39,23 @@ EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
 class Rescanner:
     """Reruns of one scan with changed settings, for classification and attribution.
 
-    ``scan(cfg)`` returns a result dict without diagnosing it again (the
-    pipeline passes ``pipeline.scan`` with ``classify=False``).
+    ``measure(cfg)`` runs the paths of ``cfg`` and locates their divergence,
+    without diagnosing it (the pipeline passes ``pipeline.measure`` on the
+    scan's own tokens).
     """
 
-    def __init__(self, scan: Callable[[ScanConfig], dict[str, Any]]):
-        self._scan = scan
+    def __init__(self, measure: Callable[[ScanConfig], ScanResult]):
+        self._measure = measure
         self._logdiffs: dict[tuple, float] = {}
 
-    def rescan(self, cfg: ScanConfig) -> dict[str, Any]:
-        """The full result of ``cfg``."""
-        return self._scan(cfg)
+    def rescan(self, cfg: ScanConfig) -> ScanResult:
+        """The undiagnosed result of ``cfg``."""
+        return self._measure(cfg)
 
     def logdiff(self, cfg: ScanConfig) -> float:
         """The primary pair's max |logprob difference| under ``cfg``, each configuration scanned once."""
         if self._key(cfg) not in self._logdiffs:
-            self.remember(cfg, float(self._scan(cfg)["pairs"][0]["metrics"]["abs_diff_max"]))
+            self.remember(cfg, float(self._measure(cfg).primary.metrics["abs_diff_max"]))
         return self._logdiffs[self._key(cfg)]
 
     def remember(self, cfg: ScanConfig, logdiff: float) -> None:
@@ -90,8 +91,8 @@ def reference_rerun(
     except Exception as e:  # noqa: BLE001 - a path without consistent mode still gets classified
         warnings.append(f"reference-kernel rerun unavailable ({type(e).__name__}: {e}); classified by contract and noise floor")
         return None
-    still = {op["boundary"] for op in ref.get("introducing_ops") or []}
-    rows = {r["boundary"]: r for r in ref["pairs"][0].get("boundaries") or []}
+    still = {op["boundary"] for op in ref.located.introducing_ops}
+    rows = {r["boundary"]: r for r in ref.primary.boundaries or []}
 
     def vanished(boundary: str) -> bool | None:
         if boundary in still:
@@ -106,40 +107,36 @@ def reference_rerun(
 
 
 def diagnose(
-    result: dict[str, Any],
+    result: ScanResult,
     cfg: ScanConfig,
     train: Engine,
     infer: Engine,
     rescanner: Rescanner,
     progress: Callable[..., None] = silent,
-) -> None:
-    """Fill ``contracts``, ``causes``, ``attribution`` and ``verdict`` of ``result`` in place."""
+) -> Findings:
+    """The contracts, causes and attribution of a measured scan's primary pair."""
     progress = Phases.of(progress)
     progress("semantic preflight: contracts and weight fingerprints", phase="preflight")
-    held = any(((result.get("non_finite") or {}).get("weights") or {}).values())
+    found = Findings()
+    held = any(((result.non_finite or {}).get("weights") or {}).values())
     if held:  # hashes of NaN-holding tensors say nothing (and vLLM's CPU weights cannot be recovered)
-        result["warnings"].append("weight fingerprints skipped: the weights hold NaN/inf (see non_finite)")
-    contracts = preflight(train, infer, weights=not held)
-    result["contracts"] = contracts
-    arch = find_adapter(result.get("architecture"))  # what each op reads (None: the plain decoder layout)
-    if result.get("non_finite"):  # no op's arithmetic can be judged on NaN/inf: the finding is the cause
-        result["causes"] += classify.preflight_only_causes(contracts, result["causes"], arch)
-        result["verdict"] = classify.verdict(result["causes"], consistent=False)
-        return
-    pair = result["pairs"][0]
-    consistent = pair["metrics"]["bitwise_equal_fraction"] == 1.0
-    ops = result.get("introducing_ops") or []
-    if consistent:
-        result["verdict"] = "consistent"
+        found.warnings.append("weight fingerprints skipped: the weights hold NaN/inf (see non_finite)")
+    contracts = found.contracts = preflight(train, infer, weights=not held)
+    arch = find_adapter(result.architecture)  # what each op reads (None: the plain decoder layout)
+    if result.non_finite:  # no op's arithmetic can be judged on NaN/inf: the finding is the cause
+        found.causes = classify.preflight_only_causes(contracts, result.causes, arch)
+        return found
+    pair, ops = result.primary, result.located.introducing_ops
+    if pair.bitwise_equal:
         if contracts["differs"] or (contracts["weights"] or {}).get("differs"):
-            result["warnings"].append("the contracts differ although the logprobs are bitwise equal: see contracts")
-        return
+            found.warnings.append("the contracts differ although the logprobs are bitwise equal: see contracts")
+        return found
     if not ops:
-        result["warnings"].append("the logprobs differ but no op was found to introduce the error")
+        found.warnings.append("the logprobs differ but no op was found to introduce the error")
     progress("rerunning both paths with the reference kernels", phase="reference_rerun")
     families = {classify.FAMILY.get(op.get("kind") or "module") for op in ops}
     families = set(KERNEL_FAMILIES) if None in families else families
-    reference = reference_rerun(cfg, rescanner, families, result["warnings"]) if ops else None
+    reference = reference_rerun(cfg, rescanner, families, found.warnings) if ops else None
     progress(f"classifying {len(ops)} ops that introduce error", phase="classify")
     causes = []
     for op in ops:
@@ -157,13 +154,13 @@ def diagnose(
     causes = classify.merge_fused(causes, arch)
     causes += classify.preflight_only_causes(contracts, causes, arch)
     progress("attributing the logdiff to its causes", phase="attribute")
-    baseline = float(pair["metrics"]["abs_diff_max"])
+    baseline = float(pair.metrics["abs_diff_max"])
     rescanner.remember(cfg, baseline)  # "every other lever" of a single cause is this scan itself
     try:
         if cfg.attribute:
-            result["attribution"] = attribute.attribute(causes, cfg, baseline, rescanner.logdiff, progress)
+            found.attribution = attribute.attribute(causes, cfg, baseline, rescanner.logdiff, progress)
     except Exception as e:  # noqa: BLE001 - classification stands without attribution
-        result["warnings"].append(f"attribution skipped ({type(e).__name__}: {e})")
-    causes.sort(key=lambda c: (-(c["share"] if c["share"] is not None else -1.0), c["boundary"]))
-    result["causes"] = causes
-    result["verdict"] = classify.verdict(causes, consistent)
+        found.warnings.append(f"attribution skipped ({type(e).__name__}: {e})")
+    causes.sort(key=lambda c: (-(c.share if c.share is not None else -1.0), c.boundary))
+    found.causes = causes
+    return found

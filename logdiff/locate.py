@@ -1,6 +1,6 @@
 """Locate: where two paths' values first part, and which ops introduce error.
 
-Input is one ``PairRecord`` from ``logdiff.probes.record.ProbeSession``: per
+Input is one ``PairRecord`` from ``logdiff.probes.session.ProbeSession``: per
 boundary, the streaming comparison of the training path against a stored
 inference path (``summaries``) and, where the op could be replayed, the error
 the training path's op makes on the inference path's own inputs (``local``).

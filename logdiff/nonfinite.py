@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from logdiff import classify
+from logdiff.result import Cause
 
 
 def path_counts(paths: list[Any]) -> dict[str, list[int]]:
@@ -62,7 +63,7 @@ def _names(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def cause(found: dict[str, Any], localized: bool) -> dict[str, Any]:
+def cause(found: dict[str, Any], localized: bool) -> Cause:
     """The ``non_finite`` cause for a finding (class ``framework_difference``)."""
     first, weights = found["first"], found["weights"]
     names = list(dict.fromkeys([*(weights.get("train") or []), *(weights.get("infer") or [])]))
@@ -85,5 +86,5 @@ def cause(found: dict[str, Any], localized: bool) -> dict[str, Any]:
         fix = (f"find what overflows or divides by zero at {at}: a config override (an eps <= 0, say), "
                "float16 overflow (try bfloat16), or the op's kernel")  # fmt: skip
     out = classify.non_finite_cause(first, names, evidence, fix)
-    out["paths"] = list(first["paths"]) if first is not None else list(found["paths"])
+    out.paths = list(first["paths"]) if first is not None else list(found["paths"])
     return out

@@ -1,17 +1,17 @@
 """Orchestrate one scan: stage weights, build sequences, run every path, compare.
 
 The flow follows docs (../shared/design.md): token sequences -> paths ->
-compare -> (locate -> classify -> attribute) -> the result dict of
-docs/result-schema.md. Engines come from a process-wide pool, so repeated
-scans in one process (tests, a training loop calling ``logdiff.scan``) load
-each engine once.
+compare -> (locate -> classify -> attribute) -> a ``ScanResult``
+(logdiff/result.py), whose ``to_dict()`` is docs/result-schema.md.
+``measure`` is the undiagnosed first half, and what diagnosis rescans run.
+Engines come from a process-wide pool, so repeated scans in one process
+(tests, a training loop calling ``logdiff.scan``) load each engine once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import datetime as dt
 import platform
 import sys
 from collections.abc import Callable
@@ -28,10 +28,8 @@ from logdiff.errors import InputError
 from logdiff.options import is_option
 from logdiff.phases import Phases, peak_rss_bytes, silent
 from logdiff.probes import checkpoint
-from logdiff.reports.groups import group_causes
 from logdiff.reproduce import rollout_replay
-
-SCHEMA_VERSION = 1
+from logdiff.result import Located, Pair, PathInfo, ScanResult, ScanSettings, SequencesInfo
 Progress = Callable[[str], None]
 
 
@@ -47,7 +45,8 @@ def split_settings(engine: str, settings: dict[str, Any]) -> tuple[tuple, tuple]
     return overrides, options
 
 
-def _spec(engine: str, staged: checkpoint.StagedModel, cfg: ScanConfig, settings: dict[str, Any]) -> EngineSpec:
+def engine_spec(engine: str, staged: checkpoint.StagedModel, cfg: ScanConfig, settings: dict[str, Any]) -> EngineSpec:
+    """What ``acquire`` loads for ``engine`` on one side of a scan of ``cfg``."""
     overrides, options = split_settings(engine, settings)
     return EngineSpec(str(staged.path), cfg.dtype, overrides, options, cfg.seed, cfg.trust_remote_code, cfg.device)
 
@@ -91,7 +90,7 @@ class PathRun:
     source: str  # probe | jsonl | prompts | dump:<layout> (logdiff.dumps)
     train: PathScores
     infers: list[PathScores]
-    paths: list[dict[str, Any]]  # result.json's "paths": one entry per path, with its engine's info
+    paths: list[PathInfo]  # result.json's "paths": one entry per path, with its engine's info
     architecture: str
     train_engine: Engine
     infer_engines: list[Engine]
@@ -101,7 +100,7 @@ class PathRun:
 
     def engine_of(self, path: str) -> Engine:
         """The inference engine that produced ``path`` (the first one for a recorded path)."""
-        name = next((p["engine"] for p in self.paths[1:] if p["name"] == path), None)
+        name = next((p.engine for p in self.paths[1:] if p.name == path), None)
         return next((e for e in self.infer_engines if e.name == name), self.infer_engines[0])
 
 
@@ -129,7 +128,7 @@ def run_paths(cfg: ScanConfig, progress: Progress = silent) -> PathRun:
     weights["infer"] = nonfinite.checkpoint_nonfinite(staged_infer.path, cfg.dtype)
     probes = None
     if cfg.depth != "logprobs":
-        from logdiff.probes.record import ProbeSession
+        from logdiff.probes.session import ProbeSession
 
         probes = ProbeSession(
             seqs,
@@ -167,12 +166,12 @@ def _run(
     from logdiff.overrides import check_applied
 
     progress(f"loading {cfg.train} (training path)", phase="load")
-    train = acquire(cfg.train, _spec(cfg.train, staged, cfg, cfg.train_set))
+    train = acquire(cfg.train, engine_spec(cfg.train, staged, cfg, cfg.train_set))
     check_applied(train, "train", cfg.train_set)
     infers = []
     for name in dict.fromkeys(cfg.infer):
         progress(f"loading {name} (inference path)", phase="load")
-        infers.append(acquire(name, _spec(name, staged_infer, cfg, cfg.infer_set)))
+        infers.append(acquire(name, engine_spec(name, staged_infer, cfg, cfg.infer_set)))
         check_applied(infers[-1], "infer", cfg.infer_set)
 
     rec = ", recording its modules" if probes is not None else ""
@@ -221,27 +220,24 @@ def _run(
                    batch_invariance)  # fmt: skip
 
 
-def _path_info(engine: Engine | None, scores: PathScores, role: str) -> dict[str, Any]:
+def _path_info(engine: Engine | None, scores: PathScores, role: str) -> PathInfo:
     info = engine.info() if engine is not None else {"engine": "recorded", "version": None, "settings": {}}
-    return {"name": scores.path, "role": role, "mode": scores.mode, **info}
+    return PathInfo.of(scores.path, role, scores.mode, info)
 
 
-def _pair(
-    train: PathScores, infer: PathScores, seqs: list[sequences.Sequence], tok: Any, is_threshold: float
-) -> dict[str, Any]:
+def _pair(train: PathScores, infer: PathScores, seqs: list[sequences.Sequence], tok: Any, is_threshold: float) -> Pair:
     masks = [s.response_mask for s in seqs]  # masked tokens were replayed; they are not scored
     w = compare.worst(train.logprobs, infer.logprobs, masks)
     w["token_id"] = int(seqs[w["sequence"]].response_ids[w["position"]])
     w["token_text"] = tok.decode([w["token_id"]]) if tok is not None else None
-    metrics = compare.token_metrics(train.logprobs, infer.logprobs, train.top1, infer.top1, masks, is_threshold)
-    return {
-        "train": train.path,
-        "infer": infer.path,
-        "metrics": metrics,
-        "per_position": compare.per_position(train.logprobs, infer.logprobs, masks),
-        "histogram": compare.histogram(train.logprobs, infer.logprobs, masks),
-        "worst": w,
-    }
+    return Pair(
+        train=train.path,
+        infer=infer.path,
+        metrics=compare.token_metrics(train.logprobs, infer.logprobs, train.top1, infer.top1, masks, is_threshold),
+        per_position=compare.per_position(train.logprobs, infer.logprobs, masks),
+        histogram=compare.histogram(train.logprobs, infer.logprobs, masks),
+        worst=w,
+    )
 
 
 def _tokenizer(cfg: ScanConfig) -> Any:
@@ -282,149 +278,123 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _localize(pairs: list[dict[str, Any]], probes: Any, progress: Progress) -> dict[str, Any]:
-    """Run ``locate`` on every probed pair; the primary pair's findings go to the top level."""
+def _localize(pairs: list[Pair], probes: Any, progress: Progress, tables: dict[str, Any]) -> Located:
+    """Run ``locate`` on every probed pair (onto the pair); the primary pair's findings are returned."""
     from logdiff import locate
 
     found = {(p.train, p.infer): p for p in probes.pairs()}
-    out: dict[str, Any] = {"warnings": [], "tables": {}, "first_divergence": None, "introducing_ops": [],
-                           "divergence_table": None, "op_trace": None, "first_nonfinite": None}
+    out = Located()
     for i, pair in enumerate(pairs):
-        record = found.get((pair["train"], pair["infer"]))
+        record = found.get((pair.train, pair.infer))
         if record is None:
             if i == 0:
-                out["warnings"].append(f"no operator probes for path {pair['infer']}; nothing to localize")
+                out.warnings.append(f"no operator probes for path {pair.infer}; nothing to localize")
             continue
-        progress(f"locating the divergence between {pair['train']} and {pair['infer']}", phase="locate")
+        progress(f"locating the divergence between {pair.train} and {pair.infer}", phase="locate")
         loc = locate.locate(record)
-        pair["first_divergence"] = loc.first_divergence
-        pair["introducing_ops"] = loc.introducing_ops
-        pair["boundaries"] = loc.boundaries
-        out["warnings"] += [w for w in loc.warnings if w not in out["warnings"]]
-        if out["first_nonfinite"] is None:
-            out["first_nonfinite"] = loc.first_nonfinite
-        stem = "divergence_table" if i == 0 else f"divergence_table_{pair['infer']}"
-        out["tables"][stem] = loc.table
+        pair.first_divergence, pair.introducing_ops, pair.boundaries = (
+            loc.first_divergence, loc.introducing_ops, loc.boundaries)  # fmt: skip
+        out.warnings += [w for w in loc.warnings if w not in out.warnings]
+        if out.first_nonfinite is None:
+            out.first_nonfinite = loc.first_nonfinite
+        tables["divergence_table" if i == 0 else f"divergence_table_{pair.infer}"] = loc.table
         if i == 0:
-            out["first_divergence"] = loc.first_divergence
-            out["introducing_ops"] = loc.introducing_ops
-            out["divergence_table"] = loc.table_json()
-            out["op_trace"] = loc.op_trace
-    for w in probes.warnings:
-        if w not in out["warnings"]:
-            out["warnings"].append(w)
+            out.first_divergence, out.introducing_ops = loc.first_divergence, loc.introducing_ops
+            out.divergence_table, out.op_trace = loc.table_json(), loc.op_trace
+    out.warnings += [w for w in probes.warnings if w not in out.warnings]
     return out
 
 
-def _non_finite(result: dict[str, Any], cfg: ScanConfig, scores: list[PathScores], weights: dict[str, list[str]],
-                first: dict[str, Any] | None) -> None:  # fmt: skip
+def _non_finite(result: ScanResult, cfg: ScanConfig, scores: list[PathScores], weights: dict[str, list[str]]) -> None:
     """Record NaN/inf as a finding: ``non_finite``, a first warning and a ``non_finite`` cause."""
-    from logdiff import classify, nonfinite
+    from logdiff import nonfinite
 
     recorded = [p for p in scores if p.mode != "recorded"]  # validated input, finite by construction
-    found = nonfinite.finding(nonfinite.path_counts(recorded), weights, first, cfg.dtype)
-    result["non_finite"] = found
-    if found is None:
-        return
-    result["warnings"].insert(0, found["summary"])
-    result["causes"] = [nonfinite.cause(found, localized=cfg.depth != "logprobs")]
-    result["verdict"] = classify.verdict(result["causes"], consistent=False)
+    found = nonfinite.finding(nonfinite.path_counts(recorded), weights, result.located.first_nonfinite, cfg.dtype)
+    result.non_finite = found
+    if found is not None:
+        result.warnings.insert(0, found["summary"])
+        result.causes = [nonfinite.cause(found, localized=cfg.depth != "logprobs")]
 
 
-def scan(
-    cfg: ScanConfig,
-    progress: Progress = silent,
-    tables: dict[str, Any] | None = None,
-    classify: bool = True,
-) -> dict[str, Any]:
-    """Run one scan and return the result dict (docs/result-schema.md).
+@dataclass
+class Measured:
+    """An undiagnosed scan (``measure``): its result so far, and the run behind it."""
+
+    result: ScanResult
+    run: PathRun
+
+
+def measure(cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any] | None = None) -> Measured:
+    """Run every path, compare them and locate the divergence; no diagnosis.
+
+    This is what a diagnosis rescan runs (``diagnose.Rescanner``), and the first
+    half of ``scan``. ``tables`` receives the boundary x position DataFrames.
+    """
+    progress = Phases.of(progress)
+    run = run_paths(cfg, progress)
+    seqs, train, infers = run.sequences, run.train, run.infers
+    progress("comparing the logprobs", phase="compare")
+    tok = _tokenizer(cfg)
+    pairs = [_pair(train, p, seqs, tok, cfg.is_threshold) for p in infers]
+    source, _, layout = run.source.partition(":")  # dump:<layout> -> dump, <layout>
+    layout = layout or ("logdiff" if source == "jsonl" else None)
+    located = Located()
+    if run.probes is not None:
+        try:
+            located = _localize(pairs, run.probes, progress, tables if tables is not None else {})
+        finally:
+            run.probes.close()
+    settings = ScanSettings(cfg.seed, cfg.depth, cfg.consistent, {"train": cfg.train_set, "infer": cfg.infer_set},
+                            source, cfg.trust_remote_code, cfg.is_threshold)  # fmt: skip
+    result = ScanResult(
+        model=str(cfg.model),
+        checkpoint=str(cfg.ckpt) if cfg.ckpt else None,
+        infer_checkpoint=str(cfg.infer_ckpt) if cfg.infer_ckpt else None,
+        architecture=run.architecture,
+        dtype=cfg.dtype,
+        settings=settings,
+        environment=environment(),
+        paths=run.paths,
+        sequences=SequencesInfo(len(seqs), source, layout, [len(s.prompt_ids) for s in seqs],
+                                [len(s.response_ids) for s in seqs]),  # fmt: skip
+        pairs=pairs,
+        located=located,
+        warnings=list(located.warnings),
+        batch_invariance=run.batch_invariance,
+        rollout_replay=rollout_replay(infers, [s.response_mask for s in seqs], layout),
+    )
+    _non_finite(result, cfg, [train, *infers], run.nonfinite_weights)
+    return Measured(result, run)
+
+
+def scan(cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any] | None = None) -> ScanResult:
+    """Run one scan: ``measure``, then at ``--depth modules|ops`` diagnose it (docs/result-schema.md).
 
     At ``--depth modules|ops``, pass a dict as ``tables`` to receive the
     boundary x position DataFrames (``"divergence_table"`` for the primary
     pair, ``"divergence_table_<infer path>"`` for the others); write them with
     ``logdiff.locate.write_tables(tables, out_dir)``.
     """
-    progress = Phases.of(progress)  # times each phase: result["timings"]
-    run = run_paths(cfg, progress)
-    seqs, source, train, infers = run.sequences, run.source, run.train, run.infers
-    progress("comparing the logprobs", phase="compare")
-    tok = _tokenizer(cfg)
-    pairs = [_pair(train, p, seqs, tok, cfg.is_threshold) for p in infers]
-    source, _, layout = source.partition(":")  # dump:<layout> -> dump, <layout>
-    layout = layout or ("logdiff" if source == "jsonl" else None)
-    replay = rollout_replay(infers, [s.response_mask for s in seqs], layout)
-    consistent = all(p["metrics"]["bitwise_equal_fraction"] == 1.0 for p in pairs)
-    located: dict[str, Any] = {"warnings": [], "first_divergence": None, "introducing_ops": [],
-                               "divergence_table": None, "op_trace": None, "tables": {}, "first_nonfinite": None}
-    if run.probes is not None:
-        try:
-            located = _localize(pairs, run.probes, progress)
-        finally:
-            run.probes.close()
-    if tables is not None:
-        tables.update(located["tables"])
-    result = {
-        "schema_version": SCHEMA_VERSION,
-        "tool": {"name": "logdiff", "version": metadata.version("logdiff")},
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "complete": True,
-        "warnings": located["warnings"],
-        "model": str(cfg.model),
-        "checkpoint": str(cfg.ckpt) if cfg.ckpt else None,
-        "infer_checkpoint": str(cfg.infer_ckpt) if cfg.infer_ckpt else None,
-        "architecture": run.architecture,
-        "dtype": cfg.dtype,
-        "settings": {
-            "seed": cfg.seed,
-            "depth": cfg.depth,
-            "consistent": cfg.consistent,
-            "overrides": {"train": cfg.train_set, "infer": cfg.infer_set},
-            "sequence_source": source,
-            "trust_remote_code": cfg.trust_remote_code,
-            "is_threshold": cfg.is_threshold,
-        },
-        "environment": environment(),
-        "paths": run.paths,
-        "sequences": {
-            "count": len(seqs),
-            "source": source,
-            "format": layout,
-            "prompt_lens": [len(s.prompt_ids) for s in seqs],
-            "response_lens": [len(s.response_ids) for s in seqs],
-        },
-        "pairs": pairs,
-        "logprobs": pairs[0]["metrics"],
-        "first_divergence": located["first_divergence"],
-        "introducing_ops": located["introducing_ops"],
-        "causes": [],
-        "verdict": "consistent" if consistent else "divergent",
-        "non_finite": None,
-        "divergence_table": located["divergence_table"],
-        "contracts": None,
-        "moe": None,
-        "batch_invariance": run.batch_invariance,
-        "rollout_replay": replay,
-    }
-    if located["op_trace"] is not None:
-        result["op_trace"] = located["op_trace"]
-    _non_finite(result, cfg, [train, *infers], run.nonfinite_weights, located["first_nonfinite"])
-    if classify and cfg.depth != "logprobs":
+    progress = Phases.of(progress)  # times each phase: result.timings
+    measured = measure(cfg, progress, tables)
+    result, run = measured.result, measured.run
+    if cfg.depth != "logprobs":
+        from logdiff import sampling
         from logdiff.diagnose import Rescanner, diagnose
-
-        owner = run.engine_of(pairs[0]["infer"])
-        # Rescans score the primary pair only, on this scan's tokens where the engine can replay them as it
-        # sampled them (a lever changes numbers, never the tokens); else they sample again with the same seed.
-        same_tokens = {"infer": [owner.name], "replay": tuple(seqs) if owner.replays_as_sampled else None}
-        rescanner = Rescanner(lambda c: scan(replace(c, **same_tokens), classify=False))
-        diagnose(result, cfg, run.train_engine, owner, rescanner, progress)
         from logdiff.routing import diagnose_routing
 
-        diagnose_routing(result, run, cfg, progress)
-    if classify and cfg.depth != "logprobs" and result["non_finite"] is None:  # contract and numbers (logdiff/sampling.py)
-        from logdiff import sampling
-
-        progress("checking the sampling semantics (temperature, truncation, alignment, BOS)", phase="sampling")
-        sampling.diagnose(result, run, run.engine_of(pairs[0]["infer"]))
-    result["cause_groups"] = group_causes(result["causes"])
-    result["timings"], result["peak_rss_bytes"] = progress.close(), peak_rss_bytes()
+        owner = run.engine_of(result.primary.infer)
+        # Rescans score the primary pair only, on this scan's tokens where the engine can replay them as it
+        # sampled them (a lever changes numbers, never the tokens); else they sample again with the same seed.
+        same_tokens = {"infer": [owner.name], "replay": tuple(run.sequences) if owner.replays_as_sampled else None}
+        rescanner = Rescanner(lambda c: measure(replace(c, **same_tokens)).result)
+        result.classified = True
+        result.add(diagnose(result, cfg, run.train_engine, owner, rescanner, progress))
+        result.moe = diagnose_routing(result, run, cfg, progress)
+        if result.non_finite is None:  # contract and numbers (logdiff/sampling.py)
+            progress("checking the sampling semantics (temperature, truncation, alignment, BOS)", phase="sampling")
+            result.add(sampling.diagnose(result, run, owner))
+    result.conclude()
+    result.timings, result.peak_rss_bytes = progress.close(), peak_rss_bytes()
     return result

@@ -48,6 +48,8 @@ from typing import Any
 
 import numpy as np
 
+from logdiff.result import Cause, Json, ScanResult
+
 #: the float formats router logits come in -> their machine epsilon (spacing at 1.0)
 _EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23, "float64": 2.0**-52}
 #: at most this many flips are listed per layer (the nearest ties first)
@@ -242,7 +244,7 @@ def flipped_tokens(forced: Mapping[int, np.ndarray]) -> np.ndarray | None:
 
 
 def classify_layer(
-    stats: dict[str, Any], contracts: dict[str, Any] | None, causes: list[dict[str, Any]]
+    stats: dict[str, Any], contracts: dict[str, Any] | None, causes: list[Cause]
 ) -> tuple[str | None, str | None, list[str]]:
     """(class, kind, evidence) of one layer's routing differences; (None, None, []) when there are none."""
     contracts = contracts or {}
@@ -260,15 +262,15 @@ def classify_layer(
                      f"{contracts['infer'][k]!r} (infer)" for k in keys]  # fmt: skip
         evidence += [f"router weight differs: {w}" for w in weights]
         return "framework_difference", "weights" if weights else "moe_routing", evidence  # the layer's own first
-    local = next((c for c in causes if c["boundary"] == boundary and c["class"] == "framework_difference"), None)
+    local = next((c for c in causes if c.boundary == boundary and c.class_ == "framework_difference"), None)
     if local is not None:
-        return "framework_difference", local["kind"], [seen, f"the router op itself differs: {local['kind']}"]
+        return "framework_difference", local.kind, [seen, f"the router op itself differs: {local.kind}"]
     if flips == 0:
         return None, None, []
-    upstream = [c for c in causes if c["class"] == "framework_difference" and (c.get("layer") is None or c["layer"] <= n)
-                and c["boundary"] != boundary]  # fmt: skip
+    upstream = [c for c in causes if c.class_ == "framework_difference" and (c.layer is None or c.layer <= n)
+                and c.boundary != boundary]  # fmt: skip
     if upstream:
-        names = ", ".join(sorted({c["boundary"] for c in upstream})[:3])
+        names = ", ".join(sorted({c.boundary for c in upstream})[:3])
         return "framework_difference", "upstream_difference", [
             seen, f"the router computes the same function on both sides; its inputs already differ "
             f"because of a framework difference upstream ({names})"]  # fmt: skip
@@ -286,7 +288,7 @@ def analyze(
     rule_train: Rule,
     rule_infer: Rule,
     contracts: dict[str, Any] | None = None,
-    causes: list[dict[str, Any]] | None = None,
+    causes: list[Cause] | None = None,
     biases: Mapping[str, Mapping[int, np.ndarray]] | None = None,
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     """The ``moe`` section (without the replay) and the forced ids per layer for the replay.
@@ -390,52 +392,51 @@ def replay(
 
 def moe_section(
     routers: Mapping[str, Any],
-    pair: dict[str, Any],
+    paths: tuple[str, str],
     contracts: dict[str, Any] | None,
-    causes: list[dict[str, Any]],
+    causes: list[Cause],
     config: Mapping[str, Any],
     family_renormalizes: bool | None,
     biases: Mapping[str, Mapping[int, np.ndarray]] | None = None,
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]] | None:
-    """The ``moe`` section of one (train, infer) pair from the router sinks by (role, path), or None."""
-    train, infer = routers.get(("train", pair["train"])), routers.get(("infer", pair["infer"]))
+    """The ``moe`` section of the (train, infer) ``paths`` from the router sinks by (role, path), or None."""
+    train, infer = routers.get(("train", paths[0])), routers.get(("infer", paths[1]))
     if train is None or infer is None or not train.logits or not infer.logits:
         return None
     contracts = contracts or {}
     rule_t = rule_of(contracts.get("train"), config, family_renormalizes)
     rule_i = rule_of(contracts.get("infer"), config, family_renormalizes)
     section, forced = analyze(train.logits, infer.logits, rule_t, rule_i, contracts, causes, biases)
-    section["train"], section["infer"] = pair["train"], pair["infer"]
+    section["train"], section["infer"] = paths
     return section, forced
 
 
-def diagnose_routing(result: dict[str, Any], run: Any, cfg: Any, progress: Any) -> None:
-    """Fill ``result["moe"]`` for the primary pair of a probed scan of an MoE model (else leave it).
+def diagnose_routing(result: ScanResult, run: Any, cfg: Any, progress: Any) -> Json | None:
+    """The ``moe`` section of the primary pair of a probed scan of an MoE model; None for a dense one.
 
-    Not with NaN/inf on a path (``non_finite``): router logits that are not numbers rank nothing.
+    None with NaN/inf on a path (``non_finite``): router logits that are not numbers rank nothing.
     """
     from logdiff.probes.arch import find
 
-    if result.get("non_finite"):
-        return
-
+    if result.non_finite:
+        return None
     routers = getattr(run.probes, "routers", None) or {}
-    pair = result["pairs"][0]
+    pair = result.primary
     arch = find(run.architecture)
     config = run.train_engine.loaded_config().to_dict()
     family = getattr(arch, "router_renormalizes", None)
-    infer_engine = run.engine_of(pair["infer"]) if run.infer_engines else None
+    infer_engine = run.engine_of(pair.infer) if run.infer_engines else None
     biases = {"train": router_biases(run.train_engine), "infer": router_biases(infer_engine)}
-    found = moe_section(routers, pair, result.get("contracts"), result["causes"], config, family, biases)
+    found = moe_section(routers, (pair.train, pair.infer), result.contracts, result.causes, config, family, biases)
     if found is None:
-        return
+        return None
     section, forced = found
     if forced and run.train_engine.name == "hf":
-        progress(f"routing replay: forcing {pair['infer']}'s expert choice on {pair['train']}", phase="routing_replay")
-        infer = next(p for p in run.infers if p.path == pair["infer"])
+        progress(f"routing replay: forcing {pair.infer}'s expert choice on {pair.train}", phase="routing_replay")
+        infer = next(p for p in run.infers if p.path == pair.infer)
         consistent = (lambda: run.train_engine.consistent(cfg.consistent_kernels)) if cfg.consistent else None
-        replay(section, forced, run.train_engine, run.sequences, infer.logprobs, pair["metrics"], consistent)
-    result["moe"] = section
+        replay(section, forced, run.train_engine, run.sequences, infer.logprobs, pair.metrics, consistent)
+    return section
 
 
 def router_biases(engine: Any) -> dict[int, np.ndarray]:

@@ -47,6 +47,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from logdiff.result import Cause, Findings, ScanResult
+
 #: the sampler's settings in each engine's contract (the distribution it draws tokens from)
 SAMPLER_KEYS = ("sampling_temperature", "sampling_top_k", "sampling_top_p")
 #: what each engine's logprobs are of
@@ -368,7 +370,7 @@ def _reports(contract: dict[str, Any]) -> str:
     return "raw logprobs (log_softmax of the unscaled logits, full vocabulary)"
 
 
-def contract_cause(contracts: dict[str, Any] | None) -> dict[str, Any] | None:
+def contract_cause(contracts: dict[str, Any] | None) -> Cause | None:
     """The ``sampling_semantics`` cause of differing sampler or scoring settings, or None."""
     from logdiff.classify import framework_cause
 
@@ -444,11 +446,11 @@ def _finding_lines(path: str, f: dict[str, Any]) -> tuple[list[str], str]:
     return evidence, "; ".join(fixes)
 
 
-def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[Cause]:
     """One cause per finding kind, over the paths (pairs with the trainer) that show it."""
     from logdiff.classify import framework_cause
 
-    out: list[dict[str, Any]] = []
+    out: list[Cause] = []
     for kind in ("sampling_semantics", "token_alignment", "tokens"):
         paths = {p: f for p, f in findings.items() if f["kind"] == kind}
         if not paths:
@@ -459,26 +461,9 @@ def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             evidence += lines
             fixes += [fix] if fix not in fixes else []
         cause = framework_cause(BOUNDARY, "log_softmax", kind, evidence, "; ".join(fixes))
-        cause["paths"] = list(paths)
-        cause["sampling"] = paths
+        cause.paths, cause.sampling = list(paths), paths
         out.append(cause)
     return out
-
-
-def merge(causes: list[dict[str, Any]], new: list[dict[str, Any]]) -> None:
-    """Add ``new`` to ``causes``; one already at the same boundary with the same kind takes its evidence."""
-    for c in new:
-        same = next((x for x in causes if (x["boundary"], x["kind"]) == (c["boundary"], c["kind"])), None)
-        if same is None:
-            causes.append(c)
-            continue
-        same["evidence"] += [e for e in c["evidence"] if e not in same["evidence"]]
-        same["differs"] = list(dict.fromkeys([*same.get("differs", []), *c.get("differs", [])]))
-        for key in ("paths", "sampling"):
-            if key in c:
-                same[key] = c[key]
-        if "sampling" in c:  # a fit from the numbers names the concrete setting
-            same["fix"] = c["fix"]
 
 
 def _bos_test(run: Any, other: Sequence[np.ndarray], masks: list, ref: list[Reference], cache: dict) -> dict[str, Any] | None:
@@ -504,22 +489,22 @@ def _bos_test(run: Any, other: Sequence[np.ndarray], masks: list, ref: list[Refe
     return f
 
 
-def diagnose(result: dict[str, Any], run: Any, infer: Any) -> None:
-    """Add the sampling causes of a scan to ``result["causes"]`` and update its verdict.
+def diagnose(result: ScanResult, run: Any, infer: Any) -> Findings:
+    """The sampling causes of a scan, from the contract and from the numbers of each differing pair.
 
     ``run`` is the scan's ``PathRun``, ``infer`` the primary pair's inference
-    engine (its contract; the preflight's, when ``result["contracts"]`` holds one).
+    engine (its contract; the preflight's, when ``result.contracts`` holds one).
     """
-    from logdiff import classify
     from logdiff.preflight import preflight
 
-    contracts = result.get("contracts") or preflight(run.train_engine, infer, weights=False)
+    contracts = result.contracts or preflight(run.train_engine, infer, weights=False)
     masks = [s.response_mask for s in run.sequences]
-    findings: dict[str, dict[str, Any]] = {}
+    found = Findings()
+    fits: dict[str, dict[str, Any]] = {}
     ref: list[Reference] | None = None
     bos_cache: dict[str, Any] = {}
-    for scores, pair in zip(run.infers, result["pairs"]):
-        if pair["metrics"]["bitwise_equal_fraction"] == 1.0:
+    for scores, pair in zip(run.infers, result.pairs):
+        if pair.bitwise_equal:
             continue
         f = analyse_pair(run.train.logprobs, scores.logprobs, masks)
         if f is None:
@@ -527,14 +512,12 @@ def diagnose(result: dict[str, Any], run: Any, infer: Any) -> None:
                 try:
                     ref = reference_logprobs(run.train_engine.module(), run.sequences) or []
                 except Exception as e:  # noqa: BLE001 - the alignment test and the contract still stand
-                    result["warnings"].append(f"sampling fit skipped ({type(e).__name__}: {e})")
+                    found.warnings.append(f"sampling fit skipped ({type(e).__name__}: {e})")
                     ref = []
             f = analyse_pair(run.train.logprobs, scores.logprobs, masks, ref)
         if f is None and ref:
             f = _bos_test(run, scores.logprobs, masks, ref, bos_cache)
         if f is not None:
-            findings[scores.path] = f
-    new = [c for c in [contract_cause(contracts)] if c is not None] + numeric_causes(findings)
-    if new:
-        merge(result["causes"], new)
-        result["verdict"] = classify.verdict(result["causes"], consistent=False)
+            fits[scores.path] = f
+    found.causes = [c for c in [contract_cause(contracts)] if c is not None] + numeric_causes(fits)
+    return found

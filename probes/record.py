@@ -27,32 +27,26 @@ How a value becomes a boundary record:
    also go to a ``routing.RouterSink`` per (role, path), kept in memory for the
    routing diagnostics.
 
-``ProbeSession`` owns the temporary directory, the stores and comparers of one
-scan, and hands ``locate`` what it needs per (train, infer) pair.
+``session.ProbeSession`` owns the temporary directory, the stores and
+comparers of one scan, and hands ``locate`` what it needs per (train, infer) pair.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from logdiff.probes import align, replay
 from logdiff.probes.align import HEADS_FIRST, PLAIN, Layout, RowMap
-from logdiff.probes.correspondence import CorrespondenceMap, Tap, build, fallback
+from logdiff.probes.correspondence import CorrespondenceMap, Tap
 from logdiff.probes.ops import OpTracer
 from logdiff.probes.patching import Patches
-from logdiff.probes.routing import RouterSink, router_boundaries
-from logdiff.probes.store import PathStore
-from logdiff.probes.summary import PathComparer
 
 _MISSING = object()
 _LAYER = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")
@@ -75,17 +69,6 @@ class _Pass:
     sinks: list[Any]
     lengths: list[int]
     known: np.ndarray  # [num_sequences, max_len] token ids, -1 where unknown
-
-
-class StoreSink(PathStore):
-    """A ``PathStore`` that takes the recorder's ``emit`` calls."""
-
-    wants_replay = False
-
-    def emit(self, name: str, rows: Any, rmap: RowMap, replay_spec: Any = None) -> None:  # type: ignore[override]
-        idx = np.nonzero(rmap.valid)[0]
-        if len(idx):
-            super().emit(name, rows[idx], rmap.seq[idx], rmap.pos[idx])
 
 
 class Recorder:
@@ -138,8 +121,7 @@ class Recorder:
                 h2 = m.register_forward_hook(self._post, with_kwargs=True, always_call=True)
                 self._patches.on_exit(h1.remove)
                 self._patches.on_exit(h2.remove)
-            if self.tracer is not None:
-                self.tracer.active = lambda: not self._paused
+            self.use_tracer(self.tracer)
             if self.family == "hf":
                 self._install_hf_functions()
             else:
@@ -149,6 +131,12 @@ class Recorder:
             self._uninstall()
             raise
         return self
+
+    def use_tracer(self, tracer: OpTracer | None) -> None:
+        """Trace ops into ``tracer`` (``--depth ops``) whenever recording is not paused (a replay pauses it)."""
+        self.tracer = tracer
+        if tracer is not None:
+            tracer.active = lambda: not self._paused
 
     def __exit__(self, *exc: Any) -> None:
         self._uninstall()
@@ -357,7 +345,7 @@ class Recorder:
         if how == "pair_deinterleaved":  # GPT-J RoPE output in HF's rope_interleave layout: even, then odd lanes
             if not (isinstance(value, (tuple, list)) and len(value) >= 2):
                 return None
-            return [_deinterleave(value[0]), _deinterleave(value[1])]
+            return [deinterleave(value[0]), deinterleave(value[1])]
         out = value[0] if isinstance(value, (tuple, list)) else value
         if how == "split_qkv":
             attn = self._stack[-2][1] if len(self._stack) >= 2 else None
@@ -614,7 +602,7 @@ def _qkv_sizes(attn: Any) -> tuple[int | None, int | None]:
     return q, kv
 
 
-def _deinterleave(x: Any) -> Any:
+def deinterleave(x: Any) -> Any:
     """``[x0, x1, x2, x3, ...]`` -> ``[x0, x2, ..., x1, x3, ...]`` along the last dim."""
     import torch
 
@@ -625,156 +613,3 @@ def _is_tensor(x: Any) -> bool:
     import torch
 
     return isinstance(x, torch.Tensor)
-
-
-# ---- one scan's probes -----------------------------------------------------------------------
-
-
-@dataclass
-class PairRecord:
-    """What ``locate`` needs for one (train path, infer path) pair."""
-
-    train: str
-    infer: str
-    cmap: CorrespondenceMap
-    comparer: PathComparer
-    store: PathStore
-    owners_train: dict[str, str]
-    owners_infer: dict[str, str]
-    tracer_train: OpTracer | None
-    tracer_infer: OpTracer | None
-    warnings: list[str] = field(default_factory=list)
-    seqs: list[Any] = field(default_factory=list)
-
-
-class ProbeSession:
-    """The probes of one scan: stores for inference paths, comparers for the training path.
-
-    Use ``record(engine, "infer")`` around every inference engine call and then
-    ``record(engine, "train")`` around the training path; ``pairs()`` gives one
-    ``PairRecord`` per (train path, stored infer path).
-    """
-
-    def __init__(
-        self,
-        seqs: list[Any],
-        response_len: int,
-        architecture: str,
-        config: dict[str, Any],
-        *,
-        ops: bool = False,
-        drill: str | None = None,
-        workdir: str | None = None,
-    ):
-        self.seqs = seqs
-        self.response_len = response_len
-        cmap = build(architecture, config)
-        self.warnings: list[str] = []
-        if cmap is None:
-            cmap = fallback(architecture, config)
-            self.warnings.append(
-                f"no correspondence map for {architecture}: boundaries are matched by module name only, "
-                "in observed execution order, without teacher-forced replay"
-            )
-        self.cmap = cmap
-        self.ops = ops
-        self.drill = drill
-        self.root = Path(tempfile.mkdtemp(prefix="logdiff-probe-", dir=workdir))
-        self.stores: dict[str, StoreSink] = {}
-        self.comparers: dict[tuple[str, str], PathComparer] = {}
-        self.owners: dict[str, dict[str, str]] = {}
-        self.tracers: dict[tuple[str, str], OpTracer] = {}
-        self._store_count = 0
-        self._recorders: list[Recorder] = []
-        #: MoE router logits per (role, path), in memory (``routing.RouterSink``); empty for dense models
-        self.routers: dict[tuple[str, str], RouterSink] = {}
-        self._has_routers = bool(router_boundaries(cmap))
-
-    @property
-    def max_len(self) -> int:
-        return max(len(s.prompt_ids) + max(len(s.response_ids or []), self.response_len) for s in self.seqs)
-
-    def _tracer_for(self, role: str, path: str) -> OpTracer | None:
-        if not self.ops:
-            return None
-        if (role, path) not in self.tracers:
-            drill = self.drill
-            select = (lambda name: name == drill or name.startswith(drill + ".")) if drill else None
-            self.tracers[(role, path)] = OpTracer(select)
-        return self.tracers[(role, path)]
-
-    @contextlib.contextmanager
-    def record(self, engine: Any, role: str) -> Iterator[Recorder]:
-        """Record ``engine``'s passes: ``infer`` stores them, ``train`` compares against the stores."""
-        if role not in ("infer", "train"):
-            raise ValueError(role)
-        max_len = self.max_len
-
-        def sinks_for(path: str) -> list[Any]:
-            if role == "infer" and path in self.stores and self.owners.get(path) is not rec.owners:
-                # a later run of the same path replaces an earlier one: the pipeline reports
-                # the last run's scores (an HF engine samples, then scores in a separate pass)
-                self.stores.pop(path).close()
-                self.tracers.pop((role, path), None)
-                self.routers.pop((role, path), None)
-            rec.tracer = self._tracer_for(role, path)
-            if rec.tracer is not None:
-                rec.tracer.active = lambda: not rec._paused
-            extra = [self._router_sink(role, path)] if self._has_routers else []
-            if role == "infer":
-                if path not in self.stores:
-                    self._store_count += 1
-                    root = self.root / f"{self._store_count:02d}"
-                    self.stores[path] = StoreSink(root, path, len(self.seqs), max_len)
-                    self.owners[path] = rec.owners
-                return [self.stores[path], *extra]
-            sinks = extra
-            for infer_path, store in self.stores.items():
-                key = (path, infer_path)
-                if key not in self.comparers:
-                    self.comparers[key] = PathComparer(store, max_len)
-                sinks.append(self.comparers[key])
-            self.owners[f"train:{path}"] = rec.owners
-            return sinks
-
-        rec = Recorder(engine, self.cmap, sinks_for, self.seqs, self.response_len)
-        self._recorders.append(rec)
-        with rec:
-            yield rec
-        for w in rec.warnings:
-            if w not in self.warnings:
-                self.warnings.append(w)
-
-    def _router_sink(self, role: str, path: str) -> RouterSink:
-        """The path's router sink (created on its first pass; dropped with its store when a path reruns)."""
-        if (role, path) not in self.routers:
-            self.routers[(role, path)] = RouterSink(self.cmap, len(self.seqs), self.max_len)
-        return self.routers[(role, path)]
-
-    def pairs(self) -> list[PairRecord]:
-        out = []
-        for (train, infer), comparer in self.comparers.items():
-            out.append(
-                PairRecord(
-                    train,
-                    infer,
-                    self.cmap,
-                    comparer,
-                    self.stores[infer],
-                    self.owners.get(f"train:{train}", {}),
-                    self.owners.get(infer, {}),
-                    self.tracers.get(("train", train)),
-                    self.tracers.get(("infer", infer)),
-                    list(self.warnings),
-                    self.seqs,
-                )
-            )
-        return out
-
-    def pair(self, train: str, infer: str) -> PairRecord | None:
-        return next((p for p in self.pairs() if p.train == train and p.infer == infer), None)
-
-    def close(self) -> None:
-        for s in self.stores.values():
-            s.close()
-        shutil.rmtree(self.root, ignore_errors=True)

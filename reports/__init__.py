@@ -15,10 +15,9 @@ from typing import Any
 __all__ = ["explain", "render_html", "write_html", "print_summary", "validate_result", "load_result",
            "PhaseProgress", "SCHEMA_VERSION"]
 
-SCHEMA_VERSION = 1
-
 _WHERE = {"explain": "narrative", "render_html": "html", "write_html": "html", "print_summary": "terminal",
-          "PhaseProgress": "terminal", "validate_result": "schema", "load_result": "schema"}
+          "PhaseProgress": "terminal", "validate_result": "schema", "load_result": "schema",
+          "SCHEMA_VERSION": "schema"}
 
 
 def __getattr__(name: str) -> Any:

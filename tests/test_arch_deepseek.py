@@ -336,7 +336,7 @@ def test_deinterleaved_vllm_rope_equals_hfs_interleave_layout() -> None:
     import torch
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    from logdiff.probes.record import _deinterleave
+    from logdiff.probes.record import deinterleave
 
     torch.manual_seed(0)
     q, k = torch.randn(1, 4, 6, 64), torch.randn(1, 1, 6, 64)
@@ -348,5 +348,5 @@ def test_deinterleaved_vllm_rope_equals_hfs_interleave_layout() -> None:
         cos, sin, x1, x2 = freqs.cos(), freqs.sin(), x[..., 0::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
-    assert torch.equal(hq, _deinterleave(gptj(q))) and torch.equal(hk, _deinterleave(gptj(k)))
+    assert torch.equal(hq, deinterleave(gptj(q))) and torch.equal(hk, deinterleave(gptj(k)))
     assert not torch.equal(hq, gptj(q))  # control: compared as stored, the layouts differ

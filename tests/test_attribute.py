@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from logdiff import attribute, classify, diagnose
 from logdiff.config import ScanConfig
+from logdiff.result import Cause, Pair, ScanResult, ScanSettings, SequencesInfo
 
 
 def test_levers_on_a_stock_scan_install_only_their_families() -> None:
@@ -28,22 +28,25 @@ def test_levers_on_a_consistent_scan_keep_its_kernels() -> None:
 
 def test_norm_kind_depends_on_whether_the_engine_fuses_the_residual_add() -> None:
     ev = classify.OpEvidence("model.layers.0.input_layernorm", "norm", 0, 0.01, 1.0, True)
-    assert classify.classify_op(ev, None, fused_add_norm=True)["kind"] == "fused_vs_unfused"
-    assert classify.classify_op(ev, None, fused_add_norm=False)["kind"] == "reduction_order"
+    assert classify.classify_op(ev, None, fused_add_norm=True).kind == "fused_vs_unfused"
+    assert classify.classify_op(ev, None, fused_add_norm=False).kind == "reduction_order"
 
 
 def _counting_rescanner(gap: Callable[[ScanConfig], float]) -> tuple[diagnose.Rescanner, list[ScanConfig]]:
     seen: list[ScanConfig] = []
 
-    def scan(c: ScanConfig) -> dict[str, Any]:
+    def measure(c: ScanConfig) -> ScanResult:
         seen.append(c)
-        return {"pairs": [{"metrics": {"abs_diff_max": gap(c)}}], "introducing_ops": [], "warnings": []}
+        settings = ScanSettings(c.seed, c.depth, c.consistent, {}, "probe", False, c.is_threshold)
+        pair = Pair("hf", "vllm", {"abs_diff_max": gap(c)}, {}, {}, {})
+        return ScanResult(str(c.model), None, None, "Qwen3ForCausalLM", c.dtype, settings, {}, [],
+                          SequencesInfo(0, "probe", None, [], []), [pair])  # fmt: skip
 
-    return diagnose.Rescanner(scan), seen
+    return diagnose.Rescanner(measure), seen
 
 
-def _operator_path(family: str) -> dict[str, Any]:
-    return {"class": "operator_path", "family": family, "kind": "reduction_order", "evidence": [], "share": None}
+def _operator_path(family: str) -> Cause:
+    return Cause(f"model.layers.0.{family}", 0, "module", family, "operator_path", "reduction_order", [], "")
 
 
 def test_one_cause_family_costs_attribution_no_rescan_of_its_own() -> None:
@@ -58,7 +61,7 @@ def test_one_cause_family_costs_attribution_no_rescan_of_its_own() -> None:
     causes = [_operator_path("rope")]
     summary = attribute.attribute(causes, cfg, 0.5, rescanner.logdiff)
     assert len(seen) == 1  # nothing rescanned
-    assert causes[0]["share"] == 1.0 and causes[0]["necessity"] is True and summary["residual_abs_diff_max"] == 0.0
+    assert causes[0].share == 1.0 and causes[0].necessity is True and summary["residual_abs_diff_max"] == 0.0
 
 
 def test_several_families_reuse_the_reference_rescan_as_everything_fixed() -> None:
@@ -71,4 +74,4 @@ def test_several_families_reuse_the_reference_rescan_as_everything_fixed() -> No
     causes = [_operator_path(f) for f in sorted(families)]
     attribute.attribute(causes, cfg, 0.5, rescanner.logdiff)
     assert len(seen) == 1 + 3 + 3  # the reference check, three alone, three all-but-one
-    assert all(c["necessity"] is True and c["share"] == 0.0 for c in causes)
+    assert all(c.necessity is True and c.share == 0.0 for c in causes)

@@ -25,7 +25,7 @@ SMALL = {"num_sequences": 3, "prompt_len": 10, "response_len": 8}
 
 
 def _scan(model: Path, tables: dict | None = None, **kw: object) -> dict:
-    result = scan(ScanConfig(model=model, **{**SMALL, **kw}), tables=tables)
+    result = scan(ScanConfig(model=model, **{**SMALL, **kw}), tables=tables).to_dict()
     errors = validate_result(json.loads(json.dumps(result)))
     # --infer hf names both paths "hf"; the validator's role lookup by name cannot tell them apart
     assert [e for e in errors if "is not a path with role" not in e] == []

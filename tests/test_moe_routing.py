@@ -30,6 +30,7 @@ from logdiff.probes.routing import RouterLogits
 from logdiff.reports.html import render_html
 from logdiff.reports.schema import validate_result
 from logdiff.reports.terminal import print_summary
+from logdiff.result import Cause
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 RULE = routing.Rule(top_k=2, renormalize=True)
@@ -96,7 +97,7 @@ def test_differing_router_setting_is_a_framework_difference_in_every_layer() -> 
 def test_flip_downstream_of_a_framework_difference_is_not_blamed_on_noise() -> None:
     t = _logits([[1.0, 0.5, 0.0, -1.0]], 2)
     i = _logits([[1.0, -0.5, 0.75, -1.0]], 2)
-    causes = [{"boundary": "model.layers.1.self_attn.q_proj", "layer": 1, "class": "framework_difference", "kind": "weights"}]
+    causes = [Cause("model.layers.1.self_attn.q_proj", 1, "linear", "linear", "framework_difference", "weights", [], "")]
     layer = routing.analyze({t.boundary: t}, {t.boundary: i}, RULE, RULE, {}, causes)[0]["layers"][0]
     assert (layer["class"], layer["kind"]) == ("framework_difference", "upstream_difference")
 
@@ -195,23 +196,22 @@ def rounding_against_the_tie(router: Any, renormalize: bool) -> Iterator[None]:
 def test_near_tie_flips_from_rounding_noise_are_operator_path(qwen3_moe: Path) -> None:
     """Two HF engines that compute bitwise alike; rounding noise planted in the inference side's first router."""
     from logdiff.config import ScanConfig
-    from logdiff.pipeline import _spec, run_paths
+    from logdiff.pipeline import engine_spec, run_paths
     from logdiff.preflight import preflight
     from logdiff.probes.arch import adapter_of
 
     cfg = ScanConfig(model=qwen3_moe, infer=["hf"], infer_set={"batch_size": 4}, num_sequences=4, prompt_len=28,
                      response_len=4, depth="modules")  # fmt: skip
-    infer = base.acquire("hf", _spec("hf", checkpoint.stage(qwen3_moe), cfg, cfg.infer_set))  # what the scan acquires
+    infer = base.acquire("hf", engine_spec("hf", checkpoint.stage(qwen3_moe), cfg, cfg.infer_set))  # what the scan acquires
     arch = adapter_of(infer.model)
     router = arch.router(arch.layers(infer.model)[0])
     with rounding_against_the_tie(router, arch.router_renormalizes_of(router)):
         run = run_paths(cfg)
     run.probes.close()
     assert run.infer_engines[0] is infer and run.train_engine is not infer
-    pair = {"train": run.train.path, "infer": run.infers[0].path}
     contracts = preflight(run.train_engine, infer)
     config = run.train_engine.loaded_config().to_dict()
-    section, _ = routing.moe_section(run.probes.routers, pair, contracts, [], config, arch.router_renormalizes)
+    section, _ = routing.moe_section(run.probes.routers, (run.train.path, run.infers[0].path), contracts, [], config, arch.router_renormalizes)
     first = section["layers"][0]
     assert first["logit_max_abs_diff"] > 0  # the plant reached the recorded logits
     if not first["flips"]:

@@ -45,19 +45,19 @@ def _persistent(boundary: str = "model.layers.1.mlp.down_proj") -> OpEvidence:
 
 def test_a_different_function_reading_an_unverified_weight_is_a_possible_weights_cause() -> None:
     c = classify_op(_persistent(), _contracts(["model.layers.1.mlp.down_proj.weight"]), fused_add_norm=True)
-    assert (c["class"], c["kind"]) == ("framework_difference", "weights")
-    assert c["differs"] == ["model.layers.1.mlp.down_proj.weight"]
-    assert any("unverified" in line for line in c["evidence"])
+    assert (c.class_, c.kind) == ("framework_difference", "weights")
+    assert c.differs == ["model.layers.1.mlp.down_proj.weight"]
+    assert any("unverified" in line for line in c.evidence)
 
 
 def test_a_different_function_with_everything_verified_names_no_config_key() -> None:
     c = classify_op(_persistent(), _contracts([]), fused_add_norm=True)
-    assert (c["class"], c["kind"]) == ("framework_difference", "hidden_difference")
-    assert c["kind"] != "config_contract" and c["differs"] == []
+    assert (c.class_, c.kind) == ("framework_difference", "hidden_difference")
+    assert c.kind != "config_contract" and c.differs == []
 
 
 def test_an_unverified_weight_alone_does_not_blame_reordering_noise() -> None:
     """Negative control: an op whose error vanishes under the reference kernel stays operator_path."""
     ev = OpEvidence("model.layers.1.mlp.down_proj", "linear", 1, 1e-3, 1.0, vanished_under_reference=True)
     c = classify_op(ev, _contracts(["model.layers.1.mlp.down_proj.weight"]), fused_add_norm=True)
-    assert (c["class"], c["kind"]) == ("operator_path", "reduction_order")
+    assert (c.class_, c.kind) == ("operator_path", "reduction_order")

@@ -188,14 +188,14 @@ def sampling_defaults() -> dict:
 
 def test_sampler_temperature_is_a_cause_whatever_the_logprobs_mode() -> None:
     c = sampling.contract_cause(_contracts({}, {"sampling_temperature": 0.8}))  # raw rollout logprobs
-    assert (c["class"], c["kind"], c["differs"]) == ("framework_difference", "sampling_semantics", ["sampling_temperature"])
-    assert any("raw logprobs" in e for e in c["evidence"]) and "0.8" in c["fix"]
+    assert (c.class_, c.kind, c.differs) == ("framework_difference", "sampling_semantics", ["sampling_temperature"])
+    assert any("raw logprobs" in e for e in c.evidence) and "0.8" in c.fix
     cut = sampling.contract_cause(_contracts({}, {"sampling_top_p": 0.9}))
-    assert cut["differs"] == ["sampling_top_p"] and "top-k/top-p" in cut["fix"]
+    assert cut.differs == ["sampling_top_p"] and "top-k/top-p" in cut.fix
     # the preflight lists every sampling key in one cause, not one generic cause per key
     processed = _contracts({}, {"sampling_temperature": 0.7, "temperature": 0.7, "logprobs_mode": "processed_logprobs"})
     (only,) = preflight_only_causes(processed, [])
-    assert only["kind"] == "sampling_semantics" and set(only["differs"]) == {"sampling_temperature", "temperature",
+    assert only.kind == "sampling_semantics" and set(only.differs) == {"sampling_temperature", "temperature",
                                                                            "logprobs_mode"}  # fmt: skip
 
 
@@ -245,7 +245,7 @@ def test_raw_rollout_at_temperature_is_caught_by_the_contract(qwen3: Path) -> No
     top_k = vllm_contract(infer.module(), {"top_k": 20, "logprobs_mode": "processed_logprobs"})
     assert (top_k["logprobs_mode"], top_k["temperature"], top_k["sampling_top_k"]) == ("processed_logprobs", 1.0, 20)
     c = sampling.contract_cause({**contracts, "infer": raw, "differs": ["sampling_temperature"]})
-    assert c["kind"] == "sampling_semantics" and any("raw logprobs" in e for e in c["evidence"])
+    assert c.kind == "sampling_semantics" and any("raw logprobs" in e for e in c.evidence)
 
 
 def _jsonl(path: Path, seqs: list, logprobs: list | None = None, shift: int = 0, prefix: tuple = ()) -> Path:

@@ -47,7 +47,7 @@ def test_vllm_paths_and_replay(qwen3: Path, tmp_path: Path) -> None:
     run = run_paths(cfg)
     seqs, infers = run.sequences, run.infers
     assert run.source == "probe" and [p.path for p in infers] == ["vllm", "vllm-prefill"]
-    assert [p["name"] for p in run.paths] == ["hf", "vllm", "vllm-prefill"] and run.engine_of("vllm-prefill").name == "vllm"
+    assert [p.name for p in run.paths] == ["hf", "vllm", "vllm-prefill"] and run.engine_of("vllm-prefill").name == "vllm"
     decode, prefill = infers
 
     # Replaying the sampled tokens through vLLM's decode path reproduces its logprobs bitwise.

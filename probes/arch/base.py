@@ -11,7 +11,7 @@ An adapter is everything logdiff knows about one model family, in one place:
   (``weight_boundary``);
 * **contract readers**: where eps, RoPE, attention and experts sit in each
   engine's module (``layers``, ``attention``, ``input_norm``, ``final_norm``,
-  ``embed``, ``sliding_window``, ``rope_type_of``);
+  ``embed``, ``lm_head``, ``sliding_window``, ``rope_type_of``);
 * **weights**: vLLM's packed parameters (``packed``: ``qkv_proj`` -> its HF
   parts) and MoE layout (``moe_params``, ``per_expert_stored``);
 * **consistent mode**: which HF module classes and attributes the HF installer

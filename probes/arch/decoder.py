@@ -336,6 +336,10 @@ class DecoderAdapter(ArchAdapter):
     def embed(self, model: Any) -> Any:
         return model.model.embed_tokens
 
+    def lm_head(self, model: Any) -> Any:
+        """The output projection, or None where the engine holds none (vLLM ties it to the embeddings)."""
+        return getattr(model, "lm_head", None)
+
     def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
         """Contract keys of this family only, read from a loaded ``family`` (hf, vllm) model; none here."""
         return {}

@@ -110,5 +110,5 @@ def test_classify_asks_the_adapter() -> None:
     assert classify.contract_keys(k, "linear")[1] == [f"{k}.weight"]  # default: the plain Llama layout
     contracts = {"train": {}, "infer": {}, "differs": [], "weights": {"differs": [f"{k}.bias"], "unverified": []}}
     (cause,) = classify.preflight_only_causes(contracts, [], qwen2)
-    assert (cause["boundary"], cause["kind"]) == (k, "weights")
+    assert (cause.boundary, cause.kind) == (k, "weights")
     assert classify.merge_fused([], qwen2) == []

@@ -11,7 +11,7 @@ import torch
 
 from logdiff.engines.base import EngineSpec
 from logdiff.engines.hf import HFDecode, HFForward
-from logdiff.probes.record import ProbeSession
+from logdiff.probes.session import ProbeSession
 from logdiff.sequences import Sequence
 from logdiff.locate import locate
 

@@ -22,7 +22,7 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     attn = arch.attention(layer)
     return {
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "vocab_size": int(model.lm_head.weight.shape[0]),
+        "vocab_size": int(arch.lm_head(model).weight.shape[0]),
         "rms_norm_eps": norm_eps(arch.input_norm(layer)),
         "qk_norm_eps": norm_eps(arch.qk_norm_module(attn)),
         "final_norm_eps": norm_eps(arch.final_norm(model)),
@@ -31,7 +31,7 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         "rope_style": "neox",  # transformers' Llama/Qwen families rotate halves
         "attention_scale": float(attn.scaling),
         "sliding_window": arch.sliding_window(cfg),
-        "tie_word_embeddings": model.lm_head.weight.data_ptr() == arch.embed(model).weight.data_ptr(),
+        "tie_word_embeddings": arch.lm_head(model).weight.data_ptr() == arch.embed(model).weight.data_ptr(),
         "num_experts_per_tok": getattr(cfg, "num_experts_per_tok", None),
         "norm_topk_prob": getattr(cfg, "norm_topk_prob", None),
         "temperature": float(options.get("temperature", 1.0)),  # logits / T before log_softmax

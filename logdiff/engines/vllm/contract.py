@@ -22,7 +22,7 @@ def vllm_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     rotary = getattr(attn, "rotary_emb", None)
     core = getattr(attn, "attn", None)
     experts = _moe_experts(model)
-    lm_head = getattr(model, "lm_head", None)
+    lm_head = arch.lm_head(model)
     embed = arch.embed(model)
     drawn = sampler(options)
     # Processed logprobs equal the raw ones unless a temperature or a truncation processes them.
