@@ -117,7 +117,7 @@ _SCALING_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_ma
                    "beta_slow", "truncate", "attention_factor")
 
 
-def _yarn_ramp_bounds(params: RopeParams) -> tuple[float, float]:
+def yarn_ramp_bounds(params: RopeParams) -> tuple[float, float]:
     """``(low, high)`` of yarn's ramp over the frequency index: the correction dimensions of ``beta_fast`` and
     ``beta_slow`` rotations (HF ``find_correction_range``, vLLM ``yarn_find_correction_range``: Python floats),
     ``high`` nudged by 0.001 where they meet (both engines' singularity guard)."""
@@ -168,7 +168,7 @@ def rope_inv_freq(params: RopeParams, device: torch.device | str | None = None) 
     elif params.rope_type == "yarn":
         pos_freqs = params.theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
         interpolation = 1.0 / (params.factor * pos_freqs)
-        low, high = _yarn_ramp_bounds(params)
+        low, high = yarn_ramp_bounds(params)
         ramp = ((torch.arange(d // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
         extrapolation_factor = 1 - ramp
         inv_freq = interpolation * (1 - extrapolation_factor) + inv_freq * extrapolation_factor
@@ -202,7 +202,7 @@ def _yarn_amplification(params: RopeParams) -> float:
     ``(extrap - interp)`` times that, relative to ``interp * (1 + (factor - 1) * (1 - ramp))``. Frequencies
     off the ramp (0 or 1 exactly) take no such error.
     """
-    low, high = _yarn_ramp_bounds(params)
+    low, high = yarn_ramp_bounds(params)
     i = torch.arange(params.rotary_dim // 2, dtype=torch.float64)
     ramp = ((i - low) / (high - low)).clamp(0, 1)
     inside = (ramp > 0) & (ramp < 1)
@@ -249,12 +249,14 @@ def inv_freq_matches(params: RopeParams, inv_freq: torch.Tensor) -> bool:
     return theirs.shape == ours.shape and torch.allclose(ours, theirs, rtol=rtol, atol=0)
 
 
-def _block_positions(half: int) -> int:
+def block_positions(half: int) -> int:
+    """Positions per table block: blocks of a fixed size, so a table's bits never depend on how long it grew."""
     return max(1, TABLE_BLOCK_ELEMENTS // half)
 
 
-def _table_block(block: int, params: RopeParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = _block_positions(params.rotary_dim // 2)
+def table_block(block: int, params: RopeParams, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of block number ``block`` of the table (``block_positions`` positions)."""
+    rows = block_positions(params.rotary_dim // 2)
     inv_freq = rope_inv_freq(params, device)
     pos = torch.arange(block * rows, (block + 1) * rows, dtype=torch.float64, device=device)
     angles = pos[:, None] * inv_freq[None, :]
@@ -272,8 +274,8 @@ def _table(params: RopeParams, length: int, device: torch.device) -> tuple[torch
     cos, sin = tables.get(key, (None, None))
     have = 0 if cos is None else cos.shape[0]
     if have < length:
-        rows = _block_positions(params.rotary_dim // 2)
-        blocks = [_table_block(b, params, device) for b in range(have // rows, -(-length // rows))]
+        rows = block_positions(params.rotary_dim // 2)
+        blocks = [table_block(b, params, device) for b in range(have // rows, -(-length // rows))]
         new_cos = [c for c, _ in blocks]
         new_sin = [s for _, s in blocks]
         cos = torch.cat(([cos] if cos is not None else []) + new_cos)

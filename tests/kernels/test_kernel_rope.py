@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from logdiff.kernels import KERNELS, rope, rope_apply, rope_cos_sin, rope_reference
-from logdiff.kernels.rope import RopeParams, _block_positions, _table_block
+from logdiff.kernels.rope import RopeParams, block_positions, table_block
 
 DTYPES = [torch.float32, torch.bfloat16]
 BOUND = {k.name: k.bound for k in KERNELS}["rope"]
@@ -35,8 +35,8 @@ def test_batched_leading_dims_equal_single_sequences(gen, batch):
 def test_table_entries_do_not_depend_on_how_the_table_grew():
     theta, dim = 12345.0, 48  # a fresh table key
     late = rope_cos_sin(torch.tensor([3000]), theta, dim)  # grows the table to 3001 positions at once
-    rows = _block_positions(dim // 2)
-    block = _table_block(3000 // rows, RopeParams(theta, dim), torch.device("cpu"))
+    rows = block_positions(dim // 2)
+    block = table_block(3000 // rows, RopeParams(theta, dim), torch.device("cpu"))
     assert torch.equal(late[0][0], block[0][3000 % rows]) and torch.equal(late[1][0], block[1][3000 % rows])
 
 

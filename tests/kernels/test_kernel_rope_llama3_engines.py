@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logdiff.engines.hf.consistent import _rope_params, consistent_hf
+from logdiff.engines.hf.consistent import consistent_hf, rope_params_of
 from logdiff.kernels import RopeParams, rope_cos_sin
 
 # head_dim 16 (8 frequencies): with original context 64, wavelengths 6.3 (kept), 33 (interpolated), 169... (divided)
@@ -32,7 +32,7 @@ def test_hf_full_forward_equals_kv_decode(build_model, hf_paths, sequences, dtyp
 
 
 def test_hf_reads_the_rope_parameters_of_the_module(build_model):
-    assert _rope_params(_llama3(build_model).model.rotary_emb) == {None: PARAMS}
+    assert rope_params_of(_llama3(build_model).model.rotary_emb) == {None: PARAMS}
 
 
 def test_hf_cos_sin_are_the_kernels_table(build_model):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from logdiff.engines.hf.consistent import _rope_params, consistent_hf
+from logdiff.engines.hf.consistent import consistent_hf, rope_params_of
 from logdiff.kernels import (
     RopeParams,
     kernel_caches,
@@ -19,7 +19,7 @@ from logdiff.kernels import (
     rope_reference,
     rope_table_reference,
 )
-from logdiff.kernels.rope import _yarn_ramp_bounds, inv_freq_matches, inv_freq_rtol, yarn_attention_factor
+from logdiff.kernels.rope import yarn_ramp_bounds, inv_freq_matches, inv_freq_rtol, yarn_attention_factor
 
 # HF rope_parameters (and the HF config's max_position_embeddings: yarn's context after scaling) of each case
 CASES = {
@@ -52,7 +52,7 @@ def _hf_rotary(name: str) -> torch.nn.Module:
 
 def _params(name: str) -> RopeParams:
     """The RopeParams the HF installer reads from the case's rotary module."""
-    return _rope_params(_hf_rotary(name))[None]
+    return rope_params_of(_hf_rotary(name))[None]
 
 
 def test_the_installer_reads_every_field():
@@ -67,7 +67,7 @@ def test_the_yarn_cases_have_a_ramp_inside_the_head():
     """Otherwise the mix would be all interpolation or all extrapolation and the tests would not see it."""
     for name in ("yarn-qwen2.5", "yarn-deepseek", "yarn-demo", "yarn-untruncated"):
         p = _params(name)
-        low, high = _yarn_ramp_bounds(p)
+        low, high = yarn_ramp_bounds(p)
         ramp = ((torch.arange(p.rotary_dim // 2) - low) / (high - low)).clamp(0, 1)
         assert ((ramp > 0) & (ramp < 1)).any() and (ramp == 1).any(), (name, low, high)
 
@@ -182,7 +182,7 @@ def test_vllm_reads_the_same_rope_and_rotates_bitwise_as_hf(build_model, gen, na
     from logdiff.engines.vllm.consistent_ops import rope_forward, rope_params_of
 
     model = _hf_model(build_model, name)
-    hf_params = _rope_params(model.model.rotary_emb)[None]
+    hf_params = rope_params_of(model.model.rotary_emb)[None]
     module = _vllm_rope(hf_params)
     assert type(module).__name__ == {"linear": "LinearScalingRotaryEmbedding", "yarn": "YaRNScalingRotaryEmbedding"}[
         hf_params.rope_type]

@@ -168,7 +168,7 @@ class _Plan:
     mlas: list[tuple[str, Any, str]] = field(default_factory=list)  # (name, MLA attention module, rope style)
 
 
-def _rope_params(module: Any) -> dict[str | None, Any]:
+def rope_params_of(module: Any) -> dict[str | None, Any]:
     """``{layer type: RopeParams}`` of an HF rotary module, each checked against its inv_freq buffer.
 
     A module with one rope gives one entry under ``None``; Gemma 3's computes cos/sin per layer type
@@ -266,7 +266,7 @@ def _plan(model: Any) -> _Plan:
         elif "Norm" in cls:
             raise NotImplementedError(f"consistent_hf: {name} is a {cls}, not an RMSNorm")
         elif cls.endswith("RotaryEmbedding"):
-            plan.rotaries.append((name, module, _rope_params(module)))
+            plan.rotaries.append((name, module, rope_params_of(module)))
         elif cls.lower().endswith("topkrouter"):  # TopKRouter; GLM-4.5 and DeepSeek-V3: TopkRouter
             renormalize = getattr(module, "norm_topk_prob", arch.router_renormalizes)
             if not all(hasattr(module, a) for a in ("weight", "top_k")) or renormalize is None:
