@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 
 import logdiff
-from logdiff.errors import InputError
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 

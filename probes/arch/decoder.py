@@ -20,7 +20,7 @@ core through the functions the recorder wraps (``function_boundaries``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -450,3 +450,8 @@ class DecoderAdapter(ArchAdapter):
     def latent_attention(self, module: Any) -> bool:
         """An MLA attention module (DeepSeek), whose ``forward`` consistent mode replaces, RoPE included."""
         return False
+
+    def consistent_attention_forward(self, module: Any, style: str, consistent_rope: Callable[[Any], bool]) -> Callable:
+        """The ``forward`` consistent mode gives a ``latent_attention`` module (RoPE in ``style`` on the kernel's
+        tables, ``consistent_rope(cos)`` telling them apart); only latent-attention adapters have one."""
+        raise NotImplementedError(f"{self.name}: no consistent forward for {type(module).__name__}")

@@ -71,7 +71,7 @@ also rescales the attention (``mscale``), is refused (``consistent_refusal``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -396,6 +396,9 @@ class DeepseekV2Adapter(DecoderAdapter):
     def latent_attention(self, module: Any) -> bool:
         return self.is_attention(module) and hasattr(module, "kv_b_proj") and hasattr(module, "expand_kv")
 
+    def consistent_attention_forward(self, module: Any, style: str, consistent_rope: Callable[[Any], bool]) -> Callable:
+        return consistent_mla_forward(module, style, consistent_rope)
+
 
 
 #: the MLA shapes vLLM's CPU MLA accepts, on the demo's hidden 256 / 4 heads
@@ -505,3 +508,68 @@ DEEPSEEK_V3 = register(
         "DeepSeek-V3: MLA with q-LoRA, sigmoid grouped routing with a correction bias, 8 routed + 1 shared expert",
     ),
 )
+
+
+def consistent_mla_forward(module: Any, style: str, consistent_rope: Callable[[Any], bool]) -> Callable:
+    """An MLA attention module's ``forward`` (DeepSeek-V2/V3): HF's own computation, with RoPE on the kernel.
+
+    The same steps as HF's ``DeepseekV2Attention``/``DeepseekV3Attention.forward``, each through the
+    module's own (patched) children: ``q_proj`` (or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``),
+    ``kv_a_proj_with_mqa`` -> ``kv_a_layernorm`` (the latent) and ``k_pe``, the cache update on the latent,
+    ``expand_kv`` (``kv_b_proj`` up-projects every cached latent: the ``linear`` kernel, row by row), then the
+    attention function (the consistent one: q/k heads ``qk_nope + qk_rope``, v heads ``v_head_dim``) and
+    ``o_proj``. Only the RoPE call differs: HF's own (``apply_rotary_emb``'s complex multiply in V2,
+    ``apply_rotary_pos_emb_interleave`` in V3) is replaced by ``rope_apply`` on the tagged cos/sin of the
+    patched rotary module, in the adapter's style (interleaved pairs, kept interleaved as vLLM keeps them:
+    V3's de-interleaving permutes q and k alike, so it is the same model). Installed with the ``rope``
+    family, which patches the rotary module (``consistent_rope(cos)``: whether ``cos`` is its table).
+    """
+    import sys
+
+    import torch
+
+    from logdiff import kernels
+
+    modeling = sys.modules[type(module).__module__]
+    nope, rope = int(module.qk_nope_head_dim), int(module.qk_rope_head_dim)
+
+    def forward(
+        hidden_states: Any,
+        position_embeddings: Any = None,
+        attention_mask: Any = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[Any, Any]:
+        cos, sin = position_embeddings if isinstance(position_embeddings, tuple) else (None, None)
+        if not consistent_rope(cos) or cos.shape[-1] != rope:
+            raise NotImplementedError("consistent_hf: MLA attention without the consistent rotary module's cos/sin")
+        b, t = hidden_states.shape[:-1]
+        if module.q_lora_rank is None:
+            q = module.q_proj(hidden_states)
+        else:
+            q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
+        q_nope, q_pe = torch.split(q.view(b, t, -1, module.qk_head_dim).transpose(1, 2), [nope, rope], dim=-1)
+        latent, k_pe = torch.split(module.kv_a_proj_with_mqa(hidden_states), [module.kv_lora_rank, rope], dim=-1)
+        latent = module.kv_a_layernorm(latent).view(b, 1, t, module.kv_lora_rank)
+        c, s = cos[..., : rope // 2].unsqueeze(1), sin[..., : rope // 2].unsqueeze(1)
+        q_pe = kernels.rope_apply(q_pe, c, s, style)
+        k_pe = kernels.rope_apply(k_pe.view(b, 1, t, rope), c, s, style)
+        if past_key_values is not None:
+            latent, k_pe = past_key_values.update(latent, k_pe, module.layer_idx)
+        key, value = module.expand_kv(latent, k_pe)
+        attend = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
+            module.config._attn_implementation, modeling.eager_attention_forward
+        )
+        out, weights = attend(
+            module,
+            torch.cat((q_nope, q_pe), dim=-1),
+            key,
+            value,
+            attention_mask,
+            dropout=0.0 if not module.training else module.attention_dropout,
+            scaling=module.scaling,
+            **kwargs,
+        )
+        return module.o_proj(out.reshape(b, t, -1).contiguous()), weights
+
+    return forward

@@ -163,7 +163,7 @@ def test_latent_attention_is_close_to_the_plain_torch_reference(gen, dtype):
 def test_negative_control_the_absorbed_decode_does_not_give_these_bits(gen):
     """vLLM's decode: q_nope @ W_UK per head against the latent, then W_UV: the same products, another order."""
     q, latent, k_pe, w = _mla(gen)
-    s, pos = q.shape[0], torch.arange(q.shape[0])
+    pos = torch.arange(q.shape[0])
     ours = _one(q, latent, k_pe, w, pos)
     w_heads = w.view(HEADS, NOPE + V, RANK)
     w_uk, w_uv = w_heads[:, :NOPE], w_heads[:, NOPE:]  # [H, nope, R], [H, v, R]

@@ -84,10 +84,10 @@ def vllm_ropes():
 
 @pytest.mark.vllm
 def test_vllm_reads_the_same_rope_parameters(vllm_ropes):
-    from logdiff.engines.vllm.consistent_ops import rope_params_of
+    from logdiff.engines.vllm.consistent_ops import rope_params_of as vllm_rope_params
 
-    assert rope_params_of(vllm_ropes["llama3"]) == PARAMS
-    assert rope_params_of(vllm_ropes["default"]) == RopeParams(500_000.0, 16)
+    assert vllm_rope_params(vllm_ropes["llama3"]) == PARAMS
+    assert vllm_rope_params(vllm_ropes["default"]) == RopeParams(500_000.0, 16)
 
 
 @pytest.mark.vllm
@@ -110,16 +110,16 @@ def test_vllm_rotation_is_bitwise_hfs(build_model, vllm_ropes, gen):
 
 @pytest.mark.vllm
 def test_vllm_refuses_other_scaled_classes_in_one_line(vllm_ropes):
-    from logdiff.engines.vllm.consistent_ops import rope_params_of
+    from logdiff.engines.vllm.consistent_ops import rope_params_of as vllm_rope_params
 
     match = r"^DynamicNTKScalingRotaryEmbedding: rope_type 'dynamic' has no consistent"
     with pytest.raises(NotImplementedError, match=match):
-        rope_params_of(vllm_ropes["dynamic"])
+        vllm_rope_params(vllm_ropes["dynamic"])
 
 
 @pytest.mark.vllm
 def test_vllm_negative_control_parameters_that_disagree_with_the_module_are_refused(vllm_ropes, monkeypatch):
-    from logdiff.engines.vllm.consistent_ops import rope_params_of
+    from logdiff.engines.vllm.consistent_ops import rope_params_of as vllm_rope_params
 
     module = vllm_ropes["llama3"]
     monkeypatch.setattr(module, "low_freq_factor", 2.0)  # what the module reports, not what it computed with
@@ -127,4 +127,4 @@ def test_vllm_negative_control_parameters_that_disagree_with_the_module_are_refu
     monkeypatch.setattr(module, "low_freq_factor", 1.0)
     monkeypatch.setattr(module, "_compute_inv_freq", lambda base: original)
     with pytest.raises(NotImplementedError, match="inv_freq is not what its parameters give"):
-        rope_params_of(module)
+        vllm_rope_params(module)

@@ -19,7 +19,7 @@ from logdiff.kernels import (
     rope_reference,
     rope_table_reference,
 )
-from logdiff.kernels.rope import yarn_ramp_bounds, inv_freq_matches, inv_freq_rtol, yarn_attention_factor
+from logdiff.kernels.rope import inv_freq_matches, inv_freq_rtol, yarn_attention_factor, yarn_ramp_bounds
 
 # HF rope_parameters (and the HF config's max_position_embeddings: yarn's context after scaling) of each case
 CASES = {
@@ -179,21 +179,21 @@ def _vllm_rope(p: RopeParams) -> torch.nn.Module:
 @pytest.mark.parametrize("name", ["linear", "yarn-demo"])
 def test_vllm_reads_the_same_rope_and_rotates_bitwise_as_hf(build_model, gen, name):
     pytest.importorskip("vllm")
-    from logdiff.engines.vllm.consistent_ops import rope_forward, rope_params_of
+    from logdiff.engines.vllm import consistent_ops
 
     model = _hf_model(build_model, name)
     hf_params = rope_params_of(model.model.rotary_emb)[None]
     module = _vllm_rope(hf_params)
     assert type(module).__name__ == {"linear": "LinearScalingRotaryEmbedding", "yarn": "YaRNScalingRotaryEmbedding"}[
         hf_params.rope_type]
-    assert rope_params_of(module) == hf_params
+    assert consistent_ops.rope_params_of(module) == hf_params
     modeling = sys.modules[type(model).__module__]
     q = torch.randn(1, 4, 150, 16, generator=gen).bfloat16()  # HF [B, H, T, D]
     pos = torch.arange(150)
     with consistent_hf(model, only={"rope"}):
         cos, sin = model.model.rotary_emb(q, pos[None])
         hf_q, _ = modeling.apply_rotary_pos_emb(q, q, cos, sin)
-    vllm_q, _ = rope_forward(module)(pos, q[0].transpose(0, 1).reshape(150, 64))
+    vllm_q, _ = consistent_ops.rope_forward(module)(pos, q[0].transpose(0, 1).reshape(150, 64))
     assert torch.equal(hf_q[0].transpose(0, 1).reshape(150, 64), vllm_q)
 
 

@@ -165,7 +165,7 @@ class _Plan:
     correction_bias: Callable[[Any], Any] | None = None  # a router -> its correction bias (the adapter's)
     experts: list[tuple[str, Any, tuple[str, ...]]] = field(default_factory=list)  # (name, module, experts_parts)
     modeling_modules: set[str] = field(default_factory=set)
-    mlas: list[tuple[str, Any, str]] = field(default_factory=list)  # (name, MLA attention module, rope style)
+    mlas: list[tuple[str, Any, Any]] = field(default_factory=list)  # (name, MLA attention module, its forward)
 
 
 def rope_params_of(module: Any) -> dict[str | None, Any]:
@@ -290,7 +290,8 @@ def _plan(model: Any) -> _Plan:
             if not all(hasattr(shared, a) for a in arch.mlp_parts) or hasattr(module, arch.shared_expert_gate):
                 raise NotImplementedError(f"consistent_hf: {name} has a shared expert that is not a plain gated MLP")
         if arch.latent_attention(module):  # MLA: its forward is replaced (RoPE inside it), no apply_rotary_pos_emb
-            plan.mlas.append((name, module, arch.hf_rope_style(config)))
+            forward = arch.consistent_attention_forward(module, arch.hf_rope_style(config), _is_consistent_rope)
+            plan.mlas.append((name, module, forward))
         elif arch.is_attention(module):
             plan.modeling_modules.add(type(module).__module__)
     if not plan.rotaries:
@@ -376,69 +377,9 @@ def _apply_rotary(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _mla_forward(module: Any, style: str) -> Callable:
-    """An MLA attention module's ``forward`` (DeepSeek-V2/V3): HF's own computation, with RoPE on the kernel.
-
-    The same steps as HF's ``DeepseekV2Attention``/``DeepseekV3Attention.forward``, each through the
-    module's own (patched) children: ``q_proj`` (or ``q_a_proj`` -> ``q_a_layernorm`` -> ``q_b_proj``),
-    ``kv_a_proj_with_mqa`` -> ``kv_a_layernorm`` (the latent) and ``k_pe``, the cache update on the latent,
-    ``expand_kv`` (``kv_b_proj`` up-projects every cached latent: the ``linear`` kernel, row by row), then the
-    attention function (the consistent one: q/k heads ``qk_nope + qk_rope``, v heads ``v_head_dim``) and
-    ``o_proj``. Only the RoPE call differs: HF's own (``apply_rotary_emb``'s complex multiply in V2,
-    ``apply_rotary_pos_emb_interleave`` in V3) is replaced by ``rope_apply`` on the tagged cos/sin of the
-    patched rotary module, in the adapter's style (interleaved pairs, kept interleaved as vLLM keeps them:
-    V3's de-interleaving permutes q and k alike, so it is the same model). Installed with the ``rope``
-    family, which patches the rotary module.
-    """
-    import sys
-
-    import torch
-
-    from logdiff import kernels
-
-    modeling = sys.modules[type(module).__module__]
-    nope, rope = int(module.qk_nope_head_dim), int(module.qk_rope_head_dim)
-
-    def forward(
-        hidden_states: Any,
-        position_embeddings: Any = None,
-        attention_mask: Any = None,
-        past_key_values: Any = None,
-        **kwargs: Any,
-    ) -> tuple[Any, Any]:
-        cos, sin = position_embeddings if isinstance(position_embeddings, tuple) else (None, None)
-        if not getattr(cos, _ROPE_TAG, False) or cos.shape[-1] != rope:
-            raise NotImplementedError("consistent_hf: MLA attention without the consistent rotary module's cos/sin")
-        b, t = hidden_states.shape[:-1]
-        if module.q_lora_rank is None:
-            q = module.q_proj(hidden_states)
-        else:
-            q = module.q_b_proj(module.q_a_layernorm(module.q_a_proj(hidden_states)))
-        q_nope, q_pe = torch.split(q.view(b, t, -1, module.qk_head_dim).transpose(1, 2), [nope, rope], dim=-1)
-        latent, k_pe = torch.split(module.kv_a_proj_with_mqa(hidden_states), [module.kv_lora_rank, rope], dim=-1)
-        latent = module.kv_a_layernorm(latent).view(b, 1, t, module.kv_lora_rank)
-        c, s = cos[..., : rope // 2].unsqueeze(1), sin[..., : rope // 2].unsqueeze(1)
-        q_pe = kernels.rope_apply(q_pe, c, s, style)
-        k_pe = kernels.rope_apply(k_pe.view(b, 1, t, rope), c, s, style)
-        if past_key_values is not None:
-            latent, k_pe = past_key_values.update(latent, k_pe, module.layer_idx)
-        key, value = module.expand_kv(latent, k_pe)
-        attend = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
-            module.config._attn_implementation, modeling.eager_attention_forward
-        )
-        out, weights = attend(
-            module,
-            torch.cat((q_nope, q_pe), dim=-1),
-            key,
-            value,
-            attention_mask,
-            dropout=0.0 if not module.training else module.attention_dropout,
-            scaling=module.scaling,
-            **kwargs,
-        )
-        return module.o_proj(out.reshape(b, t, -1).contiguous()), weights
-
-    return forward
+def _is_consistent_rope(cos: Any) -> bool:
+    """Whether ``cos`` came from a rotary module this installer patched (its tables are the kernel's)."""
+    return bool(getattr(cos, _ROPE_TAG, False))
 
 
 def _mlp_forward(module: Any, parts: tuple[str, ...], gated: str = "silu_and_mul") -> Callable:
@@ -723,8 +664,8 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
                 )
             )
             report.add("rope", f"{mod_name}.apply_rotary_pos_emb")
-        for name, module, style in plan.mlas if want("rope") else []:
-            patches.set(module, "forward", _mla_forward(module, style))
+        for name, module, forward in plan.mlas if want("rope") else []:
+            patches.set(module, "forward", forward)
             report.add("rope", f"{name}.forward")
         for name, module, parts in plan.mlps if want("silu_and_mul") else []:
             patches.set(module, "forward", _mlp_forward(module, parts, plan.gated))
