@@ -71,6 +71,9 @@ class RopeParams:
     (floored and ceiled when ``truncate``), and cos/sin multiplied by ``attention_factor`` (HF's
     ``attention_scaling``, vLLM's ``mscale``: resolved by the engine from ``factor``, ``mscale``,
     ``mscale_all_dim`` or the config's ``attention_factor``; read from the module, which is what runs).
+    DeepSeek-V2/V3's YaRN (vLLM ``DeepseekScalingRotaryEmbedding``) is this type: the same frequencies
+    (truncated) and ``attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)``
+    (:func:`yarn_attention_factor`); its softmax-scale factor is the attention's, not the rope's.
     The scaling fields a type does not use are left at their defaults (they take part in the cache key).
     Frozen and hashable: a table is cached per ``(params, device)``.
     """

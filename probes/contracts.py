@@ -27,6 +27,7 @@ VLLM_ROPE_TYPES = {
     "LinearScalingRotaryEmbedding": "linear",
     "DynamicNTKScalingRotaryEmbedding": "dynamic",
     "YaRNScalingRotaryEmbedding": "yarn",
+    "DeepseekScalingRotaryEmbedding": "yarn",  # DeepSeek-V2/V3's yarn (rope_type deepseek_yarn inside vLLM)
 }
 
 

@@ -8,7 +8,8 @@ expert), each blamed on the op that reads it, V3's one-sided correction bias
 blamed on the router, the adapters' maps without vLLM, and consistent mode's
 MLA on each engine: every vLLM ``MLAAttention`` runs the latent kernel on the
 paged latent cache (its layout learnt from the CPU backend's own writer), HF's
-forward equals its decode bitwise, and a YaRN MLA is refused in one line.
+forward equals its decode bitwise, a YaRN MLA (real checkpoints' rope) is bitwise 0 too, and
+any other scaled MLA rope is refused in one line.
 """
 
 from __future__ import annotations
@@ -273,22 +274,124 @@ def test_negative_control_stock_hf_mla_varies_across_paths(
     stock_varies(same, f"stock HF {arch} gives the same logits in decode and alone in its batch")
 
 
-def test_consistent_refuses_yarn_mla_in_one_line() -> None:
-    """Real DeepSeek checkpoints use YaRN, which also rescales the attention (mscale): refused, named."""
+#: DeepSeek yarn (real checkpoints' rope) on the demo: factor 4 over 512 of its 2048 positions; V2 with
+#: mscale != mscale_all_dim (cos/sin and the softmax scale both rescaled), V3 with DeepSeek-V3's 0.707 / 0.707
+YARN = {
+    "deepseek-v2": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+                    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8},
+    "deepseek-v3": {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+                    "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+}  # fmt: skip
+
+
+def _yarn_demo(demo_model: Callable[[str], Path], arch: str, tmp_path: Path) -> Path:
+    """The demo model with its config's ``rope_parameters`` set to ``YARN[arch]`` (same weights)."""
+    import json
+    import shutil
+
+    path = tmp_path / f"{arch}-yarn"
+    shutil.copytree(demo_model(arch), path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["max_position_embeddings"] == 4 * YARN[arch]["original_max_position_embeddings"]
+    config["rope_parameters"] = dict(YARN[arch])
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+@pytest.mark.parametrize("arch", ["deepseek-v2", "deepseek-v3"])
+def test_consistent_hf_yarn_mla_forward_equals_decode(
+    demo_model: Callable[[str], Path], tmp_path: Path, arch: str
+) -> None:
+    """Without vLLM: a YaRN MLA under consistent_hf: the rotary module is read as the kernel's yarn (cos/sin times
+    mscale over mscale_all_dim), the softmax scale is HF's own (mscale_all_dim's mscale squared folded in), and a
+    token's logits are the same bits in a full forward, in decode steps and alone in its batch."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from logdiff.engines.hf.consistent import consistent_hf, rope_params_of
+    from logdiff.kernels.rope import yarn_attention_factor
+
+    rope = YARN[arch]
+    model = AutoModelForCausalLM.from_pretrained(_yarn_demo(demo_model, arch, tmp_path), dtype=torch.bfloat16).eval()
+    params = rope_params_of(model.model.rotary_emb)[None]
+    assert params.rope_type == "yarn"
+    assert params.attention_factor == yarn_attention_factor(4.0, rope["mscale"], rope["mscale_all_dim"])
+    attn = model.model.layers[0].self_attn
+    m = 0.1 * rope["mscale_all_dim"] * math.log(4.0) + 1.0
+    assert attn.scaling == attn.qk_head_dim**-0.5 * m * m != attn.qk_head_dim**-0.5
+    with consistent_hf(model) as report:
+        full, steps, alone = _hf_paths(model)
+    assert "model.rotary_emb" in report.replaced["rope"]
+    assert torch.equal(full, steps) and torch.equal(full[1:], alone)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", ["deepseek-v2", "deepseek-v3"])
+def test_consistent_yarn_mla_is_bitwise_zero_against_vllm(
+    demo_model: Callable[[str], Path], tmp_path: Path, arch: str
+) -> None:
+    """A YaRN MLA (vLLM: DeepseekScalingRotaryEmbedding, its mscale folded into the MLA op's scale) is bitwise 0
+    between HF, HF decode, vLLM decode and vLLM prefill under --consistent: each engine's own softmax scale
+    (HF ``module.scaling``, vLLM ``impl.scale``) and cos/sin factor agree to the bit."""
+    fast = {**SMALL, "depth": "logprobs"}
+    fixed = logdiff.scan(_yarn_demo(demo_model, arch, tmp_path), infer=["hf-decode", "vllm"], consistent=True, **fast)
+    assert {p["infer"] for p in fixed["pairs"]} == {"hf-decode", "vllm", "vllm-prefill"}
+    assert all(p["metrics"]["abs_diff_max"] == 0.0 for p in fixed["pairs"]), [p["metrics"] for p in fixed["pairs"]]
+    assert fixed["verdict"] == "consistent" and fixed["warnings"] == []
+
+
+@pytest.mark.vllm
+def test_vllm_and_hf_fold_the_same_mscale_into_the_mla_scale(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
+    """The live softmax scales a YaRN MLA runs with: vLLM's ``MLAAttention.impl.scale`` (what consistent mode's MLA
+    op reads) is HF's ``module.scaling`` to the last bit, qk_head_dim ** -0.5 * mscale(factor, mscale_all_dim) ** 2
+    in the same float operations, and vLLM's rotary module is the DeepseekScalingRotaryEmbedding whose ``mscale``
+    is HF's ``attention_scaling``."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from logdiff.engines.vllm import _import_vllm
+
+    vllm = _import_vllm()
+    arch = "deepseek-v2"  # mscale != mscale_all_dim: both factors differ from 1
+    path = _yarn_demo(demo_model, arch, tmp_path)
+    llm = vllm.LLM(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256)
+
+    def read(model: Any) -> tuple[list[float], list[float]]:
+        mla = [float(m.impl.scale) for m in model.modules() if type(m).__name__ == "MLAAttention"]
+        ropes = [float(m.mscale) for m in model.modules() if type(m).__name__ == "DeepseekScalingRotaryEmbedding"]
+        return mla, ropes
+
+    vllm_scales, vllm_mscales = llm.apply_model(read)[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    hf_scales = [float(layer.self_attn.scaling) for layer in hf.model.layers]
+    assert vllm_scales == hf_scales and len(hf_scales) == hf.config.num_hidden_layers
+    m = 0.1 * YARN[arch]["mscale_all_dim"] * math.log(YARN[arch]["factor"]) + 1.0
+    assert hf_scales[0] == hf.model.layers[0].self_attn.qk_head_dim**-0.5 * m * m
+    assert vllm_mscales and set(vllm_mscales) == {float(hf.model.rotary_emb.attention_scaling)} != {1.0}
+
+
+def test_consistent_refuses_other_scaled_mla_rope_in_one_line() -> None:
+    """Default and YaRN MLA are covered; any other scaled rope (here linear, which vLLM's DeepSeek would run as
+    its deepseek_yarn) is refused, named, in one line."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     from logdiff.engines.hf.consistent import consistent_hf
     from logdiff.probes.arch.deepseek_v2 import MLA_SHAPE
 
-    yarn = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 64,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    linear = {"rope_type": "linear", "rope_theta": 10_000.0, "factor": 4.0}
     config = DeepseekV2Config(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
-                              intermediate_size=64, q_lora_rank=None, first_k_dense_replace=1, rope_parameters=yarn,
+                              intermediate_size=64, q_lora_rank=None, first_k_dense_replace=1, rope_parameters=linear,
                               **MLA_SHAPE)  # fmt: skip
     model = DeepseekV2ForCausalLM(config).eval()
-    with pytest.raises(NotImplementedError, match=r"MLA attention with rope_type 'yarn' .*\(model\.layers\.0\.self_attn\)"):
+    refused = r"MLA attention with rope_type 'linear' .*\(model\.layers\.0\.self_attn\)"
+    with pytest.raises(NotImplementedError, match=refused) as e:
         with consistent_hf(model):
             pass
+    assert "\n" not in str(e.value)
 
 
 def test_hf_decode_scan_records_every_mla_boundary(demo_model: Callable[[str], Path]) -> None:

@@ -65,8 +65,11 @@ of ``v_head_dim``. HF: the attention module's ``forward`` (``latent_attention``
 names it) is HF's own steps with RoPE on the kernel in ``hf_rope_style``
 (interleaved pairs kept interleaved, as vLLM keeps them). vLLM: each
 ``MLAAttention.forward_impl`` reads the latent back from the paged cache, for
-decode and prefill alike (no absorbed decode). A YaRN MLA, whose scaling
-also rescales the attention (``mscale``), is refused (``consistent_refusal``).
+decode and prefill alike (no absorbed decode). A YaRN MLA (real checkpoints')
+is covered: cos/sin carry the rotary module's factor (``mscale`` over
+``mscale_all_dim``, the kernel's yarn ``attention_factor``) and the softmax
+scale is each engine's own (``mscale_all_dim``'s mscale squared folded in);
+any other scaled rope is refused (``consistent_refusal``).
 """
 
 from __future__ import annotations
@@ -382,12 +385,15 @@ class DeepseekV2Adapter(DecoderAdapter):
     shared_expert = "shared_experts"
 
     def consistent_refusal(self, module: Any) -> str | None:
-        """MLA is covered with default RoPE; a scaled one (real checkpoints' YaRN) also rescales the
-        attention (``mscale``), which no kernel covers."""
+        """MLA is covered with default RoPE and with YaRN (real checkpoints'): its cos/sin factor is the rotary
+        module's (the kernel's yarn ``attention_factor``), and its attention factor (``mscale_all_dim``'s mscale
+        squared) is already in each engine's own softmax scale (HF ``module.scaling``, vLLM ``impl.scale``).
+        Any other scaled rope is refused."""
         if self.latent_attention(module):
             rope = dict(getattr(module.config, "rope_parameters", None) or {})
-            if rope.get("rope_type", "default") != "default":
-                return f"MLA attention with rope_type {rope['rope_type']!r} (YaRN mscale) has no consistent kernel"
+            if rope.get("rope_type", "default") not in ("default", "yarn"):
+                kind = rope["rope_type"]
+                return f"MLA attention with rope_type {kind!r} has no consistent kernel (covered: default, yarn)"
         return None
 
     def is_attention(self, module: Any) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 
 import pytest
@@ -32,6 +33,10 @@ CASES = {
     "yarn-deepseek": (64, {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "mscale": 1.0,
                            "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
                            "original_max_position_embeddings": 4096}, 163840),
+    # DeepSeek yarn whose mscale and mscale_all_dim differ: cos/sin times mscale(40, 1) / mscale(40, 0.8)
+    "yarn-deepseek-mscale": (64, {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 40.0, "mscale": 1.0,
+                                  "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1,
+                                  "original_max_position_embeddings": 4096}, 163840),
     # the demo's: a short original context so that the ramp lies inside head_dim 64
     "yarn-demo": (64, {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
                        "original_max_position_embeddings": 128}, 512),
@@ -59,13 +64,14 @@ def test_the_installer_reads_every_field():
     assert _params("yarn-qwen2.5") == RopeParams(1e6, 128, "yarn", factor=4.0, original_max_position_embeddings=32768,
                                                  attention_factor=yarn_attention_factor(4.0))
     assert _params("yarn-deepseek").attention_factor == 1.0 == yarn_attention_factor(40.0, 1.0, 1.0)
+    assert _params("yarn-deepseek-mscale").attention_factor == yarn_attention_factor(40.0, 1.0, 0.8) > 1.05
     assert _params("yarn-untruncated").truncate is False
     assert _params("linear") == RopeParams(10_000.0, 64, "linear", factor=4.0)
 
 
 def test_the_yarn_cases_have_a_ramp_inside_the_head():
     """Otherwise the mix would be all interpolation or all extrapolation and the tests would not see it."""
-    for name in ("yarn-qwen2.5", "yarn-deepseek", "yarn-demo", "yarn-untruncated"):
+    for name in ("yarn-qwen2.5", "yarn-deepseek", "yarn-deepseek-mscale", "yarn-demo", "yarn-untruncated"):
         p = _params(name)
         low, high = yarn_ramp_bounds(p)
         ramp = ((torch.arange(p.rotary_dim // 2) - low) / (high - low)).clamp(0, 1)
@@ -208,3 +214,107 @@ def test_vllm_negative_control_a_module_whose_frequencies_disagree_is_refused(mo
     monkeypatch.setattr(module, "_compute_inv_freq", lambda factor: built_with)
     with pytest.raises(NotImplementedError, match="inv_freq is not what its parameters give"):
         rope_params_of(module)
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V2/V3's yarn
+
+#: a DeepSeek yarn over the MLA rope width 64, mscale != mscale_all_dim (both factors differ from 1)
+DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 512,
+                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def _hf_deepseek_rotary(arch: str, rope_parameters: dict) -> torch.nn.Module:
+    """HF's own DeepSeek-V2/V3 rotary module (V2 returns cos/sin as a complex ``freqs_cis``) on the MLA shape."""
+    import transformers
+
+    from logdiff.probes.arch.deepseek_v2 import MLA_SHAPE
+
+    cls = {"v2": "DeepseekV2", "v3": "DeepseekV3"}[arch]
+    config = getattr(transformers, f"{cls}Config")(
+        vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        q_lora_rank=None, first_k_dense_replace=1, max_position_embeddings=2048, rope_parameters=dict(rope_parameters),
+        **MLA_SHAPE)  # fmt: skip
+    modeling = importlib.import_module(f"transformers.models.deepseek_{arch}.modeling_deepseek_{arch}")
+    return getattr(modeling, f"{cls}RotaryEmbedding")(config)
+
+
+def _vllm_deepseek_rope(rope_parameters: dict, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """vLLM's DeepseekScalingRotaryEmbedding as its deepseek_v2.py builds it (``rope_type`` renamed deepseek_yarn)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(64, max_position=2048, is_neox_style=False,
+                        rope_parameters={**rope_parameters, "rope_type": "deepseek_yarn"}, dtype=dtype)
+
+
+@pytest.mark.parametrize("arch", ["v2", "v3"])
+def test_deepseek_yarn_is_the_kernels_yarn_with_the_mscale_ratio(arch):
+    """HF's DeepSeek rotary module: yarn frequencies (its buffer is the fp32 reference bitwise) and cos/sin times
+    yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim), which the installer reads."""
+    modeling = importlib.import_module(f"transformers.models.deepseek_{arch}.modeling_deepseek_{arch}")
+    module = _hf_deepseek_rotary(arch, DEEPSEEK_YARN)
+    p = rope_params_of(module)[None]
+    ratio = modeling.yarn_get_mscale(4.0, 1.0) / modeling.yarn_get_mscale(4.0, 0.8)
+    assert p == RopeParams(10_000.0, 64, "yarn", factor=4.0, original_max_position_embeddings=512,
+                           attention_factor=ratio)
+    assert p.attention_factor == module.attention_scaling == yarn_attention_factor(4.0, 1.0, 0.8) > 1.02
+    assert torch.equal(rope_inv_freq_reference(p, torch.float32), module.inv_freq)
+    assert torch.equal(rope_inv_freq(p), rope_inv_freq_reference(p, torch.float64))
+    pos = torch.arange(3000)
+    with kernel_caches():
+        cos, sin = rope_cos_sin(pos, p)
+    ref_cos, ref_sin = rope_table_reference(pos, p)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("mscale", 0.8), ("mscale_all_dim", 1.0), ("beta_fast", 16), ("beta_slow", 2)]
+)
+def test_deepseek_yarn_negative_control_a_wrong_field_gives_other_bits(field, value):
+    """A wrong mscale (or mscale_all_dim) changes the cos/sin factor; a wrong beta, the frequencies (refused
+    against the module's buffer): either way other bits."""
+    p = rope_params_of(_hf_deepseek_rotary("v2", DEEPSEEK_YARN))[None]
+    wrong = rope_params_of(_hf_deepseek_rotary("v2", {**DEEPSEEK_YARN, field: value}))[None]
+    assert wrong != p
+    if field.startswith("beta"):
+        assert not inv_freq_matches(wrong, _hf_deepseek_rotary("v2", DEEPSEEK_YARN).inv_freq)
+    pos = torch.arange(300)
+    assert not torch.equal(rope_cos_sin(pos, wrong)[0], rope_cos_sin(pos, p)[0])
+
+
+@pytest.mark.vllm
+def test_vllm_deepseek_scaling_rope_is_read_as_hfs_yarn():
+    """vLLM's DeepseekScalingRotaryEmbedding: its ``_compute_inv_freq`` is HF's buffer bitwise, its ``mscale`` HF's
+    ``attention_scaling``, the installer reads HF's RopeParams from it, and its fp32 cos/sin cache is the kernel's
+    table within fp32 angle rounding (a cache without the mscale ratio is 100x farther)."""
+    pytest.importorskip("vllm")
+    from logdiff.engines.vllm import consistent_ops
+
+    hf = _hf_deepseek_rotary("v2", DEEPSEEK_YARN)
+    p = rope_params_of(hf)[None]
+    module = _vllm_deepseek_rope(DEEPSEEK_YARN)
+    assert type(module).__name__ == "DeepseekScalingRotaryEmbedding"
+    assert module.mscale == hf.attention_scaling
+    assert torch.equal(module._compute_inv_freq(module.scaling_factor), hf.inv_freq)
+    assert consistent_ops.rope_params_of(module) == p
+    cache = module.cos_sin_cache
+    pos = torch.arange(cache.shape[0])
+    cos, sin = rope_cos_sin(pos, p)
+    assert (cache[:, :32] - cos).abs().max() < 2e-4 and (cache[:, 32:] - sin).abs().max() < 2e-4
+    unscaled, _ = rope_cos_sin(pos, dataclasses.replace(p, attention_factor=1.0))
+    assert (cache[:, :32] - unscaled).abs().max() > 2e-2
+
+
+@pytest.mark.vllm
+def test_vllm_deepseek_negative_control_other_parameters_are_refused(monkeypatch):
+    """A DeepseekScalingRotaryEmbedding whose cache was built with other frequencies than it reports is refused."""
+    pytest.importorskip("vllm")
+    from logdiff.engines.vllm.consistent_ops import rope_params_of as vllm_rope_params_of
+
+    module = _vllm_deepseek_rope(DEEPSEEK_YARN)
+    built_with = module._compute_inv_freq(module.scaling_factor)
+    monkeypatch.setattr(module, "beta_fast", 16)
+    monkeypatch.setattr(module, "_compute_inv_freq", lambda factor: built_with)
+    with pytest.raises(NotImplementedError, match="DeepseekScalingRotaryEmbedding: its inv_freq is not what"):
+        vllm_rope_params_of(module)

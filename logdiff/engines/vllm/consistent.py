@@ -15,7 +15,8 @@ linear layers, lm_head      ``layer.cpu_linear`` (layers/utils.py,      ``linear
 ``RMSNorm``                 ``forward`` (with/without fused residual)   ``rms_norm``
 ``RotaryEmbedding``, its    ``forward`` (the module's ``RopeParams``,   ``rope``
 llama3, linear and yarn     checked against its ``_compute_inv_freq``)
-subclasses
+subclasses, DeepSeek's
+``DeepseekScaling...``
 ``GemmaRMSNorm``            ``forward`` (``(1 + w)``, same fusions)      ``gemma_rms_norm``
 ``SiluAndMul``              ``forward``                                 ``silu_and_mul``
 ``GeluAndMul`` (tanh)       ``forward``                                 ``gelu_tanh_and_mul``
@@ -40,8 +41,8 @@ a ``soft_cap`` (Gemma 2)    kernel's cap)
 
 The plan is built and checked *before* anything is patched: a module on the
 numerical path that no replacement covers (another norm, a RoPE class other
-than ``RotaryEmbedding`` and its llama3, linear and yarn subclasses (DeepSeek's
-yarn, dynamic NTK, ...),
+than ``RotaryEmbedding``, its llama3, linear and yarn subclasses and DeepSeek's
+yarn (dynamic NTK, ...),
 a quantized layer, speculative decoding, ...) raises
 ``NotImplementedError`` naming it, rather than giving a silently half-consistent
 engine. Weights that the CPU build has packed away are recovered bit-exactly
@@ -182,7 +183,7 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
                 plan.append(("rms_norm", module, "forward", ops.rms_norm_forward(module)))
                 summary.add("rms_norm", name)
         elif isinstance(module, RotaryEmbeddingBase) or type(module).__name__.endswith("RotaryEmbedding"):
-            try:  # default, llama3, linear and yarn rope; any other rope class is refused naming its type
+            try:  # default, llama3, linear and yarn (DeepSeek's too) rope; any other class is refused naming its type
                 rope = ops.rope_params_of(module)
             except NotImplementedError as e:
                 unsupported.append(f"{name} ({e})")

@@ -14,7 +14,8 @@ implement:
 * ``gemma_rms_norm_forward``: the same for ``GemmaRMSNorm`` (``(1 + w)``).
 * ``rope_forward``: ``RotaryEmbedding.forward(positions, query, key)``, also
   ``Llama3RotaryEmbedding``'s, ``LinearScalingRotaryEmbedding``'s (one factor) and
-  ``YaRNScalingRotaryEmbedding``'s (its ``mscale`` on cos/sin); the rope's ``kernels.RopeParams`` are read from
+  ``YaRNScalingRotaryEmbedding``'s and DeepSeek's ``DeepseekScalingRotaryEmbedding`` (their ``mscale`` on
+  cos/sin); the rope's ``kernels.RopeParams`` are read from
   the module and checked against its own ``_compute_inv_freq`` (``rope_params_of``).
 * ``silu_and_mul_forward``: ``SiluAndMul.forward(x)`` on ``[..., 2d]``;
   ``gelu_tanh_and_mul_forward``: ``GeluAndMul(approximate="tanh")`` alike.
@@ -120,6 +121,19 @@ _VLLM_ROPES: dict[str, tuple[str, dict[str, str]]] = {
             "beta_fast": "beta_fast",
             "beta_slow": "beta_slow",
             "truncate": "truncate",
+            "attention_factor": "mscale",
+        },
+    ),
+    # DeepSeek-V2/V3's yarn: the same frequencies (always truncated: it takes no ``truncate``), cos/sin times
+    # its ``mscale`` = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim); the
+    # attention's own factor (mscale_all_dim's squared) is in the MLA op's ``impl.scale``
+    "DeepseekScalingRotaryEmbedding": (
+        "yarn",
+        {
+            "factor": "scaling_factor",
+            "original_max_position_embeddings": "max_position_embeddings",
+            "beta_fast": "beta_fast",
+            "beta_slow": "beta_slow",
             "attention_factor": "mscale",
         },
     ),
