@@ -353,9 +353,9 @@ def test_vllm_and_hf_fold_the_same_mscale_into_the_mla_scale(demo_model: Callabl
     import torch
     from transformers import AutoModelForCausalLM
 
-    from logdiff.engines.vllm import _import_vllm
+    from logdiff.engines.vllm import import_vllm
 
-    vllm = _import_vllm()
+    vllm = import_vllm()
     arch = "deepseek-v2"  # mscale != mscale_all_dim: both factors differ from 1
     path = _yarn_demo(demo_model, arch, tmp_path)
     llm = vllm.LLM(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", max_model_len=256)

@@ -41,7 +41,8 @@ from logdiff.probes.errors import EngineUnavailable, InputError
 INSTALL_HINT = "install it with: pip install 'logdiff[cpu]' (CPU) or pip install 'logdiff[vllm]' (CUDA)"
 
 
-def _import_vllm() -> Any:
+def import_vllm() -> Any:
+    """The ``vllm`` module, run in-process (one-line ``EngineUnavailable`` when it is missing or broken)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -90,11 +91,11 @@ class VLLMEngine(Engine):
 
     @classmethod
     def check_available(cls) -> None:
-        _import_vllm()
+        import_vllm()
 
     def __init__(self, spec: EngineSpec):
         super().__init__(spec)
-        vllm = _import_vllm()
+        vllm = import_vllm()
         from logdiff.engines.vllm.forced import ForcedTokens
 
         kwargs: dict[str, Any] = {
