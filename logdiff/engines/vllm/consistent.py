@@ -195,10 +195,10 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
             plan.append(("rms_norm", module, "forward", ops.gemma_rms_norm_forward(module)))
             summary.add("rms_norm", name)
         elif type(module) is SiluAndMul:
-            plan.append(("silu_and_mul", module, "forward", ops.silu_and_mul_forward()))
+            plan.append(("silu_and_mul", module, "forward", ops.gated_mul_forward("silu_and_mul")))
             summary.add("silu_and_mul", name)
         elif type(module).__name__ == "GeluAndMul" and getattr(module, "approximate", None) == "tanh":
-            plan.append(("silu_and_mul", module, "forward", ops.gelu_tanh_and_mul_forward()))
+            plan.append(("silu_and_mul", module, "forward", ops.gated_mul_forward("gelu_tanh_and_mul")))
             summary.add("silu_and_mul", name)
         elif isinstance(module, Attention):
             problem = _attention_problem(module)
@@ -318,7 +318,7 @@ def _plan_shared_expert(name: str, runner: Any, plan: list, summary: ConsistentV
             plan.append(("linear", module, "cpu_linear", ops.linear_gemm(dense_weight(module), sizes)))
             summary.add("linear", sub)
         elif type(module) is SiluAndMul:
-            plan.append(("silu_and_mul", module, "forward", ops.silu_and_mul_forward()))
+            plan.append(("silu_and_mul", module, "forward", ops.gated_mul_forward("silu_and_mul")))
             summary.add("silu_and_mul", sub)
         elif next(module.parameters(recurse=False), None) is not None or module is not shared._layer:
             problems.append(f"{sub} ({type(module).__name__} in a shared expert)")

@@ -17,8 +17,8 @@ implement:
   ``YaRNScalingRotaryEmbedding``'s and DeepSeek's ``DeepseekScalingRotaryEmbedding`` (their ``mscale`` on
   cos/sin); the rope's ``kernels.RopeParams`` are read from
   the module and checked against its own ``_compute_inv_freq`` (``rope_params_of``).
-* ``silu_and_mul_forward``: ``SiluAndMul.forward(x)`` on ``[..., 2d]``;
-  ``gelu_tanh_and_mul_forward``: ``GeluAndMul(approximate="tanh")`` alike.
+* ``gated_mul_forward``: ``SiluAndMul.forward(x)`` on ``[..., 2d]``, and
+  ``GeluAndMul(approximate="tanh")`` alike.
 * ``softcapped_logits_forward``: ``LogitsProcessor.forward`` with a soft cap
   (Gemma 2): vLLM's own ``_get_logits`` (its lm_head GEMM is already the
   kernel's), then ``softcap``.
@@ -198,24 +198,14 @@ def rope_forward(module: Any, params: Any = None) -> Callable[..., Any]:
     return forward
 
 
-def silu_and_mul_forward() -> Callable[..., Any]:
-    """``SiluAndMul.forward`` replacement on the packed ``[gate | up]`` input."""
-    kernels = _kernels()
+def gated_mul_forward(kernel: str) -> Callable[..., Any]:
+    """``SiluAndMul.forward`` / ``GeluAndMul(approximate="tanh").forward`` replacement on the packed
+    ``[gate | up]`` input, through the ``kernel`` (``silu_and_mul`` or ``gelu_tanh_and_mul``)."""
+    gated = getattr(_kernels(), kernel)
 
     def forward(x: Any) -> Any:
         d = x.shape[-1] // 2
-        return kernels.silu_and_mul(x[..., :d].contiguous(), x[..., d:].contiguous())
-
-    return forward
-
-
-def gelu_tanh_and_mul_forward() -> Callable[..., Any]:
-    """``GeluAndMul(approximate="tanh").forward`` replacement on the packed ``[gate | up]`` input."""
-    kernels = _kernels()
-
-    def forward(x: Any) -> Any:
-        d = x.shape[-1] // 2
-        return kernels.gelu_tanh_and_mul(x[..., :d].contiguous(), x[..., d:].contiguous())
+        return gated(x[..., :d].contiguous(), x[..., d:].contiguous())
 
     return forward
 
