@@ -1,4 +1,4 @@
-"""rope with linear and yarn scaling: HF's semantics, one table for HF and vLLM, cos/sin times yarn's factor."""
+"""rope with linear, yarn and llama3 scaling: HF's semantics, one table for HF and vLLM, cos/sin times yarn's factor."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ CASES = {
                        "original_max_position_embeddings": 128}, 512),
     "yarn-untruncated": (64, {"rope_type": "yarn", "rope_theta": 1e6, "factor": 32.0, "truncate": False,
                               "original_max_position_embeddings": 1024}, 32768),
+    # llama3: the demo's (probes/arch/llama3.py: its head_dim 64 frequencies fall in all three bands),
+    # Llama 3.1 8B's, a factor-32 one (Llama 3.2 1B/3B) and an odd one with the medium band shifted
+    **{name: (d, {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+                  "high_freq_factor": high, "original_max_position_embeddings": orig}, 8 * orig)
+       for name, (d, theta, factor, low, high, orig) in {
+           "llama3-demo": (64, 500_000.0, 8.0, 1.0, 4.0, 256),
+           "llama3.1": (128, 500_000.0, 8.0, 1.0, 4.0, 8192),
+           "llama3-factor32": (64, 500_000.0, 32.0, 1.0, 4.0, 8192),
+           "llama3-shifted": (96, 10_000.0, 4.0, 2.0, 8.0, 512),
+       }.items()},
 }
 
 
@@ -67,6 +77,8 @@ def test_the_installer_reads_every_field():
     assert _params("yarn-deepseek-mscale").attention_factor == yarn_attention_factor(40.0, 1.0, 0.8) > 1.05
     assert _params("yarn-untruncated").truncate is False
     assert _params("linear") == RopeParams(10_000.0, 64, "linear", factor=4.0)
+    assert _params("llama3-demo") == RopeParams(500_000.0, 64, "llama3", 8.0, 1.0, 4.0, 256)
+    assert _hf_rotary("llama3-demo").attention_scaling == 1.0
 
 
 def test_the_yarn_cases_have_a_ramp_inside_the_head():
@@ -95,12 +107,15 @@ def test_inv_freq_is_hfs_buffer_within_the_fp32_bound(name):
     p, buffer = _params(name), _hf_rotary(name).inv_freq
     rel = ((rope_inv_freq(p) - buffer.double()).abs() / buffer.double()).max().item()
     assert rel <= inv_freq_rtol(p), (rel, inv_freq_rtol(p))
+    assert inv_freq_matches(p, buffer)
 
 
 @pytest.mark.parametrize(
     "name, field, value",
     [("linear", "factor", 2.0), ("yarn-demo", "factor", 2.0), ("yarn-demo", "beta_slow", 2.0),
-     ("yarn-demo", "original_max_position_embeddings", 256), ("yarn-untruncated", "truncate", True)],
+     ("yarn-demo", "original_max_position_embeddings", 256), ("yarn-untruncated", "truncate", True),
+     ("llama3-demo", "low_freq_factor", 2.0), ("llama3-demo", "high_freq_factor", 3.0), ("llama3-demo", "factor", 4.0),
+     ("llama3-demo", "original_max_position_embeddings", 512)],
 )
 def test_negative_control_a_wrong_scaling_field_is_refused_and_changes_the_bits(name, field, value):
     p = _params(name)
