@@ -230,13 +230,16 @@ def test_consistent_hf_mla_forward_equals_decode_and_batch_rows(demo_model: Call
     from logdiff.engines.hf.consistent import consistent_hf
 
     model = AutoModelForCausalLM.from_pretrained(demo_model(arch), dtype=torch.bfloat16).eval()
+    stock = _hf_paths(model)[0]
     with consistent_hf(model) as report:
         full, steps, alone = _hf_paths(model)
     assert [n for n in report.replaced["rope"] if n.endswith("self_attn.forward")] == [
         f"model.layers.{n}.self_attn.forward" for n in range(model.config.num_hidden_layers)
     ]
     assert torch.equal(full, steps) and torch.equal(full[1:], alone)
-    assert not torch.equal(_hf_paths(model)[0], full)  # the originals are back: stock HF computes other bits
+    # the originals are back: no patched forward is left, and the model computes its stock bits again
+    assert not [n for n, m in model.named_modules() if "forward" in vars(m)]
+    assert torch.equal(_hf_paths(model)[0], stock)
 
 
 def test_consistent_hf_mla_training_forward_has_the_inference_bits(demo_model: Callable[[str], Path]) -> None:
