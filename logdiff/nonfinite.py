@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff import classify
+from logdiff.diagnosis import classify
 from logdiff.result import Cause
 
 

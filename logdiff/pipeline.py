@@ -328,7 +328,7 @@ class Measured:
 def measure(cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any] | None = None) -> Measured:
     """Run every path, compare them and locate the divergence; no diagnosis.
 
-    This is what a diagnosis rescan runs (``diagnose.Rescanner``), and the first
+    This is what a diagnosis rescan runs (``diagnosis.rescan.Rescanner``), and the first
     half of ``scan``. ``tables`` receives the boundary x position DataFrames.
     """
     progress = Phases.of(progress)
@@ -380,9 +380,10 @@ def scan(cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any] | 
     measured = measure(cfg, progress, tables)
     result, run = measured.result, measured.run
     if cfg.depth != "logprobs":
-        from logdiff import sampling
-        from logdiff.diagnose import Rescanner, diagnose
-        from logdiff.routing import diagnose_routing
+        from logdiff.diagnosis import sampling
+        from logdiff.diagnosis.diagnose import diagnose
+        from logdiff.diagnosis.rescan import Rescanner
+        from logdiff.diagnosis.routing import diagnose_routing
 
         owner = run.engine_of(result.primary.infer)
         # Rescans score the primary pair only, on this scan's tokens where the engine can replay them as it

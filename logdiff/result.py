@@ -25,35 +25,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
+from logdiff.diagnosis.cause import Cause, Findings, Json, merge_causes, verdict
 from logdiff.reports.schema import SCHEMA_VERSION
-
-Json = dict[str, Any]  # a JSON object whose fields docs/result-schema.md documents
-
-
-@dataclass
-class Cause:
-    """One cause of the divergence (docs/result-schema.md *Causes*; docs/causes.md lists the kinds)."""
-
-    boundary: str
-    layer: int | None
-    op_kind: str  # the boundary's kind: linear, norm, rope, attn, ...
-    family: str | None  # the reference-kernel family that neutralises it
-    class_: str  # "class" in JSON: operator_path | framework_difference
-    kind: str
-    evidence: list[str]
-    fix: str
-    share: float | None = None  # attribution: the fraction of abs_diff_max gone with this cause alone fixed
-    necessity: bool | None = None  # attribution: whether the gap stays open with every other cause fixed
-    differs: list[str] = field(default_factory=list)  # the contract keys / weight names behind it
-    paths: list[str] | None = None  # the paths that show it (non_finite, sampling)
-    sampling: Json | None = None  # per path, the sampling fit (logdiff/sampling.py)
-
-    def to_dict(self) -> Json:
-        out = {k: getattr(self, k) for k in ("boundary", "layer", "op_kind", "family")}
-        out["class"] = self.class_
-        out.update({k: getattr(self, k) for k in ("kind", "evidence", "fix", "share", "necessity", "differs")})
-        out.update({k: getattr(self, k) for k in ("paths", "sampling") if getattr(self, k) is not None})
-        return out
 
 
 @dataclass
@@ -141,30 +114,6 @@ class Located:
 
 
 @dataclass
-class Findings:
-    """What one diagnosis step concluded: causes, warnings, and the contracts or attribution it measured."""
-
-    causes: list[Cause] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    contracts: Json | None = None
-    attribution: Json | None = None
-
-
-def merge_causes(causes: list[Cause], new: list[Cause]) -> None:
-    """Add ``new`` to ``causes``; one already at the same boundary with the same kind takes its evidence."""
-    for c in new:
-        same = next((x for x in causes if (x.boundary, x.kind) == (c.boundary, c.kind)), None)
-        if same is None:
-            causes.append(c)
-            continue
-        same.evidence += [e for e in c.evidence if e not in same.evidence]
-        same.differs = list(dict.fromkeys([*same.differs, *c.differs]))
-        same.paths = c.paths if c.paths is not None else same.paths
-        if c.sampling is not None:  # a fit from the numbers names the concrete setting
-            same.sampling, same.fix = c.sampling, c.fix
-
-
-@dataclass
 class ScanResult:
     """One scan's result; ``to_dict()`` is result.json (docs/result-schema.md)."""
 
@@ -218,7 +167,6 @@ class ScanResult:
         equal (the primary pair once diagnosed, every pair otherwise) and
         ``divergent`` when not; with causes it is their class (or ``mixed``).
         """
-        from logdiff.classify import verdict
         from logdiff.reports.groups import group_causes
 
         pairs = [self.primary] if self.classified else self.pairs

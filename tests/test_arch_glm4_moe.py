@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import logdiff
-from logdiff import routing
+from logdiff.diagnosis import routing
 from logdiff.probes.arch import adapter_for
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}

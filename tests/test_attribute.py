@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from logdiff import attribute, classify, diagnose
+from logdiff.diagnosis import attribute, classify, diagnose, rescan
 from logdiff.config import ScanConfig
 from logdiff.result import Cause, Pair, ScanResult, ScanSettings, SequencesInfo
 
@@ -32,7 +32,7 @@ def test_norm_kind_depends_on_whether_the_engine_fuses_the_residual_add() -> Non
     assert classify.classify_op(ev, None, fused_add_norm=False).kind == "reduction_order"
 
 
-def _counting_rescanner(gap: Callable[[ScanConfig], float]) -> tuple[diagnose.Rescanner, list[ScanConfig]]:
+def _counting_rescanner(gap: Callable[[ScanConfig], float]) -> tuple[rescan.Rescanner, list[ScanConfig]]:
     seen: list[ScanConfig] = []
 
     def measure(c: ScanConfig) -> ScanResult:
@@ -42,7 +42,7 @@ def _counting_rescanner(gap: Callable[[ScanConfig], float]) -> tuple[diagnose.Re
         return ScanResult(str(c.model), None, None, "Qwen3ForCausalLM", c.dtype, settings, {}, [],
                           SequencesInfo(0, "probe", None, [], []), [pair])  # fmt: skip
 
-    return diagnose.Rescanner(measure), seen
+    return rescan.Rescanner(measure), seen
 
 
 def _operator_path(family: str) -> Cause:

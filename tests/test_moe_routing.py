@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 
 import logdiff
-from logdiff import routing
+from logdiff.diagnosis import routing
 from logdiff.engines import base
 from logdiff.probes import checkpoint
 from logdiff.probes.routing import RouterLogits
@@ -197,7 +197,7 @@ def test_near_tie_flips_from_rounding_noise_are_operator_path(qwen3_moe: Path) -
     """Two HF engines that compute bitwise alike; rounding noise planted in the inference side's first router."""
     from logdiff.config import ScanConfig
     from logdiff.pipeline import engine_spec, run_paths
-    from logdiff.preflight import preflight
+    from logdiff.diagnosis.preflight import preflight
     from logdiff.probes.arch import adapter_of
 
     cfg = ScanConfig(model=qwen3_moe, infer=["hf"], infer_set={"batch_size": 4}, num_sequences=4, prompt_len=28,

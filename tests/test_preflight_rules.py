@@ -6,8 +6,8 @@ faults are in test_classify.py.
 
 from __future__ import annotations
 
-from logdiff.classify import OpEvidence, classify_op
-from logdiff.preflight import compare_fingerprints
+from logdiff.diagnosis.classify import OpEvidence, classify_op
+from logdiff.diagnosis.preflight import compare_fingerprints
 
 TRAIN = {"a.weight": "01", "b.weight": "02", "experts.gate_up_proj": "03"}
 

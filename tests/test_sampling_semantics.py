@@ -21,8 +21,8 @@ import pytest
 from typer.testing import CliRunner
 
 import logdiff
-from logdiff import sampling
-from logdiff.classify import preflight_only_causes
+from logdiff.diagnosis import sampling
+from logdiff.diagnosis.classify import preflight_only_causes
 from logdiff.cli import app
 from logdiff.config import ScanConfig
 from logdiff.errors import InputError
@@ -231,7 +231,7 @@ def test_kernel_numerics_gap_is_not_sampling_negative_control(qwen3: Path, stock
 def test_raw_rollout_at_temperature_is_caught_by_the_contract(qwen3: Path) -> None:
     """`--set infer.temperature=0.8` with raw logprobs: the numbers agree, the sampler does not."""
     from logdiff.pipeline import run_paths
-    from logdiff.preflight import preflight
+    from logdiff.diagnosis.preflight import preflight
     from logdiff.engines.vllm.contract import vllm_contract
 
     run = run_paths(ScanConfig(model=qwen3, infer=["vllm"], **RUN))  # the session's default engines

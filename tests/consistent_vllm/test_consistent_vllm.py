@@ -243,7 +243,7 @@ def test_recovered_weights_equal_the_checkpoint(arch: str, llm: Any, tiny_models
 @pytest.mark.isa_sensitive
 def test_vllm_fingerprints_verify_every_weight(arch: str, llm: Any, hf_model: Any) -> None:
     """The preflight compares every tensor, packed or not, on whatever dispatch this CPU chose."""
-    from logdiff.preflight import compare_fingerprints
+    from logdiff.diagnosis.preflight import compare_fingerprints
     from logdiff.engines.hf.contract import hf_contract, hf_fingerprints
     from logdiff.engines.vllm.contract import vllm_contract, vllm_fingerprints
 

@@ -102,7 +102,7 @@ def test_function_boundaries_exist_in_the_map() -> None:
 
 
 def test_classify_asks_the_adapter() -> None:
-    from logdiff import classify
+    from logdiff.diagnosis import classify
 
     qwen2 = arch.adapter_for("Qwen2ForCausalLM")
     k = "model.layers.1.self_attn.k_proj"

@@ -27,24 +27,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from logdiff.result import Cause
+from logdiff.diagnosis.cause import FAMILY, Cause
 
 if TYPE_CHECKING:
     from logdiff.probes.arch import ArchAdapter
-
-# Ops whose arithmetic the consistent kernels replace, by correspondence kind.
-FAMILY = {
-    "linear": "linear",
-    "logits": "linear",
-    "norm": "rms_norm",
-    "add": "rms_norm",  # the residual add is fused into vLLM's add+norm kernel
-    "rope": "rope",
-    "attn": "attention",
-    "act": "silu_and_mul",
-    "router": "moe",
-    "moe": "moe",
-    "log_softmax": "log_softmax",
-}
 
 # Beyond this many units of the output dtype's spacing, a local error is not reordering noise.
 NOISE_ULPS = 64.0
@@ -176,25 +162,6 @@ def _cause(
     return Cause(ev.boundary, ev.layer, ev.kind, FAMILY.get(ev.kind), cls, kind, evidence, fix, differs=differs or [])
 
 
-def framework_cause(
-    boundary: str, op_kind: str, kind: str, evidence: list[str], fix: str, differs: list[str] | None = None
-) -> Cause:
-    """A ``framework_difference`` found outside the per-op classification (sampling semantics, alignment)."""
-    return _cause(OpEvidence(boundary, op_kind, None, 0.0, None, None), "framework_difference", kind, evidence, fix, differs)
-
-
-def verdict(causes: list[Cause], consistent: bool) -> str:
-    """The overall verdict from the classified causes."""
-    if consistent:
-        return "consistent"
-    classes = {c.class_ for c in causes}
-    if not classes:
-        return "divergent"
-    if len(classes) == 2:
-        return "mixed"
-    return classes.pop()
-
-
 def merge_fused(causes: list[Cause], adapter: ArchAdapter | None = None) -> list[Cause]:
     """One cause per fused add+norm: a residual add folds into the norm that consumes it (the adapter's ``fused_norm``)."""
     arch = _adapter(adapter)
@@ -226,7 +193,7 @@ def preflight_only_causes(
     covered = {d for c in causes for d in c.differs}
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
-    from logdiff import sampling  # sampler and scoring keys: one sampling_semantics cause (logdiff/sampling.py)
+    from logdiff.diagnosis import sampling  # sampler and scoring keys: one sampling_semantics cause (logdiff/sampling.py)
 
     for item in [*contracts.get("differs", []), *weights]:
         if item in covered or item == "dtype" or item in (*sampling.SAMPLER_KEYS, *sampling.SCORING_KEYS):

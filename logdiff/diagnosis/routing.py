@@ -44,14 +44,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from logdiff.result import Cause, Json, ScanResult
+from logdiff.diagnosis import spacing
+from logdiff.diagnosis.cause import Cause, Json
 
-#: the float formats router logits come in -> their machine epsilon (spacing at 1.0)
-_EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23, "float64": 2.0**-52}
+if TYPE_CHECKING:
+    from logdiff.result import ScanResult
+
 #: at most this many flips are listed per layer (the nearest ties first)
 MAX_FLIPS_LISTED = 8
 #: at most this many layers are replayed one at a time (those with the most flips)
@@ -167,13 +169,6 @@ def _certain_flip(lt: np.ndarray, li: np.ndarray, k_train: int, k_infer: int) ->
     return ((in_t & out_i) | (in_i & out_t)).any(-1)
 
 
-def spacing(x: np.ndarray, dtype: str) -> np.ndarray:
-    """The dtype's spacing (one unit in the last place) at the magnitude of ``x``."""
-    eps = _EPS.get(dtype, _EPS["float32"])
-    mag = np.maximum(np.abs(x), np.finfo(np.float32).tiny)
-    return np.ldexp(eps, np.floor(np.log2(mag)).astype(np.int64))
-
-
 def compare_layer(
     train: Any, infer: Any, rule_train: Rule, rule_infer: Rule, biases: tuple[Any, Any] = (None, None)
 ) -> tuple[dict[str, Any], np.ndarray]:
@@ -195,7 +190,7 @@ def compare_layer(
     flipped = differ & _certain_flip(ct, ci, rule_train.top_k, rule_infer.top_k) if same_k else differ
     margin = np.maximum(m_t, m_i)
     kth = np.take_along_axis(ct, ids_t[:, -1:], -1)[:, 0]
-    margin_ulps = margin / spacing(kth, train.dtype)
+    margin_ulps = margin / spacing.ulp_at(kth, train.dtype)
     agree = ~differ
     weight_diff = 0.0
     if same_k and agree.any():

@@ -30,7 +30,7 @@ from typing import Any
 
 from logdiff.config import KERNEL_FAMILIES, ScanConfig
 from logdiff.phases import silent
-from logdiff.result import Cause
+from logdiff.diagnosis.cause import Cause
 
 Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key)
 

@@ -43,11 +43,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from logdiff.result import Cause, Findings, ScanResult
+from logdiff.diagnosis.cause import Cause, Findings, framework_cause
+
+if TYPE_CHECKING:
+    from logdiff.result import ScanResult
 
 #: the sampler's settings in each engine's contract (the distribution it draws tokens from)
 SAMPLER_KEYS = ("sampling_temperature", "sampling_top_k", "sampling_top_p")
@@ -372,7 +375,6 @@ def _reports(contract: dict[str, Any]) -> str:
 
 def contract_cause(contracts: dict[str, Any] | None) -> Cause | None:
     """The ``sampling_semantics`` cause of differing sampler or scoring settings, or None."""
-    from logdiff.classify import framework_cause
 
     differs = [k for k in (*SAMPLER_KEYS, *SCORING_KEYS) if k in ((contracts or {}).get("differs") or [])]
     if not differs:
@@ -448,7 +450,6 @@ def _finding_lines(path: str, f: dict[str, Any]) -> tuple[list[str], str]:
 
 def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[Cause]:
     """One cause per finding kind, over the paths (pairs with the trainer) that show it."""
-    from logdiff.classify import framework_cause
 
     out: list[Cause] = []
     for kind in ("sampling_semantics", "token_alignment", "tokens"):
@@ -495,7 +496,7 @@ def diagnose(result: ScanResult, run: Any, infer: Any) -> Findings:
     ``run`` is the scan's ``PathRun``, ``infer`` the primary pair's inference
     engine (its contract; the preflight's, when ``result.contracts`` holds one).
     """
-    from logdiff.preflight import preflight
+    from logdiff.diagnosis.preflight import preflight
 
     contracts = result.contracts or preflight(run.train_engine, infer, weights=False)
     masks = [s.response_mask for s in run.sequences]

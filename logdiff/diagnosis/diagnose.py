@@ -25,48 +25,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from logdiff import attribute, classify
 from logdiff.config import KERNEL_FAMILIES, ScanConfig
-from logdiff.phases import Phases, silent
-from logdiff.preflight import preflight
-from logdiff.probes.arch import find as find_adapter
+from logdiff.diagnosis import attribute, classify, spacing
+from logdiff.diagnosis.cause import FAMILY, Findings
+from logdiff.diagnosis.preflight import preflight
+from logdiff.diagnosis.rescan import Rescanner
 from logdiff.engines.base import Engine
-from logdiff.result import Findings, ScanResult
-
-# Relative spacing of each dtype (its machine epsilon): local_rel / EPS = ulps at the output's magnitude.
-EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
-
-class Rescanner:
-    """Reruns of one scan with changed settings, for classification and attribution.
-
-    ``measure(cfg)`` runs the paths of ``cfg`` and locates their divergence,
-    without diagnosing it (the pipeline passes ``pipeline.measure`` on the
-    scan's own tokens).
-    """
-
-    def __init__(self, measure: Callable[[ScanConfig], ScanResult]):
-        self._measure = measure
-        self._logdiffs: dict[tuple, float] = {}
-
-    def rescan(self, cfg: ScanConfig) -> ScanResult:
-        """The undiagnosed result of ``cfg``."""
-        return self._measure(cfg)
-
-    def logdiff(self, cfg: ScanConfig) -> float:
-        """The primary pair's max |logprob difference| under ``cfg``, each configuration scanned once."""
-        if self._key(cfg) not in self._logdiffs:
-            self.remember(cfg, float(self._measure(cfg).primary.metrics["abs_diff_max"]))
-        return self._logdiffs[self._key(cfg)]
-
-    def remember(self, cfg: ScanConfig, logdiff: float) -> None:
-        """Record ``cfg``'s logdiff, measured elsewhere (the scan being diagnosed)."""
-        self._logdiffs[self._key(cfg)] = logdiff
-
-    @staticmethod
-    def _key(cfg: ScanConfig) -> tuple:
-        return (cfg.consistent_kernels, cfg.consistent, cfg.infer_ckpt, tuple(sorted(cfg.train_set.items())),
-                tuple(sorted(cfg.infer_set.items())))  # fmt: skip
-
+from logdiff.phases import Phases, silent
+from logdiff.probes.arch import find as find_adapter
+from logdiff.result import ScanResult
 
 def reference_rerun(
     cfg: ScanConfig, rescanner: Rescanner, families: set[str], warnings: list[str]
@@ -134,7 +101,7 @@ def diagnose(
     if not ops:
         found.warnings.append("the logprobs differ but no op was found to introduce the error")
     progress("rerunning both paths with the reference kernels", phase="reference_rerun")
-    families = {classify.FAMILY.get(op.get("kind") or "module") for op in ops}
+    families = {FAMILY.get(op.get("kind") or "module") for op in ops}
     families = set(KERNEL_FAMILIES) if None in families else families
     reference = reference_rerun(cfg, rescanner, families, found.warnings) if ops else None
     progress(f"classifying {len(ops)} ops that introduce error", phase="classify")
@@ -147,7 +114,7 @@ def diagnose(
             kind=op.get("kind") or "module",
             layer=op.get("layer"),
             local_max_abs_diff=float(op["local_max_abs_diff"]),
-            ulps=rel / EPS[cfg.dtype] if rel is not None else None,
+            ulps=spacing.spacing_units(rel, cfg.dtype) if rel is not None else None,
             vanished_under_reference=vanished,
         )
         causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
