@@ -104,12 +104,18 @@ class PathRun:
         return next((e for e in self.infer_engines if e.name == name), self.infer_engines[0])
 
 
-def run_paths(cfg: ScanConfig, progress: Progress = silent) -> PathRun:
+#: sequences whose training-path rows the probes keep for the conformance check (docs/causes.md)
+CONFORMANCE_SEQUENCES = 2
+
+
+def run_paths(cfg: ScanConfig, progress: Progress = silent, conformance_sequences: int = 0) -> PathRun:
     """Run the training path and every inference path over the same ids.
 
     At ``--depth modules|ops`` the inference paths are recorded while they run
     (to disk) and the training path is compared against them as it runs;
     ``PathRun.probes`` is then the ``ProbeSession`` (the caller closes it).
+    ``conformance_sequences``: keep the training path's own rows of that many
+    sequences too, for the diagnosis's conformance check.
     """
     from logdiff import overrides
     from logdiff.probes import nonfinite
@@ -137,6 +143,7 @@ def run_paths(cfg: ScanConfig, progress: Progress = silent) -> PathRun:
             staged.config,
             ops=cfg.depth == "ops",
             drill=cfg.drill,
+            conformance_sequences=conformance_sequences,
         )
 
     def recording(engine: Engine, role: str) -> Any:
@@ -325,14 +332,18 @@ class Measured:
     run: PathRun
 
 
-def measure(cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any] | None = None) -> Measured:
+def measure(
+    cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any] | None = None, diagnosing: bool = False
+) -> Measured:
     """Run every path, compare them and locate the divergence; no diagnosis.
 
     This is what a diagnosis rescan runs (``diagnosis.rescan.Rescanner``), and the first
     half of ``scan``. ``tables`` receives the boundary x position DataFrames.
+    ``diagnosing``: a diagnosis follows, so the probes keep both sides' rows for its
+    conformance check and stay open (``run.probes``; the caller closes them).
     """
     progress = Phases.of(progress)
-    run = run_paths(cfg, progress)
+    run = run_paths(cfg, progress, CONFORMANCE_SEQUENCES if diagnosing else 0)
     seqs, train, infers = run.sequences, run.train, run.infers
     progress("comparing the logprobs", phase="compare")
     tok = _tokenizer(cfg)
@@ -344,7 +355,8 @@ def measure(cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any]
         try:
             located = _localize(pairs, run.probes, progress, tables if tables is not None else {})
         finally:
-            run.probes.close()
+            if not diagnosing:
+                run.probes.close()
     settings = ScanSettings(cfg.seed, cfg.depth, cfg.consistent, {"train": cfg.train_set, "infer": cfg.infer_set},
                             source, cfg.trust_remote_code, cfg.is_threshold)  # fmt: skip
     result = ScanResult(
@@ -377,25 +389,35 @@ def scan(cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any] | 
     ``logdiff.locate.write_tables(tables, out_dir)``.
     """
     progress = Phases.of(progress)  # times each phase: result.timings
-    measured = measure(cfg, progress, tables)
+    measured = measure(cfg, progress, tables, diagnosing=cfg.depth != "logprobs")
     result, run = measured.result, measured.run
-    if cfg.depth != "logprobs":
-        from logdiff.diagnosis import sampling
-        from logdiff.diagnosis.diagnose import diagnose
-        from logdiff.diagnosis.rescan import Rescanner
-        from logdiff.diagnosis.routing import diagnose_routing
-
-        owner = run.engine_of(result.primary.infer)
-        # Rescans score the primary pair only, on this scan's tokens where the engine can replay them as it
-        # sampled them (a lever changes numbers, never the tokens); else they sample again with the same seed.
-        same_tokens = {"infer": [owner.name], "replay": tuple(run.sequences) if owner.replays_as_sampled else None}
-        rescanner = Rescanner(lambda c: measure(replace(c, **same_tokens)).result)
-        result.classified = True
-        result.add(diagnose(result, cfg, run.train_engine, owner, rescanner, progress))
-        result.moe = diagnose_routing(result, run, cfg, progress)
-        if result.non_finite is None:  # contract and numbers (logdiff/sampling.py)
-            progress("checking the sampling semantics (temperature, truncation, alignment, BOS)", phase="sampling")
-            result.add(sampling.diagnose(result, run, owner))
+    try:
+        if cfg.depth != "logprobs":
+            _diagnose(result, run, cfg, progress)
+    finally:
+        if run.probes is not None:
+            run.probes.close()
     result.conclude()
     result.timings, result.peak_rss_bytes = progress.close(), peak_rss_bytes()
     return result
+
+
+def _diagnose(result: ScanResult, run: PathRun, cfg: ScanConfig, progress: Progress) -> None:
+    """The diagnosis of a measured scan: causes, attribution, routing, sampling semantics."""
+    from logdiff.diagnosis import sampling
+    from logdiff.diagnosis.diagnose import diagnose
+    from logdiff.diagnosis.rescan import Rescanner
+    from logdiff.diagnosis.routing import diagnose_routing
+
+    owner = run.engine_of(result.primary.infer)
+    # Rescans score the primary pair only, on this scan's tokens where the engine can replay them as it
+    # sampled them (a lever changes numbers, never the tokens); else they sample again with the same seed.
+    same_tokens = {"infer": [owner.name], "replay": tuple(run.sequences) if owner.replays_as_sampled else None}
+    rescanner = Rescanner(lambda c: measure(replace(c, **same_tokens)).result)
+    result.classified = True
+    record = run.probes.pair(result.primary.train, result.primary.infer) if run.probes is not None else None
+    result.add(diagnose(result, cfg, run.train_engine, owner, rescanner, progress, record))
+    result.moe = diagnose_routing(result, run, cfg, progress)
+    if result.non_finite is None:  # contract and numbers (logdiff/diagnosis/sampling.py)
+        progress("checking the sampling semantics (temperature, truncation, alignment, BOS)", phase="sampling")
+        result.add(sampling.diagnose(result, run, owner))

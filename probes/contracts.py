@@ -40,6 +40,23 @@ def fingerprint(tensor: Any) -> str:
 
 
 
+#: contract keys that name how a side computes, not what: never compared between engines
+IMPLEMENTATION_KEYS = frozenset({"attn_implementation", "dropped"})
+
+
+def effective(contract: dict[str, Any], drops: dict[str, str]) -> dict[str, Any]:
+    """``contract`` with each feature the running implementation drops set to None, and why under ``dropped``.
+
+    A contracted feature an implementation silently ignores is not part of the
+    function that side computes: its effective value is "none", and the reason
+    travels with the contract so the diagnosis can name it (docs/causes.md).
+    """
+    gone = {k: why for k, why in drops.items() if contract.get(k) is not None}
+    if not gone:
+        return contract
+    return {**contract, **dict.fromkeys(gone), "dropped": gone}
+
+
 def norm_eps(norm: Any) -> float | None:
     """A norm's eps (HF's Gemma norms call it ``eps``)."""
     return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0))) if norm is not None else None

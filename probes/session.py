@@ -31,12 +31,17 @@ from logdiff.probes.summary import PathComparer
 
 
 class StoreSink(PathStore):
-    """A ``PathStore`` that takes the recorder's ``emit`` calls."""
+    """A ``PathStore`` that takes the recorder's ``emit`` calls (of the first ``sequences`` sequences only, if set)."""
 
     wants_replay = False
 
+    def __init__(self, root: Path, path: str, num_sequences: int, max_len: int, sequences: int | None = None):
+        super().__init__(root, path, num_sequences, max_len)
+        self.sequences = sequences
+
     def emit(self, name: str, rows: Any, rmap: RowMap, replay_spec: Any = None) -> None:  # type: ignore[override]
-        idx = np.nonzero(rmap.valid)[0]
+        valid = rmap.valid if self.sequences is None else rmap.valid & (rmap.seq < self.sequences)
+        idx = np.nonzero(valid)[0]
         if len(idx):
             super().emit(name, rows[idx], rmap.seq[idx], rmap.pos[idx])
 
@@ -57,6 +62,8 @@ class PairRecord:
     tracer_infer: OpTracer | None
     warnings: list[str] = field(default_factory=list)
     seqs: list[Any] = field(default_factory=list)
+    #: the training path's own rows (the first ``conformance_sequences`` sequences), for conformance
+    train_store: PathStore | None = None
 
 
 class ProbeSession:
@@ -77,6 +84,7 @@ class ProbeSession:
         ops: bool = False,
         drill: str | None = None,
         workdir: str | None = None,
+        conformance_sequences: int = 0,
     ):
         self.seqs = seqs
         self.response_len = response_len
@@ -93,6 +101,9 @@ class ProbeSession:
         self.drill = drill
         self.root = Path(tempfile.mkdtemp(prefix="logdiff-probe-", dir=workdir))
         self.stores: dict[str, StoreSink] = {}
+        #: the training paths' own rows, kept for the diagnosis's conformance check (docs/causes.md)
+        self.train_stores: dict[str, StoreSink] = {}
+        self.conformance_sequences = min(conformance_sequences, len(seqs))
         self.comparers: dict[tuple[str, str], PathComparer] = {}
         self.owners: dict[str, dict[str, str]] = {}
         self.tracers: dict[tuple[str, str], OpTracer] = {}
@@ -139,6 +150,14 @@ class ProbeSession:
                     self.owners[path] = rec.owners
                 return [self.stores[path], *extra]
             sinks = extra
+            if self.conformance_sequences:
+                if path in self.train_stores and self.owners.get(f"train:{path}") is not rec.owners:
+                    self.train_stores.pop(path).close()  # a later run of the same path replaces it
+                if path not in self.train_stores:
+                    self._store_count += 1
+                    root = self.root / f"{self._store_count:02d}"
+                    self.train_stores[path] = StoreSink(root, path, len(self.seqs), max_len, self.conformance_sequences)
+                sinks.append(self.train_stores[path])
             for infer_path, store in self.stores.items():
                 key = (path, infer_path)
                 if key not in self.comparers:
@@ -177,6 +196,7 @@ class ProbeSession:
                     self.tracers.get(("infer", infer)),
                     list(self.warnings),
                     self.seqs,
+                    self.train_stores.get(train),
                 )
             )
         return out
@@ -185,6 +205,6 @@ class ProbeSession:
         return next((p for p in self.pairs() if p.train == train and p.infer == infer), None)
 
     def close(self) -> None:
-        for s in self.stores.values():
+        for s in [*self.stores.values(), *self.train_stores.values()]:
             s.close()
         shutil.rmtree(self.root, ignore_errors=True)

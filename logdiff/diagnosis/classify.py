@@ -5,13 +5,19 @@ Three kinds of evidence per introducing op (docs/causes.md):
 1. **Contract.** The semantic preflight (``preflight.py``) compares what each
    engine actually runs with. A differing value *that this op reads* (its
    weight, its eps, the RoPE theta, the attention scale, the temperature) is
-   a ``framework_difference`` on its own.
-2. **Noise floor.** The op's local error (both sides fed the same inputs, by
-   teacher-forced replay where possible) in units of the output dtype's
-   spacing at the output's magnitude. Reordered arithmetic stays within a few
-   units; a different function does not.
-3. **Reference kernel.** Both engines rerun with the consistent kernels: an
-   op whose divergence vanishes there differed only in how it computed.
+   a ``framework_difference`` on its own; a feature one side's implementation
+   is known to drop (HF's sdpa and a soft cap) is one of kind ``semantic``.
+2. **Conformance** (``conformance.py``). Each side's recorded output against the
+   exact (fp64) function its own contract names, on its own recorded inputs,
+   within a rounding bound derived from the op. Both sides within: the same
+   function computed two ways, ``operator_path``. A side outside computes
+   another function although its contract reads the same: a
+   ``framework_difference`` of kind ``semantic`` that names the side.
+3. **Reference kernel**, only where conformance could not be checked (an op
+   without an exact function here): both engines rerun with the consistent
+   kernels; an op whose divergence vanishes there differed only in how it
+   computed, one immune to it (or far above the noise floor) is a hidden
+   difference.
 
 A fused operator (vLLM's residual add + RMSNorm in one kernel) is one
 operator: its residual-add boundary and its norm boundary form one cause,
@@ -30,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from logdiff.diagnosis.cause import FAMILY, Cause
 
 if TYPE_CHECKING:
+    from logdiff.diagnosis.conformance import Conformance
     from logdiff.probes.arch import ArchAdapter
 
 # Beyond this many units of the output dtype's spacing, a local error is not reordering noise.
@@ -47,6 +54,10 @@ FIX = {
     "cos/sin and rotation, fp32 silu*up rounded once: logdiff.kernels.rope / silu_and_mul)",
 }
 
+SEMANTIC_FIX = ("make the {side} side compute the function its contract names at this op: check its implementation "
+                "and the settings it really applies (attention implementation, soft cap, window, scale, eps, RoPE "
+                "table) against the other side's; no kernel change can close this gap")
+
 
 @dataclass
 class OpEvidence:
@@ -58,9 +69,11 @@ class OpEvidence:
     local_max_abs_diff: float
     ulps: float | None
     vanished_under_reference: bool | None
+    conformance: Conformance | None = None
+    paths: dict[str, str] | None = None  # side -> path name ({"train": "hf", "infer": "vllm"})
 
 
-def _adapter(adapter: ArchAdapter | None) -> ArchAdapter:
+def adapter_or_default(adapter: ArchAdapter | None) -> ArchAdapter:
     """The scan's architecture adapter; without one, the plain Llama-like layout every adapter shares."""
     from logdiff.probes.arch import adapter_for
 
@@ -69,7 +82,7 @@ def _adapter(adapter: ArchAdapter | None) -> ArchAdapter:
 
 def contract_keys(boundary: str, kind: str, adapter: ArchAdapter | None = None) -> tuple[list[str], list[str]]:
     """(contract keys, weight names) that the op at ``boundary`` reads (the adapter knows)."""
-    return _adapter(adapter).contract_keys(boundary, kind)
+    return adapter_or_default(adapter).contract_keys(boundary, kind)
 
 
 def _framework_kind(keys: list[str], weights: list[str]) -> str:
@@ -116,8 +129,16 @@ def classify_op(
         for w in w_diff:
             evidence.append(f"weight differs: {w} has a different fingerprint on the inference side")
         evidence.append(local)
+        if ev.conformance is not None:
+            evidence += ev.conformance.evidence(ev.paths or {"train": "train", "infer": "infer"})
         if ev.vanished_under_reference is False:
             evidence.append("the divergence persists with the reference kernel on both sides")
+        dropped = _dropped(c_diff, contracts)
+        if dropped:
+            evidence += [f"{side}: {why}" for side, why in dropped]
+            side = dropped[0][0]
+            return _cause(ev, "framework_difference", "semantic", evidence, SEMANTIC_FIX.format(side=side),
+                          c_diff + w_diff, sides=[s for s, _ in dropped])  # fmt: skip
         kind = _framework_kind(c_diff, w_diff)
         fix = {
             "weights": f"reload or resync {', '.join(w_diff)} on the inference engine (stale or mis-loaded weights)",
@@ -132,6 +153,25 @@ def classify_op(
     unverified = [w for w in weights if w in w_block.get("unverified", [])]
     checked = [*keys, *(w for w in weights if w not in unverified)]
     evidence.append(f"no contract or weight this op reads differs ({', '.join(checked) or 'none'})")
+    conf = ev.conformance
+    if conf is not None:
+        evidence += conf.evidence(ev.paths or {"train": "train", "infer": "infer"})
+    if conf is not None and conf.decided:
+        if conf.outside:
+            sides = conf.outside
+            if unverified and sides == ["infer"]:  # the likeliest other function: a weight nobody could compare
+                evidence.append(f"weight unverified: {', '.join(unverified)} could not be read back from the "
+                                "inference engine, so a stale or mis-loaded copy cannot be ruled out")
+                fix = f"check {', '.join(unverified)} on the inference engine against the checkpoint"
+                return _cause(ev, "framework_difference", "weights", evidence, fix, unverified, sides=sides)
+            evidence.append(f"the {' and '.join(sides)} side computes another function than its contract names, "
+                            "although the contracts read the same")  # fmt: skip
+            return _cause(ev, "framework_difference", "semantic", evidence, SEMANTIC_FIX.format(side=sides[0]),
+                          sides=sides)  # fmt: skip
+        evidence.append("both sides are within their rounding bounds of the exact function: the same function, "
+                        "computed in a different order or precision")  # fmt: skip
+        kind = _operator_kind(ev.kind, fused_add_norm)
+        return _cause(ev, "operator_path", kind, evidence, FIX[kind])
     above_noise = ev.ulps is not None and ev.ulps > NOISE_ULPS
     if ev.vanished_under_reference is None:
         evidence.append("the reference-kernel rerun was not available; judged by the noise floor alone")
@@ -157,14 +197,30 @@ def classify_op(
 
 
 def _cause(
-    ev: OpEvidence, cls: str, kind: str, evidence: list[str], fix: str, differs: list[str] | None = None
+    ev: OpEvidence, cls: str, kind: str, evidence: list[str], fix: str, differs: list[str] | None = None,
+    sides: list[str] | None = None,
 ) -> Cause:
-    return Cause(ev.boundary, ev.layer, ev.kind, FAMILY.get(ev.kind), cls, kind, evidence, fix, differs=differs or [])
+    cause = Cause(ev.boundary, ev.layer, ev.kind, FAMILY.get(ev.kind), cls, kind, evidence, fix, differs=differs or [])
+    if ev.conformance is not None and ev.conformance.sides:
+        cause.conformance = ev.conformance.to_dict()
+    if sides:
+        names = ev.paths or {}
+        cause.paths = [names.get(s, s) for s in sides]
+    return cause
+
+
+def _dropped(keys: list[str], contracts: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """(side, why) for each differing key that a side's implementation is known to drop (``contract["dropped"]``)."""
+    out = []
+    for side in ("train", "infer"):
+        dropped = ((contracts or {}).get(side) or {}).get("dropped") or {}
+        out += [(side, f"{k}: {dropped[k]}") for k in keys if k in dropped]
+    return out
 
 
 def merge_fused(causes: list[Cause], adapter: ArchAdapter | None = None) -> list[Cause]:
     """One cause per fused add+norm: a residual add folds into the norm that consumes it (the adapter's ``fused_norm``)."""
-    arch = _adapter(adapter)
+    arch = adapter_or_default(adapter)
     by_boundary = {c.boundary: c for c in causes}
     out = []
     for c in causes:
@@ -189,7 +245,7 @@ def preflight_only_causes(
     """
     if not contracts:
         return []
-    arch = _adapter(adapter)
+    arch = adapter_or_default(adapter)
     covered = {d for c in causes for d in c.differs}
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
@@ -228,7 +284,7 @@ def non_finite_cause(
     if first is not None:
         ev = OpEvidence(first["boundary"], first.get("kind") or "module", first.get("layer"), 0.0, None, None)
     elif weights:
-        ev = OpEvidence(*_adapter(adapter).weight_boundary(weights[0]), None, 0.0, None, None)
+        ev = OpEvidence(*adapter_or_default(adapter).weight_boundary(weights[0]), None, 0.0, None, None)
     else:
         ev = OpEvidence("model", "module", None, 0.0, None, None)
     return _cause(ev, "framework_difference", "non_finite", evidence, fix, list(weights))

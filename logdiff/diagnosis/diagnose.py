@@ -1,33 +1,33 @@
-"""Turn a localized scan into causes: preflight, classification, attribution.
+"""Turn a localized scan into causes: preflight, conformance, classification, attribution.
 
 Runs after ``locate`` at ``--depth modules|ops``, on the primary pair (the
 training path against the first inference path):
 
 1. the semantic preflight of the two engines (``contracts`` in result.json);
-2. one rescan with the reference kernels of the introducing ops' families on
-   both sides, at logprobs depth first: bitwise-equal logprobs there mean every
-   introducing op differed only in how it computed; otherwise a rescan at
-   module depth says which ops still introduce error;
-3. ``classify.classify_op`` per introducing op, fused add+norm merged;
-4. ``attribute.attribute``: share and necessity from rescans at logprobs depth.
+2. the conformance of every introducing op (``conformance.py``): each side's
+   recorded output against the exact function its own contract names, a local
+   check on the rows the probes kept;
+3. only for ops that check could not decide (and that read no differing
+   contract): one rescan with the reference kernels of their families on both
+   sides, at logprobs depth first (bitwise-equal logprobs there mean no op
+   introduces error any more), else at module depth;
+4. ``classify.classify_op`` per introducing op, fused add+norm merged;
+5. ``attribute.attribute``: Shapley shares from rescans at logprobs depth.
 
-Every rerun goes through a ``Rescanner``: the one object that knows how to scan
-the same tokens again with other settings (the pooled engines are reused and
-only the primary pair is scored, so each costs one pass of each) and that
-remembers each configuration's logdiff (the logprobs-depth reference rescan is
-also attribution's "everything fixed" when every cause is operator-path, and
-its "this cause alone" when one kernel family holds them all: then attribution
-runs no rescan of its own).
+Every rerun goes through a ``Rescanner`` (``rescan.py``), which remembers each
+configuration's result so that attribution reuses the reference rescan.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from logdiff.config import KERNEL_FAMILIES, ScanConfig
 from logdiff.diagnosis import attribute, classify, spacing
 from logdiff.diagnosis.cause import FAMILY, Findings
+from logdiff.diagnosis.conformance import Conformance, ConformanceCheck
 from logdiff.diagnosis.preflight import preflight
 from logdiff.diagnosis.rescan import Rescanner
 from logdiff.engines.base import Engine
@@ -80,8 +80,14 @@ def diagnose(
     infer: Engine,
     rescanner: Rescanner,
     progress: Callable[..., None] = silent,
+    record: Any = None,
 ) -> Findings:
-    """The contracts, causes and attribution of a measured scan's primary pair."""
+    """The contracts, causes and attribution of a measured scan's primary pair.
+
+    ``record``: the primary pair's probes (``probes.session.PairRecord``) with both
+    sides' rows still on disk, for the conformance check; without it every op is
+    classified by the reference rerun.
+    """
     progress = Phases.of(progress)
     progress("semantic preflight: contracts and weight fingerprints", phase="preflight")
     found = Findings()
@@ -100,15 +106,22 @@ def diagnose(
         return found
     if not ops:
         found.warnings.append("the logprobs differ but no op was found to introduce the error")
-    progress("rerunning both paths with the reference kernels", phase="reference_rerun")
-    families = {FAMILY.get(op.get("kind") or "module") for op in ops}
-    families = set(KERNEL_FAMILIES) if None in families else families
-    reference = reference_rerun(cfg, rescanner, families, found.warnings) if ops else None
+    progress(f"checking {len(ops)} ops that introduce error against their exact functions", phase="conformance")
+    conformance = _conformance(ops, record, train, arch, contracts, cfg.dtype)
+    # the reference rerun only where the local check could not decide and no contract already does
+    undecided = [op for op in ops if not conformance[op["boundary"]].decided and not _reads_a_difference(op, contracts, arch)]
+    reference = None
+    if undecided:
+        progress("rerunning both paths with the reference kernels", phase="reference_rerun")
+        families = {FAMILY.get(op.get("kind") or "module") for op in undecided}
+        families = set(KERNEL_FAMILIES) if None in families else families
+        reference = reference_rerun(cfg, rescanner, families, found.warnings)
     progress(f"classifying {len(ops)} ops that introduce error", phase="classify")
     causes = []
+    paths = {"train": pair.train, "infer": pair.infer}
     for op in ops:
         rel = op.get("local_rel")
-        vanished = reference(op["boundary"]) if reference is not None else None
+        vanished = reference(op["boundary"]) if reference is not None and op in undecided else None
         ev = classify.OpEvidence(
             boundary=op["boundary"],
             kind=op.get("kind") or "module",
@@ -116,18 +129,43 @@ def diagnose(
             local_max_abs_diff=float(op["local_max_abs_diff"]),
             ulps=spacing.spacing_units(rel, cfg.dtype) if rel is not None else None,
             vanished_under_reference=vanished,
+            conformance=conformance[op["boundary"]],
+            paths=paths,
         )
         causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
     causes = classify.merge_fused(causes, arch)
     causes += classify.preflight_only_causes(contracts, causes, arch)
     progress("attributing the logdiff to its causes", phase="attribute")
-    baseline = float(pair.metrics["abs_diff_max"])
-    rescanner.remember(cfg, baseline)  # "every other lever" of a single cause is this scan itself
+    rescanner.remember(cfg, pair.metrics)  # the empty set of levers is this scan itself
     try:
         if cfg.attribute:
-            found.attribution = attribute.attribute(causes, cfg, baseline, rescanner.logdiff, progress)
+            found.attribution = attribute.attribute(causes, cfg, rescanner.metrics, progress, rescanner.knows)
     except Exception as e:  # noqa: BLE001 - classification stands without attribution
         found.warnings.append(f"attribution skipped ({type(e).__name__}: {e})")
     causes.sort(key=lambda c: (-(c.share if c.share is not None else -1.0), c.boundary))
     found.causes = causes
     return found
+
+
+def _conformance(
+    ops: list[dict[str, Any]], record: Any, train: Engine, arch: Any, contracts: dict[str, Any], dtype: str
+) -> dict[str, Conformance]:
+    """Each introducing op's conformance (``conformance.py``); unchecked where the rows were not kept."""
+    if record is None or record.train_store is None:
+        return {op["boundary"]: Conformance(unchecked="the probes kept no rows of the training path") for op in ops}
+    check = ConformanceCheck(record, train.module(), classify.adapter_or_default(arch), contracts, dtype,
+                             train.rope_params())  # fmt: skip
+    out = {}
+    for op in ops:
+        try:
+            out[op["boundary"]] = check.check(op["boundary"], op.get("kind") or "module", op.get("layer"))
+        except Exception as e:  # noqa: BLE001 - an op the check cannot read is classified by the rerun
+            out[op["boundary"]] = Conformance(unchecked=f"{type(e).__name__}: {e}")
+    return out
+
+
+def _reads_a_difference(op: dict[str, Any], contracts: dict[str, Any], arch: Any) -> bool:
+    """Whether the op reads a contract key or weight that differs (then the contract alone classifies it)."""
+    keys, weights = classify.contract_keys(op["boundary"], op.get("kind") or "module", arch)
+    w_diff = set((contracts.get("weights") or {}).get("differs", []))
+    return bool(set(keys) & set(contracts.get("differs", [])) or set(weights) & w_diff)

@@ -16,19 +16,32 @@ import hashlib
 from typing import Any
 
 from logdiff.engines.base import Engine
+from logdiff.probes.contracts import IMPLEMENTATION_KEYS
 
 
 def _differs(a: Any, b: Any) -> bool:
     return a is not None and b is not None and a != b
 
 
+def _dropped(key: str, *contracts: dict[str, Any]) -> bool:
+    return any(key in (c.get("dropped") or {}) for c in contracts)
+
+
+def _dropped_by_one(key: str, ct: dict[str, Any], ci: dict[str, Any]) -> bool:
+    """One side's implementation drops a feature the other side applies."""
+    return _dropped(key, ct, ci) and (ct.get(key) is not None or ci.get(key) is not None)
+
+
 def preflight(train: Engine, infer: Engine, *, weights: bool = True) -> dict[str, Any]:
     """The ``contracts`` block of result.json for one (train, infer) engine pair."""
     ct, ci = train.contract(), infer.contract()
+    keys = [k for k in dict.fromkeys([*ct, *ci]) if k not in IMPLEMENTATION_KEYS]
     out: dict[str, Any] = {
         "train": ct,
         "infer": ci,
-        "differs": [k for k in ct if _differs(ct[k], ci.get(k))],
+        "differs": [k for k in keys if _differs(ct.get(k), ci.get(k)) or _dropped_by_one(k, ct, ci)],
+        # read on one side only: unknown, never equal (a dropped feature is known: its effective value is none)
+        "unknown": [k for k in keys if (ct.get(k) is None) != (ci.get(k) is None) and not _dropped(k, ct, ci)],
         "weights": None,
     }
     if weights:

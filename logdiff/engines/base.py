@@ -118,6 +118,11 @@ class Engine(ABC):
         """The engine's ``nn.Module`` (for probes)."""
         raise NotImplementedError
 
+    def rope_params(self) -> dict[str | None, Any]:
+        """The RoPE tables this engine computes (``kernels.rope.RopeParams``) by layer type, ``{None: params}``
+        for one table; empty when unknown (the conformance check then leaves RoPE unchecked)."""
+        return {}
+
     #: set by probes (``logdiff.probes.record.Recorder``) while they are attached; None otherwise.
     listener: Any = None
 

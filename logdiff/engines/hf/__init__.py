@@ -124,6 +124,15 @@ class HFEngine(Engine):
     def module(self) -> Any:
         return self.model
 
+    def rope_params(self) -> dict[str | None, Any]:
+        from logdiff.engines.hf.consistent import rope_params_of
+
+        rotary = next((m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+        try:
+            return rope_params_of(rotary) if rotary is not None else {}
+        except (NotImplementedError, ValueError, AttributeError, KeyError):  # a table the kernels do not cover
+            return {}
+
     def contract(self) -> dict[str, Any]:
         from logdiff.engines.hf.contract import hf_contract
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from logdiff.probes.contracts import fingerprint, narrowest, norm_eps, sampler
+from logdiff.probes.contracts import effective, fingerprint, narrowest, norm_eps, sampler
 
 
 def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
@@ -20,7 +20,8 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     layer = arch.layers(model)[0]
     rope = getattr(cfg, "rope_parameters", None) or {}
     attn = arch.attention(layer)
-    return {
+    impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    contract = {
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "vocab_size": int(arch.lm_head(model).weight.shape[0]),
         "rms_norm_eps": norm_eps(arch.input_norm(layer)),
@@ -39,7 +40,19 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         # The distribution it samples from (hf-decode) or scores under (the trainer): full support.
         **sampler(options),
         **arch.contract_extras(model, "hf"),
+        "attn_implementation": impl,
     }
+    return effective(contract, HF_DROPS.get(impl, {}))
+
+
+#: contracted features each HF attention implementation silently ignores when the model passes them
+#: (transformers' ``sdpa_attention_forward`` swallows ``softcap`` in its ``**kwargs``)
+HF_DROPS = {
+    "sdpa": {
+        "attn_logit_softcapping": "HF's sdpa attention ignores the soft cap it is passed "
+        "(set train.attn_implementation=eager to apply it)",
+    },
+}
 
 
 def hf_fingerprints(model: Any) -> dict[str, str]:

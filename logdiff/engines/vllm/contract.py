@@ -46,6 +46,7 @@ def vllm_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         "logprobs_mode": "processed_logprobs" if processed else "raw_logprobs",
         **drawn,
         **arch.contract_extras(model, "vllm"),
+        "attn_implementation": type(core.impl).__name__ if core is not None and hasattr(core, "impl") else None,
     }
 
 

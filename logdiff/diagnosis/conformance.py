@@ -1,0 +1,292 @@
+"""Conformance: each side's output measured against the exact function its own contract names.
+
+A divergence that vanishes under the reference kernels does not prove an
+operator-path cause: the kernel computes the *contracted* function, so it also
+repairs a side that computes another one (a dropped soft cap, an ignored eps).
+The local check here decides instead, on recorded tensors alone:
+
+1. for an op that introduces error, take each side's own recorded inputs (the
+   probes keep both sides' rows of the first sequences);
+2. compute in fp64 the function that side's effective contract names (its
+   eps, scale, soft cap, window, temperature, RoPE table; ``exact``), with the
+   weights both sides were checked to share;
+3. measure that side's recorded output against it in units of the dtype's
+   spacing at the op's magnitude scale, against the op's rounding bound
+   (``spacing.OpBound``).
+
+Both sides within their bounds: the same function computed two ways
+(``operator_path``). A side outside: it computes something else
+(``framework_difference``), whatever its contract says. An op this module has
+no exact function for (MoE blocks, MLA, an attention with sinks, a RoPE style
+other than NeoX) is reported as unchecked, with the reason, and classified by
+the reference rerun instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from logdiff.diagnosis import exact
+from logdiff.diagnosis.spacing import eps
+
+SIDES = ("train", "infer")
+#: rows read per side and op (evenly spaced over the kept sequences); attention reads every key before them
+MAX_ROWS = 128
+
+
+@dataclass
+class SideCheck:
+    """One side's output against the exact function, in units of the dtype's spacing at the op's scale."""
+
+    error: float
+    bound: float
+    rows: int
+    function: str
+
+    @property
+    def within(self) -> bool:
+        return self.error <= self.bound
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": _round(self.error), "bound": _round(self.bound), "rows": self.rows, "function": self.function}
+
+
+@dataclass
+class Conformance:
+    """Both sides' checks of one op; ``unchecked`` says why a side could not be checked."""
+
+    sides: dict[str, SideCheck] = field(default_factory=dict)
+    unchecked: str | None = None
+
+    @property
+    def decided(self) -> bool:
+        """Both sides were checked."""
+        return all(s in self.sides for s in SIDES)
+
+    @property
+    def outside(self) -> list[str]:
+        """The sides whose output is outside their rounding bound (they compute another function)."""
+        return [s for s in SIDES if s in self.sides and not self.sides[s].within]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {s: self.sides[s].to_dict() for s in SIDES if s in self.sides}
+        if self.unchecked:
+            out["unchecked"] = self.unchecked
+        return out
+
+    def evidence(self, paths: dict[str, str]) -> list[str]:
+        """One line per side: its error against the exact function and the bound."""
+        lines = []
+        for side, c in self.sides.items():
+            verdict = "within" if c.within else "OUTSIDE"
+            lines.append(f"conformance: {side} ({paths[side]}) is {c.error:.3g} units of the dtype's spacing from "
+                         f"the exact {c.function}, {verdict} its rounding bound of {c.bound:.3g}")  # fmt: skip
+        if self.unchecked:
+            lines.append(f"conformance not checked locally: {self.unchecked}")
+        return lines
+
+
+def _round(x: float) -> float:
+    return float(f"{x:.4g}") if np.isfinite(x) else x
+
+
+class NotCheckable(Exception):
+    """This op has no exact function here (the message says why)."""
+
+
+@dataclass
+class Site:
+    """What one check reads: a side's rows of the op's inputs and output."""
+
+    inputs: list[Any]
+    output: Any
+    seq: np.ndarray
+    pos: np.ndarray
+
+
+class ConformanceCheck:
+    """The conformance of introducing ops of one probed pair.
+
+    ``model`` is the training path's HF module (the weights both sides were
+    fingerprinted to share), ``adapter`` the architecture adapter,
+    ``contracts`` the preflight's block (each side's effective contract),
+    ``rope_params`` the training engine's RoPE tables by layer type.
+    """
+
+    def __init__(self, record: Any, model: Any, adapter: Any, contracts: dict[str, Any], dtype: str,
+                 rope_params: dict[Any, Any] | None = None):  # fmt: skip
+        self.record, self.model, self.adapter = record, model, adapter
+        self.contracts, self.dtype = contracts, dtype
+        self.rope_params = rope_params or {}
+        self.stores = {"train": record.train_store, "infer": record.store}
+
+    def check(self, boundary: str, kind: str, layer: int | None) -> Conformance:
+        out = Conformance()
+        b = self.record.cmap.get(boundary)
+        if b is None or any(self.stores[s] is None for s in SIDES):
+            out.unchecked = "the op's rows were not kept on both sides"
+            return out
+        for side in SIDES:
+            try:
+                function = self._function(b, side)
+                checks = [self._measure(function, site) for site in self._sites(b, side)]
+            except NotCheckable as e:
+                out.unchecked = str(e)
+                return out
+            if not checks:
+                out.unchecked = f"no rows of {boundary} were recorded with their inputs on the {side} side"
+                return out
+            worst = max(checks, key=lambda c: c.error / c.bound if c.bound else c.error)
+            worst.rows = sum(c.rows for c in checks)
+            out.sides[side] = worst
+        return out
+
+    # ---- rows ------------------------------------------------------------------------------
+
+    def _sites(self, b: Any, side: str) -> list[Site]:
+        """One ``Site`` per kept sequence (attention: its queries and every key before them)."""
+        store = self.stores[side]
+        target = store.get(b.name)
+        sources = [store.get(n) for n in b.inputs]
+        if target is None or any(s is None for s in sources):
+            return []
+        sequences = range(min(self.record.train_store.num_sequences, _kept(self.record.train_store)))
+        per_seq = max(1, MAX_ROWS // max(1, len(sequences)))
+        sites = []
+        for seq in sequences:
+            pos = np.arange(target.max_len)
+            seqs = np.full(len(pos), seq)
+            ok = target.has(seqs, pos)
+            for src in sources:
+                ok &= src.has_prefix(seqs, pos) if b.causal else src.has(seqs, pos)
+            pos = pos[ok]
+            if not len(pos):
+                continue
+            if len(pos) > per_seq:
+                pos = pos[np.linspace(0, len(pos) - 1, per_seq).round().astype(int)]
+            seqs = np.full(len(pos), seq)
+            if b.causal:  # every key and value up to the last query
+                keys = np.arange(int(pos.max()) + 1)
+                ins = [sources[0].read(seqs, pos)] + [s.read(np.full(len(keys), seq), keys) for s in sources[1:]]
+            else:
+                ins = [s.read(seqs, pos) for s in sources]
+            sites.append(Site(ins, target.read(seqs, pos), seqs, pos))
+        return sites
+
+    def _measure(self, function: Callable[[Site], exact.Exact], site: Site) -> SideCheck:
+        ex = function(site)
+        units = exact.error_units(site.output, ex, eps(self.dtype))
+        return SideCheck(units, ex.bound.units(self.dtype), len(site.pos), ex.function)
+
+    # ---- the contracted function of each op kind ---------------------------------------------
+
+    def _function(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
+        contract = self.contracts[side]
+        kind = b.kind
+        if kind == "linear":
+            mod = self._module(b.name)
+            return lambda s: exact.linear(s.inputs[0], mod.weight, getattr(mod, "bias", None))
+        if kind == "logits":
+            head = self.adapter.lm_head(self.model)
+            cap = contract.get("final_logit_softcapping")
+            return lambda s: exact.linear(s.inputs[0], head.weight, getattr(head, "bias", None), cap)
+        if kind == "norm":
+            mod = self._module(b.name)
+            key = next((k for k in self.adapter.contract_keys(b.name, "norm")[0] if k.endswith("eps")), None)
+            if key is None or contract.get(key) is None:
+                raise NotCheckable(f"the {side} side's eps of {b.name} is unknown")
+            value, offset = float(contract[key]), bool(self.adapter.norm_offset)
+            return lambda s: exact.rms_norm(s.inputs[0], mod.weight, value, offset)
+        if kind == "add":
+            return lambda s: exact.add(s.inputs[0], s.inputs[1])
+        if kind == "act":
+            act = self.adapter.mlp_activation(self.model.config)
+            if act not in exact.ACTIVATIONS:
+                raise NotCheckable(f"no exact function for the activation {act!r}")
+            return lambda s: exact.act_mul(s.inputs[0], s.inputs[1], act)
+        if kind == "rope":
+            return self._rope(b, side)
+        if kind == "attn":
+            return self._attention(b, side)
+        if kind == "log_softmax":
+            t = float(contract.get("temperature") or 1.0)
+            t = t if contract.get("logprobs_mode") == "processed_logprobs" else 1.0
+            return lambda s: exact.log_softmax(s.inputs[0], t)
+        raise NotCheckable(f"no exact function for a {kind} op")
+
+    def _module(self, name: str) -> Any:
+        try:
+            mod = self.model.get_submodule(name)
+        except AttributeError:
+            raise NotCheckable(f"{name} is not a module of the training model (packed or fused)") from None
+        if getattr(mod, "weight", None) is None:
+            raise NotCheckable(f"{name} holds no weight")
+        return mod
+
+    def _rope(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
+        contract = self.contracts[side]
+        if contract.get("rope_style") != "neox":
+            raise NotCheckable(f"no exact function for RoPE style {contract.get('rope_style')!r}")
+        params = self._rope_params(b.layer)
+        if params is None:
+            raise NotCheckable("the RoPE table the training model computes could not be read")
+        from dataclasses import replace
+
+        from logdiff.kernels.rope import rope_attention_scaling, rope_inv_freq
+
+        if contract.get("rope_type") not in (None, params.rope_type) or contract.get("rope_theta") is None:
+            raise NotCheckable(f"the {side} side's RoPE type {contract.get('rope_type')!r} is not the training model's")
+        params = replace(params, theta=float(contract["rope_theta"]))  # the side's own base
+        inv_freq, factor = rope_inv_freq(params), rope_attention_scaling(params)
+        head_dim = _head_dim(self.model.config)
+
+        def run(s: Site) -> exact.Exact:
+            heads = s.inputs[0].shape[1] // head_dim
+            return exact.rope(s.inputs[0], _tensor(s.pos), inv_freq, factor, heads, params.rotary_dim)
+
+        return run
+
+    def _rope_params(self, layer: int | None) -> Any:
+        if None in self.rope_params:
+            return self.rope_params[None]
+        types = getattr(self.model.config, "layer_types", None)
+        return self.rope_params.get(types[layer]) if types and layer is not None else None
+
+    def _attention(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
+        contract = self.contracts[side]
+        layer_module = self.adapter.layers(self.model)[b.layer]
+        attn = self.adapter.attention(layer_module)
+        if self.adapter.latent_attention(attn) or getattr(attn, "sinks", None) is not None:
+            raise NotCheckable("no exact function for this attention (latent attention or sinks)")
+        if contract.get("attention_scale") is None:
+            raise NotCheckable(f"the {side} side's attention scale is unknown")
+        scale, cap = float(contract["attention_scale"]), contract.get("attn_logit_softcapping")
+        window = getattr(attn, "sliding_window", None)  # this layer's window, as the module holds it
+        if window and self.contracts["infer"].get("sliding_window") != self.contracts["train"].get("sliding_window"):
+            window = contract.get("sliding_window")
+        heads = int(self.model.config.num_attention_heads)
+
+        def run(s: Site) -> exact.Exact:
+            return exact.attention(s.inputs[0], s.inputs[1], s.inputs[2], _tensor(s.pos), heads, scale, cap, window)
+
+        return run
+
+
+def _kept(store: Any) -> int:
+    """How many sequences a training-path store kept (``StoreSink.sequences``)."""
+    return getattr(store, "sequences", None) or store.num_sequences
+
+
+def _head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def _tensor(pos: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(np.asarray(pos, dtype=np.int64))
+

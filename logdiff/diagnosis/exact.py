@@ -1,0 +1,180 @@
+"""The exact functions ops are contracted to compute, in fp64, with each op's rounding bound.
+
+Each function takes one side's recorded inputs (rows as the probes store them)
+and the parameters that side's effective contract names, and returns an
+``Exact``: the fp64 value of the function, its magnitude ``scale`` (the sum of
+the absolute terms the op adds up, so that cancellation never shrinks the
+bound; docs/causes.md) and the ``OpBound`` of a stock implementation.
+
+These are the contracted functions, written from their definitions, not the
+engines' code: a side that drops a soft cap or ignores its eps differs from
+them by more than rounding, whatever its own module would compute in fp64.
+Where ``logdiff.kernels`` has an fp64 reference for the op (attention, RMSNorm,
+the gated activations, RoPE tables), it is used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from logdiff.diagnosis.spacing import OpBound
+
+#: elements of the ``|v_j - o_t|`` temporary of one attention chunk (fp64: 32 MiB)
+ATTENTION_CHUNK = 1 << 22
+
+
+def _f64(x: Any) -> Any:
+    import torch
+
+    return x.detach().to(torch.float64)
+
+
+@dataclass
+class Exact:
+    """The exact value of one op on one side's inputs, its magnitude scale and its rounding bound."""
+
+    value: Any  # fp64 tensor, the output rows' shape
+    scale: Any  # fp64 tensor, same shape, >= 0
+    bound: OpBound
+    function: str  # the function computed, for the evidence (``rms_norm(eps=1e-06)``)
+
+
+def linear(x: Any, weight: Any, bias: Any | None = None, softcap: float | None = None) -> Exact:
+    """``x @ W.T + b`` (then ``cap * tanh(z / cap)`` for soft-capped logits)."""
+    import torch
+
+    x64, w64 = _f64(x), _f64(weight)
+    z = x64 @ w64.T
+    scale = x64.abs() @ w64.abs().T
+    if bias is not None:
+        z = z + _f64(bias)
+        scale = scale + _f64(bias).abs()
+    what = f"linear(K={w64.shape[1]})"
+    roundings = 1.0
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)  # derivative <= 1: the GEMM's scale still bounds its error
+        scale = scale + z.abs()
+        roundings, what = 2.0, f"{what} soft-capped at {softcap:g}"
+    return Exact(z, scale, OpBound(roundings, int(w64.shape[1])), what)
+
+
+def rms_norm(x: Any, weight: Any, eps: float, offset: bool) -> Exact:
+    """``x / sqrt(mean(x^2) + eps) * w`` (``* (1 + w)`` for Gemma), over groups of ``weight``'s width
+    (a q/k norm normalizes each head of a ``[rows, heads * head_dim]`` row)."""
+    import torch
+
+    width = int(weight.shape[-1])
+    x64 = _f64(x)
+    groups = x64.reshape(*x64.shape[:-1], -1, width)
+    normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    w = _f64(weight) + (1.0 if offset else 0.0)
+    y = (normed * w).reshape(x64.shape)
+    # a fused add+norm normalizes the unrounded sum (its recorded input is rounded), HF rounds the
+    # normalized value, then its product with the weight: up to three roundings at |y|
+    return Exact(y, y.abs(), OpBound(3.0, width), f"rms_norm(eps={eps:g}{', 1 + w' if offset else ''})")
+
+
+def add(a: Any, b: Any) -> Exact:
+    """The residual add."""
+    a64, b64 = _f64(a), _f64(b)
+    return Exact(a64 + b64, a64.abs() + b64.abs(), OpBound(1.0), "add")
+
+
+#: the gated MLP activations ``act_mul`` knows, by HF config name
+ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh", "gelu_tanh"})
+
+
+def act_mul(gate: Any, up: Any, activation: str) -> Exact:
+    """``act(gate) * up`` for one of ``ACTIVATIONS``."""
+    import torch.nn.functional as F
+
+    g, u = _f64(gate), _f64(up)
+    a = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
+    y = a * u
+    return Exact(y, y.abs(), OpBound(2.0), f"{activation}(gate) * up")  # act rounded, then the product
+
+
+def rope(x: Any, positions: Any, inv_freq: Any, factor: float, heads: int, rotary_dim: int) -> Exact:
+    """NeoX-style RoPE (halves of the first ``rotary_dim`` dims) of ``[rows, heads * head_dim]`` rows at
+    ``positions``, with cos/sin from ``inv_freq`` (fp64) times ``factor`` (yarn's attention factor)."""
+    import torch
+
+    x64 = _f64(x)
+    rows = x64.reshape(x64.shape[0], heads, -1)
+    angle = positions.to(torch.float64)[:, None] * _f64(inv_freq)[None, :]  # [rows, rotary_dim / 2]
+    cos, sin = (torch.cat([t, t], -1)[:, None, :] * factor for t in (torch.cos(angle), torch.sin(angle)))
+    rot, rest = rows[..., :rotary_dim], rows[..., rotary_dim:]
+    half = rotary_dim // 2
+    turned = torch.cat([-rot[..., half:], rot[..., :half]], -1)
+    y = torch.cat([rot * cos + turned * sin, rest], -1).reshape(x64.shape)
+    scale = torch.cat([(rot * cos).abs() + (turned * sin).abs(), rest.abs()], -1).reshape(x64.shape)
+    # cos and sin rounded to the dtype, both products and their sum rounded
+    return Exact(y, scale, OpBound(4.0), f"rope(rotary_dim={rotary_dim}, style=neox)")
+
+
+def attention(
+    q: Any, k: Any, v: Any, q_positions: Any, heads: int, scale: float, softcap: float | None, window: int | None
+) -> Exact:
+    """Causal softmax attention of one sequence: ``[T, heads * D]`` queries at ``q_positions`` against
+    ``[S, kv_heads * D]`` keys and ``[S, kv_heads * Dv]`` values at positions ``0..S-1``.
+
+    The scale of output element (t, h, d) bounds what rounding the scores and
+    probabilities to the dtype can move it by (first order):
+    ``sum_j p_j |v_jd| + sum_j p_j |s_j| |v_jd - o_td|``.
+    """
+    import torch
+
+    q64, k64, v64 = _f64(q), _f64(k), _f64(v)
+    t, s = q64.shape[0], k64.shape[0]
+    d = q64.shape[1] // heads
+    kv_heads = k64.shape[1] // d
+    dv = v64.shape[1] // kv_heads
+    qh = q64.reshape(t, heads, d)
+    g = heads // kv_heads
+    kh = k64.reshape(s, kv_heads, d).repeat_interleave(g, dim=1)
+    vh = v64.reshape(s, kv_heads, dv).repeat_interleave(g, dim=1)
+    scores = torch.einsum("thd,shd->hts", qh, kh) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = q_positions.long()
+    keys = torch.arange(s)
+    visible = keys[None, :] <= pos[:, None]
+    if window:
+        visible &= keys[None, :] > pos[:, None] - window
+    p = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)  # [H, T, S]
+    out = torch.einsum("hts,shd->thd", p, vh)
+    ps = p * scores.abs().masked_fill(~visible[None], 0.0)
+    scale_t = torch.einsum("hts,shd->thd", p, vh.abs())
+    step = max(1, ATTENTION_CHUNK // max(1, heads * s * dv))
+    for a in range(0, t, step):  # sum_j p_j |s_j| |v_j - o_t|, a chunk of queries at a time
+        spread = (vh.transpose(0, 1)[None] - out[a : a + step, :, None, :]).abs()  # [t, H, S, Dv]
+        scale_t[a : a + step] += torch.einsum("hts,thsd->thd", ps[:, a : a + step], spread)
+    what = f"attention(scale={scale:.6g}" + (f", softcap={softcap:g}" if softcap else "") + (
+        f", window={window}" if window else "") + ")"  # fmt: skip
+    # scores, probabilities and the output each rounded once; the p @ v reduction over S keys
+    return Exact(out.reshape(t, heads * dv), scale_t.reshape(t, heads * dv), OpBound(3.0, s), what)
+
+
+def log_softmax(logits: Any, temperature: float) -> Exact:
+    """``log_softmax(logits / T)`` over the vocabulary."""
+    import torch
+
+    z = _f64(logits) / temperature
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    y = z - lse
+    what = "log_softmax" + (f"(logits / {temperature:g})" if temperature != 1.0 else "")
+    return Exact(y, z.abs() + lse.abs(), OpBound(2.0, int(z.shape[-1])), what)
+
+
+def error_units(actual: Any, exact: Exact, eps: float) -> float:
+    """``max |actual - exact| / (eps * scale)`` over the elements with a nonzero scale."""
+    import torch
+
+    diff = (_f64(actual) - exact.value).abs()
+    scale = exact.scale
+    live = scale > 0
+    if not bool(live.any()):
+        return 0.0 if float(diff.max()) == 0.0 else float("inf")
+    worst = torch.where(live, diff / (eps * scale.clamp_min(1e-300)), torch.where(diff > 0, float("inf"), 0.0))
+    return float(worst.max())
