@@ -9,9 +9,13 @@ the one implementation of that grouping. It works on the plain result dict
 ``cause_groups`` in result.json, and the renderers call ``cause_groups`` which
 reads that field, or groups ``causes`` for result files written before it.
 
-Within a family, ``share`` and ``necessity`` are measured per lever (one
-rescan per kernel family, weights or override), so every member carries the
-same values; a group takes the largest share and "necessary if any member is".
+``share`` is measured per lever (a kernel family, the weights or an
+override; logdiff/diagnosis/attribute.py) and split equally among the causes
+the lever neutralises, so a group's share is the sum of its members' shares:
+the groups' shares, like the causes', add up to the fraction of the gap that
+all levers together close (``attribution.closed``). A group is "necessary"
+if any member is. Results written before Shapley attribution gave every
+member its lever's whole share; grouped on the fly, they keep the largest.
 """
 
 from __future__ import annotations
@@ -73,10 +77,11 @@ def describe_sites(sites: list[str]) -> str:
     return "; ".join(parts + other)
 
 
-def _share(members: list[dict[str, Any]]) -> float | None:
+def _share(members: list[dict[str, Any]], total: bool) -> float | None:
+    """The sum of the members' shares (``total``; else the largest), None when none was measured."""
     values = [c["share"] for c in members
               if isinstance(c.get("share"), (int, float)) and not isinstance(c.get("share"), bool)]
-    return max(values) if values else None
+    return (sum(values) if total else max(values)) if values else None
 
 
 def _necessity(members: list[dict[str, Any]]) -> bool | None:
@@ -84,11 +89,12 @@ def _necessity(members: list[dict[str, Any]]) -> bool | None:
     return any(values) if values else None
 
 
-def group_causes(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def group_causes(causes: list[dict[str, Any]], summed: bool = True) -> list[dict[str, Any]]:
     """``cause_groups`` for result.json: one group per (class, kind, family), most important first.
 
     Framework differences come first (they change the function, not its
     rounding), then larger shares; each group keeps its members' order.
+    ``summed=False`` takes the largest member share (results before Shapley attribution).
     """
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for c in causes:
@@ -105,7 +111,7 @@ def group_causes(causes: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "sites": sites,
             "layers": describe_sites(sites),
             "count": len(members),
-            "share": _share(members),
+            "share": _share(members, summed),
             "necessity": _necessity(members),
             "fix": " / ".join(fixes),
             "evidence": [str(e) for e in members[0].get("evidence") or [] if e],
@@ -121,4 +127,6 @@ def cause_groups(result: dict[str, Any]) -> list[dict[str, Any]]:
     if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
         return groups
     causes = result.get("causes")
-    return group_causes(causes) if isinstance(causes, list) else []
+    attribution = result.get("attribution")
+    legacy = isinstance(attribution, dict) and "closed" not in attribution  # each cause: its lever's whole share
+    return group_causes(causes, summed=not legacy) if isinstance(causes, list) else []

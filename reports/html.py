@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .charts import heatmap_data, histogram_chart, position_chart
+from . import shares
 from .groups import cause_groups
 from .format import (METRICS, cost_text, current_names, fmt_fraction, fmt_lens, fmt_metric, fmt_num, fmt_value, is_number,
                      pair_label, verdict_text)
@@ -136,6 +137,7 @@ def build_view(result: dict) -> dict:
         "introducing_ops": _introducing(r.get("introducing_ops")),
         "n_causes": len([c for c in _list(r.get("causes")) if isinstance(c, dict)]),
         "groups": _groups(r),
+        "share_note": shares.note(r, negative=any(shares.is_negative(g.get("share")) for g in cause_groups(r))),
         "heatmap": heatmap,
         "heatmap_missing": _heatmap_missing(r, depth),
         "data_json": embed_json({"heatmap": heatmap}),
@@ -343,6 +345,8 @@ def _groups(r: dict) -> list[dict]:
                     "fix": _text(g.get("fix"), ""), "evidence": [str(e) for e in _list(g.get("evidence"))],
                     "share": fmt_fraction(share) if is_number(share) else "not measured",
                     "share_width": f"{width:.1f}", "share_known": is_number(share),
+                    "share_note": shares.NEGATIVE if shares.is_negative(share) else "",
+                    "share_hint": shares.NEGATIVE_HINT,
                     "necessity": {True: "necessary", False: "not necessary alone"}.get(g.get("necessity"), "—")})
     return out
 

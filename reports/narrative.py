@@ -3,7 +3,7 @@
 It reads only the result dict (docs/result-schema.md) and says, in order:
 what diverged and by how much in the terms an RL run feels (importance ratio,
 clip fraction), where the two engines first part, why (each group of causes, ``groups.py``,
-with its class, sites, evidence and share), how sure the tool is, and what to
+with its class, sites, evidence and share, and what the shares add up to: ``shares.py``), how sure the tool is, and what to
 do next, in commands an installed logdiff can run.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import shares
 from .format import current_names, terminal_safe
 from .groups import cause_groups
 
@@ -71,10 +72,14 @@ def _why(result: dict[str, Any]) -> list[str]:
     if not groups:
         return []
     lines = ["Why:"]
+    shapley = shares.shapley(result) is not None
     for g in groups:
         share = g.get("share")
         share_text = ""
-        if isinstance(share, (int, float)) and not isinstance(share, bool):
+        if isinstance(share, (int, float)) and not isinstance(share, bool) and shapley:
+            share_text = f"; its share of the mean gap is {100 * share:.0f}%" + (
+                f" ({shares.NEGATIVE})" if share < 0 else "")
+        elif isinstance(share, (int, float)) and not isinstance(share, bool):  # a result before Shapley shares
             share_text = (f"; neutralising it alone removes {100 * share:.0f}% of the gap" if share >= 0 else
                           f"; neutralising it alone makes the gap {-100 * share:.0f}% larger (the causes interact)")
         necessary = " It must be fixed to reach logdiff = 0." if g.get("necessity") else ""
@@ -84,7 +89,8 @@ def _why(result: dict[str, Any]) -> list[str]:
                      f"{g.get('family')}) at {sites}{g.get('layers')}{share_text}.{necessary}")
         lines += [f"      evidence: {e}" for e in (g.get("evidence") or [])[:2]]
         lines.append(f"      fix: {g.get('fix')}")
-    return lines
+    note = shares.note(result, negative=any(shares.is_negative(g.get("share")) for g in groups))
+    return lines + ([f"  {note}"] if note else [])
 
 
 def _confidence(result: dict[str, Any]) -> list[str]:

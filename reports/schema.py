@@ -4,7 +4,8 @@ The contract lives in two places that must agree: ``docs/result-schema.md``
 (for people) and ``result.schema.json`` next to this file (JSON Schema draft
 2020-12, for machines). ``validate_result`` runs the JSON Schema and then the
 few cross-field rules a JSON Schema cannot express (table shapes, histogram
-edges, ``logprobs`` being the primary pair's metrics). It returns messages
+edges, ``logprobs`` being the primary pair's metrics, attribution's shares
+summing to ``attribution.closed``). It returns messages
 rather than raising, so the CLI decides whether a bad result is fatal.
 
 ``jsonschema`` is a runtime dependency. Should it be missing anyway, the
@@ -144,7 +145,27 @@ def _cross_field_errors(result: dict) -> list[str]:
         errors.extend(_table_errors(table))
     errors.extend(_null_metric_errors(result))
     errors.extend(_moe_errors(result.get("moe")))
+    errors.extend(_attribution_errors(result))
     return errors
+
+
+def _attribution_errors(result: dict) -> list[str]:
+    """Shapley shares add up: the levers' shares, and the causes', sum to ``attribution.closed``."""
+    attribution = result.get("attribution")
+    closed = attribution.get("closed") if isinstance(attribution, dict) else None
+    if not _is_number(closed):
+        return []
+    errors = []
+    for where, items in (("$.attribution.levers", attribution.get("levers")), ("$.causes", result.get("causes"))):
+        shares = [x.get("share") for x in items if isinstance(x, dict)] if isinstance(items, list) else []
+        shares = [v for v in shares if _is_number(v)]
+        if shares and not math.isclose(sum(shares), closed, rel_tol=1e-6, abs_tol=1e-9):
+            errors.append(f"{where}: the shares sum to {sum(shares):.6g}, attribution.closed is {closed:.6g}")
+    return errors
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _moe_errors(moe: Any) -> list[str]:

@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from . import shares
 from .groups import cause_groups
 from .format import (KEY_METRICS, METRICS, cost_text, current_names, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label,
                      safe_text, terminal_safe)
@@ -100,6 +101,8 @@ def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
     if cause_groups(result):
         table, fixes = _causes_table(result, console.width)
         console.print(table)
+        for line in _share_lines(result, console.width):
+            console.print(Text(line, style="dim"))
         for line in fixes:
             console.print(line, soft_wrap=True)
     metrics = _metrics_table(result, wide=console.width >= WIDE)
@@ -209,6 +212,13 @@ def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:
     if len(groups) > MAX_GROUPS:
         table.caption = f"{len(groups) - MAX_GROUPS} more groups: logdiff explain RESULT.json, or report.html"
     return table, fixes
+
+
+def _share_lines(result: dict, width: int) -> list[str]:
+    """What the share column means and what it sums to, wrapped at ``width`` (none for older results)."""
+    shown = cause_groups(result)[:MAX_GROUPS]
+    text = shares.note(result, negative=any(shares.is_negative(g.get("share")) for g in shown))
+    return textwrap.wrap(text, max(20, width), break_on_hyphens=False) if text else []
 
 
 def _metrics_table(result: dict, wide: bool = True) -> Table | None:

@@ -1,6 +1,6 @@
-"""Attribute the final logdiff to its causes: share and necessity.
+"""Attribute the logdiff to its causes: Shapley shares that add up, and necessity.
 
-Each cause has a *lever* that neutralises it:
+Each cause has a *lever* that neutralises it (``lever_of``):
 
 * an operator-path cause: install the reference kernel of its op family
   (``attention``, ``rms_norm``, ``linear``, ...) on both sides;
@@ -8,23 +8,42 @@ Each cause has a *lever* that neutralises it:
   the inference side too;
 * a contract difference from ``--set``: drop the override.
 
-Divergence amplifies chaotically through the layers, so causes do not add up.
-Two numbers per lever, both from real rescans at ``--depth logprobs``:
+One lever often neutralises many causes (every layer's attention is one
+kernel family). The levers are the players of a cooperative game measured by
+real rescans at ``--depth logprobs``: ``D(S)`` is the primary pair's mean
+|Δ logprob| (``abs_diff_mean``, stable where the max jumps from token to
+token) with the levers of ``S`` applied, and ``v(S) = D(∅) - D(S)`` is the
+part of the gap they close. Divergence amplifies through the layers, so
+levers interact: fixing one alone can even widen the gap. The Shapley value
+of a lever (its marginal effect averaged over every order of applying the
+levers) splits ``v(all)`` among them so that the shares add up:
 
-* ``share = 1 - D(this lever alone) / D(nothing)``: how much of the final
-  ``abs_diff_max`` disappears when only this cause is neutralised. It can be
-  small even for a real cause (the others still open the gap) and can be
-  negative (fixing one op alone can make the gap larger).
-* ``necessity``: with every *other* lever applied, does the gap stay open
-  (``D > 0``)? A necessary cause must be fixed to reach logdiff = 0.
+* ``share = φ / D(∅)``: the lever's part of the baseline gap; the shares sum
+  to ``closed = (D(∅) - D(all)) / D(∅)``, what all levers together close.
+  A negative share: on average, applying the lever widens the gap.
+* ``interaction = Σ alone - closed``, where ``alone = (D(∅) - D({lever})) / D(∅)``:
+  0 when the levers add up, otherwise how far from additive they are.
+* ``share_k3_kl``: the same game on the k3 KL (``k3_kl``).
 
-``residual`` is ``D(every lever)``: what is left when every cause is
-neutralised (0 when the causes found explain the whole logdiff).
+Exact over every order when there are at most ``EXACT_UP_TO`` levers: one
+rescan per subset of levers (2^n configurations; the empty set is the scan
+itself). Beyond that, ``PERMUTATIONS`` orders sampled at the fixed seed
+``SEED``, in antithetic pairs (an order and its reverse); each order's
+marginal effects still telescope to ``closed``, so the shares add up exactly.
+Every configuration goes through the caller's cached ``metrics``, so none is
+scanned twice. A lever's share is split equally among the causes it
+neutralises, so the causes' shares also sum to ``closed``.
+
+``necessity``: with every *other* lever applied, does the gap stay open (max
+|Δ logprob| > 0)? A necessary cause must be fixed to reach logdiff = 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import math
+import random
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -33,9 +52,16 @@ from logdiff.phases import silent
 from logdiff.diagnosis.cause import Cause
 
 Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key)
+Coalition = frozenset  # a set of levers
 
 # contract key -> the config key an override sets it through
 CONFIG_KEY = {"qk_norm_eps": "rms_norm_eps", "final_norm_eps": "rms_norm_eps"}
+#: the attributed metric, and the other metric whose shares are reported per lever
+METRIC, ALSO = "abs_diff_mean", "k3_kl"
+#: exact Shapley values (every subset rescanned) up to this many levers; sampled orders beyond
+EXACT_UP_TO = 4
+#: orders sampled beyond EXACT_UP_TO levers (antithetic pairs), and their fixed seed
+PERMUTATIONS, SEED = 16, 0
 
 
 def lever_of(cause: Cause, cfg: ScanConfig) -> Lever | None:
@@ -70,50 +96,155 @@ def apply_levers(cfg: ScanConfig, levers: set[Lever]) -> ScanConfig:
     )
 
 
+def lever_name(lever: Lever) -> str:
+    """``kernel:attention``, ``weights``, ``config:rms_norm_eps``."""
+    return f"{lever[0]}:{lever[1]}" if lever[1] else lever[0]
+
+
+def orders_of(players: list[Lever]) -> tuple[list[tuple[Lever, ...]], str]:
+    """The orders of applying the levers that the Shapley values average over, and the method."""
+    if len(players) <= EXACT_UP_TO:
+        return list(itertools.permutations(players)), "exact"
+    rng, out = random.Random(SEED), []
+    for _ in range(PERMUTATIONS // 2):
+        order = list(players)
+        rng.shuffle(order)
+        out += [tuple(order), tuple(reversed(order))]
+    return out, "sampled"
+
+
+def coalitions(players: list[Lever], orders: Iterable[tuple[Lever, ...]]) -> list[Coalition]:
+    """Every set of levers to measure: each order's prefixes, each lever alone, all but each, all."""
+    every = frozenset(players)
+    wanted = {frozenset(), every} | {frozenset([p]) for p in players} | {every - {p} for p in players}
+    wanted |= {frozenset(order[:k]) for order in orders for k in range(1, len(order))}
+    return sorted(wanted, key=lambda s: (len(s), sorted(s)))
+
+
+def shapley(orders: list[tuple[Lever, ...]], cost: Callable[[Coalition], float]) -> dict[Lever, float]:
+    """Each lever's marginal ``cost(before) - cost(after)`` averaged over ``orders``."""
+    total: dict[Lever, float] = {}
+    for order in orders:
+        for k, lever in enumerate(order):
+            gain = cost(frozenset(order[:k])) - cost(frozenset(order[: k + 1]))
+            total[lever] = total.get(lever, 0.0) + gain
+    return {lever: gain / len(orders) for lever, gain in total.items()}
+
+
+def _describe(s: Coalition, players: list[Lever]) -> str:
+    if not s:
+        return "no lever (the scan itself)"
+    if len(s) == len(players):
+        return "every lever applied"
+    if len(s) == 1:
+        return f"only {lever_name(next(iter(s)))} fixed"
+    if len(s) == len(players) - 1:
+        return f"all but {lever_name(next(p for p in players if p not in s))} fixed"
+    return " + ".join(lever_name(p) for p in sorted(s)) + " fixed"
+
+
+def _number(m: dict[str, Any], key: str) -> float:
+    v = m.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+
+def _finite(v: float | None) -> float | None:
+    """``v`` for result.json: None where it is not a finite number."""
+    return v if v is not None and math.isfinite(v) else None
+
+
+def _fractions(measured: dict[Coalition, dict], key: str, orders: list, players: list[Lever]) -> dict[str, Any]:
+    """The game on ``key``: baseline, residual, closed, interaction and each lever's share (fractions)."""
+    every = frozenset(players)
+    d = {s: _number(m, key) for s, m in measured.items()}
+    base = d[frozenset()]
+    if not all(math.isfinite(v) for v in d.values()):
+        return {"baseline": None, "residual": None, "closed": None, "interaction": None,
+                "share": dict.fromkeys(players)}
+    if base <= 0:
+        return {"baseline": base, "residual": d[every], "closed": 0.0, "interaction": 0.0,
+                "share": dict.fromkeys(players, 0.0)}
+    phi = shapley(orders, d.__getitem__) if players else {}
+    closed = (base - d[every]) / base
+    alone = sum((base - d[frozenset([p])]) / base for p in players)
+    return {"baseline": base, "residual": d[every], "closed": closed, "interaction": alone - closed,
+            "share": {p: phi[p] / base for p in players}}
+
+
 def attribute(
     causes: list[Cause],
     cfg: ScanConfig,
-    baseline: float,
-    measure: Callable[[ScanConfig], float],
+    metrics: Callable[[ScanConfig], dict[str, Any]],
     progress: Callable[..., None] = silent,
+    known: Callable[[ScanConfig], bool] = lambda c: False,
 ) -> dict[str, Any]:
     """Fill each cause's ``share`` and ``necessity``; return the attribution summary.
 
+    ``metrics(cfg)`` is the primary pair's metrics under ``cfg``, cached
+    (``Rescanner.metrics``; ``cfg`` itself, the empty set of levers, is the
+    scan being diagnosed); ``known(cfg)`` whether that costs no rescan.
     ``progress`` hears of each rescan as step k of n (logdiff/phases.py).
     """
     levers = {id(c): lever_of(c, cfg) for c in causes}
-    distinct = sorted({lv for lv in levers.values() if lv is not None})
-    total, done = 2 * len(distinct) + bool(distinct), [0]
-
-    def rescan(c: ScanConfig, what: str) -> float:
-        done[0] += 1
-        progress(f"attribution rescan {done[0]} of {total}: {what}", phase="attribute", step=(done[0], total))
-        return measure(c)
-
-    alone = {lv: rescan(apply_levers(cfg, {lv}), f"only {':'.join(lv).rstrip(':')} fixed") for lv in distinct}
-    # A framework cause's op may also compute differently (a norm with another eps *and* a fused
-    # add): "everything neutralised" also swaps in the kernels of those ops' families.
-    everything = set(distinct) | {("kernel", c.family) for c in causes if c.family}
-    others = {lv: rescan(apply_levers(cfg, everything - {lv}), f"all but {':'.join(lv).rstrip(':')} fixed")
-              for lv in distinct}
-    residual = rescan(apply_levers(cfg, everything), "everything fixed") if distinct else baseline
+    players = sorted({lv for lv in levers.values() if lv is not None})
+    orders, method = orders_of(players)
+    plan = {s: cfg if not s else apply_levers(cfg, set(s)) for s in coalitions(players, orders)}
+    total, done, measured = sum(not known(c) for c in plan.values()), 0, {}
+    for s, c in plan.items():
+        if not known(c):
+            done += 1
+            progress(f"attribution rescan {done} of {total}: {_describe(s, players)}", phase="attribute",
+                     step=(done, total))
+        measured[s] = metrics(c)
+    game, kl = _fractions(measured, METRIC, orders, players), _fractions(measured, ALSO, orders, players)
+    every = frozenset(players)
+    maxed = {s: _number(m, "abs_diff_max") for s, m in measured.items()}
+    counts = {p: sum(lv == p for lv in levers.values()) for p in players}
     for c in causes:
-        lv = levers[id(c)]
-        if lv is None:
-            c.evidence.append("no rescan can neutralise this cause alone; share not measured")
-            continue
-        c.share = 1.0 - alone[lv] / baseline if baseline > 0 else 0.0
-        c.necessity = others[lv] > 0
-        what = f"the {lv[1]} reference kernel on both sides" if lv[0] == "kernel" else (
-            "the training weights on the inference side" if lv[0] == "weights" else f"no override of {lv[1]}"
-        )  # fmt: skip
-        c.evidence.append(f"with {what} alone, max |Δ logprob| goes from {baseline:.3g} to {alone[lv]:.3g}")
-        c.evidence.append(f"with every other cause neutralised, it is {others[lv]:.3g}")
+        _explain(c, levers[id(c)], counts, game, measured, maxed, players)
     return {
-        "baseline_abs_diff_max": baseline,
+        "metric": METRIC,
+        "method": method,
+        **({"permutations": len(orders)} if method == "sampled" else {}),
+        "configurations": len(plan),
+        "baseline": game["baseline"],
+        "residual": game["residual"],
+        "closed": game["closed"],
+        "interaction": game["interaction"],
+        "closed_k3_kl": kl["closed"],
+        "baseline_abs_diff_max": _finite(maxed[frozenset()]),
+        "residual_abs_diff_max": _finite(maxed[every]),
         "levers": [
-            {"lever": f"{k}:{v}" if v else k, "alone": alone[(k, v)], "all_others": others[(k, v)]}
-            for k, v in distinct
+            {"lever": lever_name(p), "causes": counts[p],
+             "share": game["share"][p], "share_k3_kl": kl["share"][p],
+             "alone": _finite(maxed[frozenset([p])]), "all_others": _finite(maxed[every - {p}]),
+             "alone_abs_diff_mean": _finite(_number(measured[frozenset([p])], METRIC)),
+             "all_others_abs_diff_mean": _finite(_number(measured[every - {p}], METRIC))}
+            for p in players
         ],
-        "residual_abs_diff_max": residual,
     }
+
+
+def _explain(c: Cause, lever: Lever | None, counts: dict[Lever, int], game: dict[str, Any],
+             measured: dict[Coalition, dict], maxed: dict[Coalition, float], players: list[Lever]) -> None:
+    """Fill one cause's share, necessity and evidence from the measured game."""
+    if lever is None:
+        c.evidence.append("no rescan can neutralise this cause alone; share not measured")
+        return
+    share, n = game["share"][lever], counts[lever]
+    others = maxed[frozenset(players) - {lever}]
+    c.share = share / n if share is not None else None
+    c.necessity = others > 0
+    what = f"the {lever[1]} reference kernel on both sides" if lever[0] == "kernel" else (
+        "the training weights on the inference side" if lever[0] == "weights" else f"no override of {lever[1]}"
+    )  # fmt: skip
+    if share is not None:
+        split = f", split equally among the {n} causes it neutralises: {share / n:.1%} each" if n > 1 else ""
+        c.evidence.append(f"{lever_name(lever)} ({what}): Shapley share {share:.1%} "
+                          f"of the mean |Δ logprob| gap{split}")
+        if share < 0:
+            c.evidence.append("negative: on average, fixing this widens the gap; it interacts with the other causes")
+    alone, base = frozenset([lever]), frozenset()
+    c.evidence.append(f"with {what} alone, mean |Δ logprob| goes from {_number(measured[base], METRIC):.3g} to "
+                      f"{_number(measured[alone], METRIC):.3g} (max from {maxed[base]:.3g} to {maxed[alone]:.3g})")
+    c.evidence.append(f"with every other cause neutralised, max |Δ logprob| is {others:.3g}")

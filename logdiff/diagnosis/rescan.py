@@ -3,14 +3,16 @@
 A ``Rescanner`` is the one object that knows how to scan the same tokens again
 (the pipeline passes ``pipeline.measure`` on the scan's own tokens: the pooled
 engines are reused and only the primary pair is scored, so each costs one pass
-of each side), and it remembers each configuration's result so that no
-configuration is scanned twice.
+of each side), and it remembers each configuration's metrics (the primary
+pair's metrics dict, ``compare.token_metrics``) so that no configuration is
+scanned twice: the reference rerun, attribution's subsets of levers and the
+scan being diagnosed itself (``remember``) share one cache.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from logdiff.config import ScanConfig
@@ -27,21 +29,29 @@ class Rescanner:
 
     def __init__(self, measure: Callable[[ScanConfig], ScanResult]):
         self._measure = measure
-        self._logdiffs: dict[tuple, float] = {}
+        self._metrics: dict[tuple, dict[str, Any]] = {}
 
     def rescan(self, cfg: ScanConfig) -> ScanResult:
-        """The undiagnosed result of ``cfg``."""
+        """The undiagnosed result of ``cfg`` (not cached: its depth may differ)."""
         return self._measure(cfg)
 
-    def logdiff(self, cfg: ScanConfig) -> float:
-        """The primary pair's max |logprob difference| under ``cfg``, each configuration scanned once."""
-        if self._key(cfg) not in self._logdiffs:
-            self.remember(cfg, float(self._measure(cfg).primary.metrics["abs_diff_max"]))
-        return self._logdiffs[self._key(cfg)]
+    def metrics(self, cfg: ScanConfig) -> dict[str, Any]:
+        """The primary pair's metrics under ``cfg``, each configuration scanned once."""
+        if not self.knows(cfg):
+            self.remember(cfg, self._measure(cfg).primary.metrics)
+        return self._metrics[self._key(cfg)]
 
-    def remember(self, cfg: ScanConfig, logdiff: float) -> None:
-        """Record ``cfg``'s logdiff, measured elsewhere (the scan being diagnosed)."""
-        self._logdiffs[self._key(cfg)] = logdiff
+    def logdiff(self, cfg: ScanConfig) -> float:
+        """The primary pair's max |logprob difference| under ``cfg`` (``metrics``' ``abs_diff_max``)."""
+        return float(self.metrics(cfg)["abs_diff_max"])
+
+    def knows(self, cfg: ScanConfig) -> bool:
+        """Whether ``cfg``'s metrics are known already (``metrics`` would not rescan)."""
+        return self._key(cfg) in self._metrics
+
+    def remember(self, cfg: ScanConfig, metrics: dict[str, Any]) -> None:
+        """Record ``cfg``'s metrics, measured elsewhere (the scan being diagnosed)."""
+        self._metrics[self._key(cfg)] = dict(metrics)
 
     @staticmethod
     def _key(cfg: ScanConfig) -> tuple:

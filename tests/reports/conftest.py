@@ -177,12 +177,14 @@ LAYER_OPS = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_at
              "residual_attn", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj", "mlp.act_mul",
              "mlp.down_proj", "residual_mlp"]
 
-# (op, class, kind, family, share): the three families of the demo scan (README), at every layer
-LAYERED_CAUSES = [("self_attn.rope_q", "intermediate_precision", "rope", -0.08),
-                  ("self_attn.rope_k", "intermediate_precision", "rope", -0.08),
-                  ("self_attn.attn_core", "online_softmax_block_size", "attention", -0.85),
-                  ("input_layernorm", "fused_vs_unfused", "rms_norm", -0.06),
-                  ("post_attention_layernorm", "fused_vs_unfused", "rms_norm", -0.06)]
+# (op, class, kind, family): the three families of the demo scan (README), at every layer
+LAYERED_CAUSES = [("self_attn.rope_q", "intermediate_precision", "rope"),
+                  ("self_attn.rope_k", "intermediate_precision", "rope"),
+                  ("self_attn.attn_core", "online_softmax_block_size", "attention"),
+                  ("input_layernorm", "fused_vs_unfused", "rms_norm"),
+                  ("post_attention_layernorm", "fused_vs_unfused", "rms_norm")]
+# each family's Shapley share of the mean gap (one lever a family), split among its causes; they sum to 1
+LAYERED_SHARES = {"rope": 0.3, "attention": 0.75, "rms_norm": -0.05}
 
 
 def layered_result(sample: dict, layers: int) -> dict:
@@ -206,9 +208,10 @@ def layered_result(sample: dict, layers: int) -> dict:
     r["first_divergence"] = {"boundary": "model.layers.0.self_attn.rope_q", "layer": 0, "position": 6,
                              "max_abs_diff": 0.0156, "inputs_equal": True, "input_max_abs_diff": 0.0}
     causes, ops = [], []
+    sites = {f: layers * sum(c[2] == f for c in LAYERED_CAUSES) for f in LAYERED_SHARES}
     for n in range(layers):
-        for op, kind, family, share in LAYERED_CAUSES:
-            boundary = f"model.layers.{n}.{op}"
+        for op, kind, family in LAYERED_CAUSES:
+            boundary, share = f"model.layers.{n}.{op}", LAYERED_SHARES[family] / sites[family]
             causes.append({"boundary": boundary, "layer": n, "class": "operator_path", "kind": kind,
                            "family": family, "op_kind": family, "share": share, "necessity": True,
                            "evidence": [f"inputs bitwise equal (replay); {family} differs locally",
@@ -219,6 +222,7 @@ def layered_result(sample: dict, layers: int) -> dict:
                         "propagated_max_abs_diff": 3.9e-3 * (n + 1), "method": "replay", "inputs_equal": n == 0})
     r["causes"], r["introducing_ops"] = causes, ops
     r["cause_groups"] = group_causes(causes)
+    r["attribution"] = layered_attribution(r["logprobs"], sites)
     r["verdict"] = "operator_path"
     r["architecture"] = "Qwen3ForCausalLM"
     r["model"] = f"/models/qwen3-{layers}-layers"
@@ -226,6 +230,17 @@ def layered_result(sample: dict, layers: int) -> dict:
     r["contracts"]["differs"] = []
     r["contracts"]["train"]["rms_norm_eps"] = r["contracts"]["infer"]["rms_norm_eps"]
     return r
+
+
+def layered_attribution(metrics: dict, sites: dict[str, int]) -> dict:
+    """The attribution of ``layered_result``: three kernel levers closing the whole gap, interacting."""
+    base, top = metrics["abs_diff_mean"], metrics["abs_diff_max"]
+    levers = [{"lever": f"kernel:{f}", "causes": sites[f], "share": share, "share_k3_kl": share,
+               "alone": top * 1.05, "all_others": top * 0.5, "alone_abs_diff_mean": base * 1.02,
+               "all_others_abs_diff_mean": base * 0.4} for f, share in LAYERED_SHARES.items()]
+    return {"metric": "abs_diff_mean", "method": "exact", "configurations": 8, "baseline": base, "residual": 0.0,
+            "closed": 1.0, "interaction": 3 * -0.02 - 1.0, "closed_k3_kl": 1.0, "baseline_abs_diff_max": top,
+            "residual_abs_diff_max": 0.0, "levers": levers}
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ def _cause_rows(text: str, families: set[str] = FAMILIES) -> list[list[str]]:
     rule = next(i for i in range(start, len(lines)) if set(lines[i].strip()) == {"─"})
     rows: list[list[str]] = []
     for line in lines[rule + 1:]:
-        if not line.strip() or line.startswith(("fix ", "Key metrics")):
+        if not line.strip() or line.startswith(("fix ", "Key metrics", "Share:")):
             break
         if line.split()[0] in families:
             rows.append([line])
@@ -50,7 +50,7 @@ def _cause_rows(text: str, families: set[str] = FAMILIES) -> list[list[str]]:
 
 
 def test_demo_scan_groups_into_its_three_families(demo_result):
-    groups = group_causes(demo_result["causes"])
+    groups = group_causes(demo_result["causes"], summed=False)  # written before Shapley shares
     assert {g["family"] for g in groups} == FAMILIES
     assert sum(g["count"] for g in groups) == len(demo_result["causes"]) == 20
     assert sorted(s for g in groups for s in g["sites"]) == sorted(c["boundary"] for c in demo_result["causes"])
@@ -79,12 +79,25 @@ def test_groups_split_by_class_and_kind_not_only_family():
     assert groups[1]["share"] is None and groups[1]["necessity"] is None
 
 
-def test_share_is_the_largest_and_necessity_any():
+def test_share_is_the_sum_and_necessity_any():
+    """A lever's share is split among its causes, so a group's is their sum; unmeasured ones do not count."""
     causes = [{"boundary": f"model.layers.{n}.mlp.down_proj", "class": "operator_path", "kind": "reduction_order",
                "family": "linear", "evidence": [], "fix": "x", "share": s, "necessity": nec}
               for n, (s, nec) in enumerate([(0.1, False), (0.3, True), (None, None)])]
     (g,) = group_causes(causes)
-    assert g["share"] == 0.3 and g["necessity"] is True and g["count"] == 3
+    assert g["share"] == pytest.approx(0.4) and g["necessity"] is True and g["count"] == 3
+    shapley = {"causes": causes, "attribution": {"closed": 0.4, "levers": []}}
+    assert cause_groups(shapley)[0]["share"] == pytest.approx(0.4)
+
+
+def test_a_result_before_shapley_shares_groups_by_the_largest():
+    """Control: before Shapley attribution every cause carried its lever's whole share; summing would count
+    it once per site."""
+    causes = [{"boundary": f"model.layers.{n}.mlp.down_proj", "class": "operator_path", "kind": "reduction_order",
+               "family": "linear", "evidence": [], "fix": "x", "share": 0.3, "necessity": True} for n in range(4)]
+    legacy = {"causes": causes, "attribution": {"baseline_abs_diff_max": 0.1, "levers": [],
+                                                "residual_abs_diff_max": 0.0}}
+    assert cause_groups(legacy)[0]["share"] == 0.3
 
 
 def test_describe_sites():

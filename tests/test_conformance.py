@@ -1,0 +1,179 @@
+"""The exact functions and their rounding bounds, without engines.
+
+For each op: a stock bf16 implementation of the contracted function lands
+within the bound (the control that must call it equal), and the same op with
+one contracted feature dropped or changed lands far outside (the planted
+divergence it must find). The bounds are derived, not fitted: these tests pin
+that the derivation holds for torch's own kernels on this machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from logdiff.diagnosis import exact
+from logdiff.diagnosis.conformance import Conformance, SideCheck
+from logdiff.diagnosis.spacing import OpBound, eps
+
+BF16 = eps("bfloat16")
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def units(actual: torch.Tensor, ex: exact.Exact) -> tuple[float, float]:
+    return exact.error_units(actual, ex, BF16), ex.bound.units("bfloat16")
+
+
+def test_bound_arithmetic() -> None:
+    # one rounding to bf16 moves a value by at most half a spacing: 0.5 units, doubled by the slack
+    assert OpBound(1.0).units("bfloat16") == pytest.approx(1.0, rel=1e-3)
+    # an fp32 reduction of length K adds K * eps32 / eps in the dtype's units
+    long = OpBound(1.0, 1 << 16).units("bfloat16")
+    assert long == pytest.approx(2 * (0.5 + (1 << 16) * 2.0**-23 / BF16))
+    assert eps("float32") == 2.0**-23 and eps("torch.bfloat16") == BF16
+
+
+def test_linear_in_bf16_is_within_and_a_misloaded_weight_is_not() -> None:
+    x = torch.randn(64, 256, generator=_gen()).bfloat16()
+    w = torch.randn(96, 256, generator=_gen(1)).bfloat16() * 0.05
+    err, bound = units(F.linear(x, w), exact.linear(x, w))
+    assert err <= bound
+    # split-K with each half rounded to bf16 (the reduction-order plant): the same function, within
+    k = x.shape[1] // 2
+    split = F.linear(x[:, :k], w[:, :k]) + F.linear(x[:, k:], w[:, k:])
+    err, bound = units(split, exact.linear(x, w))
+    assert err <= bound
+    # rows shifted by one (a mis-loaded shard): another function. The bound counts the sum of |x w|, so
+    # a small weight change hides under it; the weight fingerprints catch those (preflight.py)
+    err, bound = units(F.linear(x, w.roll(1, 0)), exact.linear(x, w))
+    assert err > 4 * bound
+
+
+def test_rms_norm_within_and_an_ignored_eps_outside() -> None:
+    x = torch.randn(32, 128, generator=_gen()).bfloat16() * 0.05  # mean(x^2) ~ 2.5e-3: eps matters
+    w = (1 + 0.1 * torch.randn(128, generator=_gen(1))).bfloat16()
+    hf = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-3)).bfloat16() * w
+    err, bound = units(hf, exact.rms_norm(x, w, 1e-3, offset=False))
+    assert err <= bound
+    ignored = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16() * w
+    err, bound = units(ignored, exact.rms_norm(x, w, 1e-3, offset=False))
+    assert err > 4 * bound
+
+
+def test_rms_norm_groups_per_head_and_gemma_offset() -> None:
+    x = torch.randn(8, 4 * 16, generator=_gen()).double()
+    w = torch.randn(16, generator=_gen(1)).double()
+    got = exact.rms_norm(x, w, 1e-6, offset=True).value.reshape(8, 4, 16)
+    heads = x.reshape(8, 4, 16)
+    want = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_gated_activation(activation: str) -> None:
+    g = torch.randn(32, 64, generator=_gen()).bfloat16()
+    u = torch.randn(32, 64, generator=_gen(1)).bfloat16()
+    act = F.silu if activation == "silu" else (lambda t: F.gelu(t, approximate="tanh"))
+    err, bound = units(act(g) * u, exact.act_mul(g, u, activation))
+    assert err <= bound
+    other = F.gelu(g) if activation == "silu" else F.silu(g)  # the wrong activation
+    err, bound = units(other * u, exact.act_mul(g, u, activation))
+    assert err > 4 * bound
+
+
+def _hf_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, heads: int) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb in bf16 on [rows, heads * dim] rows."""
+    freqs = pos.float()[:, None] * inv_freq.float()[None]
+    emb = torch.cat([freqs, freqs], -1)
+    cos, sin = emb.cos().bfloat16()[:, None], emb.sin().bfloat16()[:, None]
+    q = x.reshape(x.shape[0], heads, -1)
+    half = q.shape[-1] // 2
+    turned = torch.cat([-q[..., half:], q[..., :half]], -1)
+    return (q * cos + turned * sin).reshape(x.shape)
+
+
+def test_rope_within_and_another_base_outside() -> None:
+    heads, dim = 4, 32
+    x = torch.randn(40, heads * dim, generator=_gen()).bfloat16()
+    pos = torch.arange(40)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    err, bound = units(_hf_rope(x, pos, inv, heads), exact.rope(x, pos, inv, 1.0, heads, dim))
+    assert err <= bound
+    other = 1.0 / 500000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    err, bound = units(_hf_rope(x, pos, other, heads), exact.rope(x, pos, inv, 1.0, heads, dim))
+    assert err > 4 * bound
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, scale: float, window: int | None = None):
+    t, s = q.shape[0], k.shape[0]
+    d = q.shape[1] // heads
+    kvh = k.shape[1] // d
+    qh = q.reshape(1, t, heads, d).transpose(1, 2)
+    kh = k.reshape(1, s, kvh, d).transpose(1, 2).repeat_interleave(heads // kvh, 1)
+    vh = v.reshape(1, s, kvh, d).transpose(1, 2).repeat_interleave(heads // kvh, 1)
+    mask = torch.ones(t, s, dtype=torch.bool).tril()
+    if window:
+        mask &= ~torch.ones(t, s, dtype=torch.bool).tril(-window)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(t, -1)
+
+
+def _qkv(t: int = 24, heads: int = 4, kv_heads: int = 2, d: int = 16) -> tuple[torch.Tensor, ...]:
+    q = (torch.randn(t, heads * d, generator=_gen()) * 2).bfloat16()
+    k = (torch.randn(t, kv_heads * d, generator=_gen(1)) * 2).bfloat16()
+    v = torch.randn(t, kv_heads * d, generator=_gen(2)).bfloat16()
+    return q, k, v
+
+
+def test_attention_within_and_each_dropped_feature_outside() -> None:
+    q, k, v = _qkv()
+    pos = torch.arange(q.shape[0])
+    ex = exact.attention(q, k, v, pos, 4, 0.25, None, None)
+    err, bound = units(_sdpa(q, k, v, 4, 0.25), ex)
+    assert err <= bound
+    # a soft cap the implementation drops
+    err, bound = units(_sdpa(q, k, v, 4, 0.25), exact.attention(q, k, v, pos, 4, 0.25, 2.0, None))
+    assert err > 4 * bound
+    # a window it ignores
+    err, bound = units(_sdpa(q, k, v, 4, 0.25), exact.attention(q, k, v, pos, 4, 0.25, None, 4))
+    assert err > 4 * bound
+    err, bound = units(_sdpa(q, k, v, 4, 0.25, window=4), exact.attention(q, k, v, pos, 4, 0.25, None, 4))
+    assert err <= bound
+    # a scale it ignores (the default 1/sqrt(d) instead of the configured 1/sqrt(64), Gemma's query_pre_attn_scalar)
+    configured = exact.attention(q, k, v, pos, 4, 64**-0.5, None, None)
+    err, bound = units(_sdpa(q, k, v, 4, 64**-0.5), configured)
+    assert err <= bound
+    err, bound = units(_sdpa(q, k, v, 4, 16**-0.5), configured)
+    assert err > 4 * bound
+
+
+def test_attention_queries_at_later_positions_see_every_earlier_key() -> None:
+    q, k, v = _qkv(t=12)
+    full = exact.attention(q, k, v, torch.arange(12), 4, 0.25, None, None).value
+    tail = exact.attention(q[8:], k, v, torch.arange(8, 12), 4, 0.25, None, None).value
+    assert torch.equal(full[8:], tail)
+
+
+def test_log_softmax_and_a_temperature_applied_on_one_side() -> None:
+    z = (torch.randn(16, 512, generator=_gen()) * 4).bfloat16()
+    err, bound = units(torch.log_softmax(z.float(), -1), exact.log_softmax(z, 1.0))
+    assert err <= bound
+    err, bound = units(torch.log_softmax(z.float() / 0.7, -1), exact.log_softmax(z, 1.0))
+    assert err > 4 * bound
+
+
+def test_conformance_decision() -> None:
+    inside = SideCheck(0.8, 3.0, 10, "f")
+    outside = SideCheck(30.0, 3.0, 10, "f")
+    both = Conformance({"train": inside, "infer": inside})
+    assert both.decided and both.outside == []
+    one = Conformance({"train": inside, "infer": outside})
+    assert one.outside == ["infer"]
+    assert Conformance({"train": inside}, unchecked="why").decided is False
+    lines = one.evidence({"train": "hf", "infer": "vllm"})
+    assert "OUTSIDE" in lines[1] and "vllm" in lines[1]
+    assert one.to_dict()["infer"] == {"error": 30.0, "bound": 3.0, "rows": 10, "function": "f"}
