@@ -49,6 +49,9 @@ class Localization:
     warnings: list[str] = field(default_factory=list)
     op_trace: dict[str, Any] | None = None
     first_nonfinite: dict[str, Any] | None = None
+    #: diverged boundaries whose inputs differed and whose op could not be replayed (the diagnosis's
+    #: conformance check can still tell whether a side computes another function there)
+    unresolved: list[dict[str, Any]] = field(default_factory=list)
 
     def table_json(self) -> dict[str, Any] | None:
         """The ``divergence_table`` field of result.json."""
@@ -166,6 +169,7 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
             row["local"] = local[name].to_dict()
         rows.append(row)
     loc = Localization(pair.train, pair.infer, first, introducing, rows, divergence_frame(pair, order), warnings)
+    loc.unresolved = [{"boundary": n, "layer": _layer(pair, n), "kind": _kind(pair, n)} for n in unresolved]
     loc.first_nonfinite = first_nonfinite(pair, order)
     if pair.tracer_train is not None or pair.tracer_infer is not None:
         loc.op_trace = op_drilldown(pair, first)
@@ -185,6 +189,11 @@ def first_nonfinite(pair: Any, order: list[str]) -> dict[str, Any] | None:
         return {"boundary": name, "layer": _layer(pair, name), "kind": b.kind if b is not None else None,
                 "paths": sides, "sequence": seq, "position": pos, "inputs": _inputs(pair, name, order)}  # fmt: skip
     return None
+
+
+def _kind(pair: Any, name: str) -> str | None:
+    b = pair.cmap.get(name)
+    return b.kind if b is not None else None
 
 
 def _layer(pair: Any, name: str) -> int | None:

@@ -308,6 +308,7 @@ def _localize(pairs: list[Pair], probes: Any, progress: Progress, tables: dict[s
         if i == 0:
             out.first_divergence, out.introducing_ops = loc.first_divergence, loc.introducing_ops
             out.divergence_table, out.op_trace = loc.table_json(), loc.op_trace
+            out.unresolved = loc.unresolved
     out.warnings += [w for w in probes.warnings if w not in out.warnings]
     return out
 

@@ -111,6 +111,7 @@ class Located:
     op_trace: Json | None = None
     first_nonfinite: Json | None = None
     warnings: list[str] = field(default_factory=list)
+    unresolved: list[Json] = field(default_factory=list)  # locate's unjudged boundaries, for conformance
 
 
 @dataclass

@@ -3,7 +3,9 @@
 Each plant makes one engine's modules ignore a contracted feature while the
 contracts of both sides read the same (the config and the modules' attributes
 are untouched; only what the forward computes changes): a soft cap dropped, a
-sliding window ignored, a configured attention scale or a norm's eps ignored.
+sliding window ignored, a configured attention scale or a norm's eps ignored. (The attention soft cap
+exists in Gemma 2 alone: transformers' Gemma 3 never applies it, which its effective contract says; the
+second soft-cap plant drops Gemma 3's final logit cap.)
 Every plant runs on two architectures, on the training path (HF forward)
 against an unplanted HF KV-cache decode, so the cause must name ``hf``; one
 runs the other way round and must name ``hf-decode``. The controls: the same
@@ -100,6 +102,15 @@ def ignore_window(model: Any) -> Any:
     return during_forward([model.model], config=unwindowed)
 
 
+def drop_final_softcap(model: Any) -> Any:
+    """The causal-LM head skips the final logit soft cap its config names."""
+    import copy
+
+    uncapped = copy.copy(model.config)
+    uncapped.final_logit_softcapping = None
+    return during_forward([model], config=uncapped)
+
+
 def ignore_eps(model: Any) -> Any:
     return during_forward(norms(model), variance_epsilon=1e-6)
 
@@ -107,7 +118,7 @@ def ignore_eps(model: Any) -> Any:
 # (arch, config changes, both sides' settings, plant, the op it must name)
 PLANTS = [
     ("gemma2", {"attn_logit_softcapping": 5.0}, EAGER, drop_softcap, "model.layers.0.self_attn.attn_core"),
-    ("gemma3", {"attn_logit_softcapping": 5.0}, EAGER, drop_softcap, "model.layers.0.self_attn.attn_core"),
+    ("gemma3", {"final_logit_softcapping": 5.0}, {}, drop_final_softcap, "logits"),
     ("gemma3", {}, {}, ignore_window, "model.layers.0.self_attn.attn_core"),  # the demo's window is 8
     ("mistral", {"sliding_window": 8}, {}, ignore_window, "model.layers.0.self_attn.attn_core"),
     ("gemma2", {"query_pre_attn_scalar": 256}, EAGER, default_scale, "model.layers.0.self_attn.attn_core"),

@@ -66,7 +66,7 @@ class OpEvidence:
     boundary: str
     kind: str
     layer: int | None
-    local_max_abs_diff: float
+    local_max_abs_diff: float | None  # None: the inputs differed and the op could not be replayed
     ulps: float | None
     vanished_under_reference: bool | None
     conformance: Conformance | None = None
@@ -120,7 +120,10 @@ def classify_op(
     c_diff = [k for k in keys if contracts and k in contracts.get("differs", [])]
     w_block = (contracts or {}).get("weights") or {}
     w_diff = [w for w in weights if w in w_block.get("differs", [])]
-    local = f"local error {ev.local_max_abs_diff:.3g} with both sides fed the same inputs"
+    if ev.local_max_abs_diff is None:
+        local = "the inputs differed and the op could not be replayed: its own part is known from conformance alone"
+    else:
+        local = f"local error {ev.local_max_abs_diff:.3g} with both sides fed the same inputs"
     if ev.ulps is not None:
         local += f" ({ev.ulps:.3g} units of the output dtype's spacing)"
     if c_diff or w_diff:
@@ -156,7 +159,10 @@ def classify_op(
     conf = ev.conformance
     if conf is not None:
         evidence += conf.evidence(ev.paths or {"train": "train", "infer": "infer"})
-    if conf is not None and conf.decided:
+    if conf is not None and conf.decided and not conf.conclusive:
+        evidence.append("both sides are outside their bounds of the function their contracts name: the contract "
+                        "as read describes neither, so the check is not conclusive here")
+    if conf is not None and conf.conclusive:
         if conf.outside:
             sides = conf.outside
             if unverified and sides == ["infer"]:  # the likeliest other function: a weight nobody could compare
@@ -164,7 +170,7 @@ def classify_op(
                                 "inference engine, so a stale or mis-loaded copy cannot be ruled out")
                 fix = f"check {', '.join(unverified)} on the inference engine against the checkpoint"
                 return _cause(ev, "framework_difference", "weights", evidence, fix, unverified, sides=sides)
-            evidence.append(f"the {' and '.join(sides)} side computes another function than its contract names, "
+            evidence.append(f"the {sides[0]} side computes another function than its contract names, "
                             "although the contracts read the same")  # fmt: skip
             return _cause(ev, "framework_difference", "semantic", evidence, SEMANTIC_FIX.format(side=sides[0]),
                           sides=sides)  # fmt: skip

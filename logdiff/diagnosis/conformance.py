@@ -68,6 +68,13 @@ class Conformance:
         return all(s in self.sides for s in SIDES)
 
     @property
+    def conclusive(self) -> bool:
+        """Both sides checked, and not both outside: two sides far from the function their contracts name
+        agree with each other better than with it, so the contract as read describes neither (the check
+        itself is then in doubt, and the op goes to the reference rerun)."""
+        return self.decided and len(self.outside) < len(SIDES)
+
+    @property
     def outside(self) -> list[str]:
         """The sides whose output is outside their rounding bound (they compute another function)."""
         return [s for s in SIDES if s in self.sides and not self.sides[s].within]
@@ -265,8 +272,10 @@ class ConformanceCheck:
         if contract.get("attention_scale") is None:
             raise NotCheckable(f"the {side} side's attention scale is unknown")
         scale, cap = float(contract["attention_scale"]), contract.get("attn_logit_softcapping")
-        window = getattr(attn, "sliding_window", None)  # this layer's window, as the module holds it
-        if window and self.contracts["infer"].get("sliding_window") != self.contracts["train"].get("sliding_window"):
+        # this layer's window as its module holds it (Gemma, Qwen: None on full-attention layers); a module
+        # without one (Mistral) slides on every layer by the config; the side's own contract gives the width
+        window = getattr(attn, "sliding_window", contract.get("sliding_window"))
+        if window is not None:
             window = contract.get("sliding_window")
         heads = int(self.model.config.num_attention_heads)
 

@@ -109,7 +109,7 @@ def diagnose(
     progress(f"checking {len(ops)} ops that introduce error against their exact functions", phase="conformance")
     conformance = _conformance(ops, record, train, arch, contracts, cfg.dtype)
     # the reference rerun only where the local check could not decide and no contract already does
-    undecided = [op for op in ops if not conformance[op["boundary"]].decided and not _reads_a_difference(op, contracts, arch)]
+    undecided = [op for op in ops if not conformance[op["boundary"]].conclusive and not _reads_a_difference(op, contracts, arch)]
     reference = None
     if undecided:
         progress("rerunning both paths with the reference kernels", phase="reference_rerun")
@@ -133,6 +133,15 @@ def diagnose(
             paths=paths,
         )
         causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
+    # a boundary locate could not judge (inputs differ, no replay) is an introducing op after all when a
+    # side computes another function there
+    unresolved = result.located.unresolved
+    checked = _conformance(unresolved, record, train, arch, contracts, cfg.dtype)
+    for u in unresolved:
+        conf = checked[u["boundary"]]
+        if conf.conclusive and conf.outside:
+            ev = classify.OpEvidence(u["boundary"], u.get("kind") or "module", u.get("layer"), None, None, None, conf, paths)
+            causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
     causes = classify.merge_fused(causes, arch)
     causes += classify.preflight_only_causes(contracts, causes, arch)
     progress("attributing the logdiff to its causes", phase="attribute")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from logdiff.probes.arch.base import ArchAdapter
@@ -387,6 +388,9 @@ class DecoderAdapter(ArchAdapter):
 
     #: RMSNorm scales by ``(1 + w)`` (Gemma) rather than ``w``
     norm_offset = False
+    #: contracted features transformers' modeling code for this family never applies, and why
+    #: (the HF contract reports them as dropped: ``probes.contracts.effective``)
+    hf_dropped = MappingProxyType({})
 
     def mlp_activation(self, config: Any) -> str:
         """The gated MLP's activation name in the HF config."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from logdiff.probes.arch.base import Demo, register
@@ -86,6 +87,12 @@ def _first_of_type(layer_types: list[str], kind: str) -> int | None:
 @dataclass(frozen=True)
 class Gemma3Adapter(Gemma2Adapter):
     """``Gemma2Adapter`` with q/k norms, a RoPE base per layer type and a ``lm_head`` on both engines."""
+
+    # transformers' Gemma3Attention stores the cap but never passes it to its attention function
+    hf_dropped = MappingProxyType({
+        "attn_logit_softcapping": "transformers' Gemma3Attention never passes attn_logit_softcapping to its "
+        "attention function",
+    })  # fmt: skip
 
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         n_layers = int(config["num_hidden_layers"])

@@ -42,7 +42,7 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         **arch.contract_extras(model, "hf"),
         "attn_implementation": impl,
     }
-    return effective(contract, HF_DROPS.get(impl, {}))
+    return effective(contract, {**HF_DROPS.get(impl, {}), **arch.hf_dropped})
 
 
 #: contracted features each HF attention implementation silently ignores when the model passes them
