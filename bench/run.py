@@ -12,6 +12,11 @@ the spread (min-max) of the wall time, and each process's peak RSS from
 plain run's median at the same size. Scans also report their per-phase
 ``timings`` (result.json), kept in the JSON as the profile.
 
+Before and after: ``--baseline-rev REV`` also runs ``modules --no-attribute``
+with the code of git revision REV (exported to a temporary package tree put
+first on ``PYTHONPATH``), in the same rounds, so a change's cost is measured
+side by side in one run rather than against an old table.
+
 Scaling: the plain run and ``modules --no-attribute`` at 1x, 2x and 4x the
 tokens (2x only with ``--quick``). Consistent vs stock kernels: the HF
 forward and vLLM generate, from ``bench/bench_consistent.py`` in its own
@@ -23,6 +28,7 @@ Usage::
 
     .venv/bin/python bench/run.py --quick            # a few minutes on 2 cores
     .venv/bin/python bench/run.py [--repeats 3] [--models demo,0.5B,1.5B] [--scales 1,2,4] [--out PATH]
+    .venv/bin/python bench/run.py --models 0.5B --scales 1 --depths "modules --no-attribute" --baseline-rev HEAD~3
 """
 
 from __future__ import annotations
@@ -82,12 +88,16 @@ class Workload:
     rss: list[int] = field(default_factory=list)
     timings: list[dict[str, float]] = field(default_factory=list)
     failed: str | None = None
+    env: dict[str, str] | None = None  # the process environment (a baseline revision's PYTHONPATH)
 
 
-def run_process(argv: list[str], json_path: Path | None) -> tuple[float, int, dict[str, float], str | None]:
+def run_process(
+    argv: list[str], json_path: Path | None, env: dict[str, str] | None = None
+) -> tuple[float, int, dict[str, float], str | None]:
     """Wall seconds, peak RSS bytes (this child only), the scan's phase timings, and an error if it failed."""
     t = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cwd = env.get("PYTHONPATH") if env else None  # not the checkout: its own logdiff/ would shadow the baseline
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     err = proc.stderr.read() if proc.stderr else ""
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -112,6 +122,21 @@ def workloads(model: str, path: Path, base: Shape, depths: list[str], scales: li
             out.append(Workload(model, depth, k, [*LOGDIFF, "scan", str(path), *SCANS[depth], *shape, "--quiet",
                                                   "--json", str(js)]))  # fmt: skip
     return out
+
+
+def baseline_tree(rev: str, tmp: Path) -> dict[str, str]:
+    """The environment that runs ``logdiff`` as of git revision ``rev``: its packages laid out as
+    pyproject.toml maps them (``logdiff.probes`` from ``probes/``, ...), first on ``PYTHONPATH``."""
+    import tomllib
+
+    src, tree = tmp / "baseline-src", tmp / "baseline"
+    src.mkdir()
+    archive = subprocess.run(["git", "-C", str(BENCH.parent), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    dirs = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for package, folder in sorted(dirs.items(), key=lambda kv: kv[0].count(".")):
+        subprocess.run(["cp", "-r", str(src / folder), str(tree.joinpath(*package.split(".")))], check=True)
+    return {**os.environ, "PYTHONPATH": str(tree)}
 
 
 def machine() -> dict[str, object]:
@@ -159,13 +184,13 @@ def summarize(w: Workload, plain: Workload | None) -> dict[str, object]:
 def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object]], info: dict[str, object]) -> None:
     print(f"\n{info['cpu']} ({info['cores']} cores, {info['isa']}), torch {info['torch']}, vLLM {info['vllm']} "
           f"GEMM {info['vllm_cpu_gemm']}")  # fmt: skip
-    print(f"{'model':<10} {'workload':<24} {'x':>2} {'wall s (min-max)':>22} {'ratio':>6} {'peak RSS':>9} {'ratio':>6}")
+    print(f"{'model':<10} {'workload':<34} {'x':>2} {'wall s (min-max)':>22} {'ratio':>6} {'peak RSS':>9} {'ratio':>6}")
     for r in rows:
         if "wall_s" not in r:
-            print(f"{r['model']:<10} {r['workload']:<24} {r['scale']:>2} failed: {r['failed']}")
+            print(f"{r['model']:<10} {r['workload']:<34} {r['scale']:>2} failed: {r['failed']}")
             continue
         spread = f"{r['wall_s']:.1f} ({r['wall_min_s']:.1f}-{r['wall_max_s']:.1f})"
-        print(f"{r['model']:<10} {r['workload']:<24} {r['scale']:>2} {spread:>22} {r.get('wall_ratio', ''):>5}x "
+        print(f"{r['model']:<10} {r['workload']:<34} {r['scale']:>2} {spread:>22} {r.get('wall_ratio', ''):>5}x "
               f"{r['peak_rss_bytes'] / 2**30:>7.2f}G {r.get('rss_ratio', ''):>5}x")  # fmt: skip
     for c in consistent:
         print(f"consistent vs stock, {c['model']}, {c['workload']}: {c['stock_s']:.3f} s -> {c['consistent_s']:.3f} s "
@@ -180,6 +205,8 @@ def main() -> None:
     ap.add_argument("--models", default="demo,0.5B,1.5B", help="full run: which of demo, 0.5B, 1.5B")
     ap.add_argument("--scales", default="1,2,4", help="full run: token multiples for the scaling rows")
     ap.add_argument("--skip-consistent", action="store_true", help="skip the consistent-vs-stock rows")
+    ap.add_argument("--depths", help="full run: which scan depths (comma-separated names of SCANS; default all)")
+    ap.add_argument("--baseline-rev", help="also run `modules --no-attribute` with the code of this git revision")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/run-ISA-DATE.json)")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
@@ -194,9 +221,17 @@ def main() -> None:
         plan = []
         if "demo" in models:
             plan += workloads("demo", demo, Shape(4, 32, 32), ["logprobs", "modules --no-attribute", "modules"], scales, tmp)
+        depths = args.depths.split(",") if args.depths else list(SCANS)
+        baseline = baseline_tree(args.baseline_rev, tmp) if args.baseline_rev else None
         for name, shape in (("0.5B", LARGE), ("1.5B", XLARGE)):
             if name in models:
-                plan += workloads(name, build_random_model(tmp / name, **shape), Shape(4, 128, 64), list(SCANS), scales, tmp)
+                path = build_random_model(tmp / name, **shape)
+                plan += workloads(name, path, Shape(4, 128, 64), depths, scales, tmp)
+                if baseline is not None:
+                    (tmp / "baseline-out").mkdir(exist_ok=True)
+                    (old,) = workloads(name, path, Shape(4, 128, 64), ["modules --no-attribute"], [1], tmp / "baseline-out")[1:]
+                    old.name, old.env = f"modules --no-attribute @{args.baseline_rev}", baseline
+                    plan.append(old)
         started = time.time()
         for round_ in range(repeats):
             for w in plan:
@@ -204,7 +239,7 @@ def main() -> None:
                     continue
                 print(f"[round {round_ + 1}/{repeats}] {w.model} {w.name} x{w.scale}", file=sys.stderr, flush=True)
                 js = Path(w.argv[-1]) if "--json" in w.argv else None
-                wall, rss, timings, failed = run_process(w.argv, js)
+                wall, rss, timings, failed = run_process(w.argv, js, w.env)
                 if failed:
                     w.failed = failed
                     continue

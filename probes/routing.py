@@ -1,6 +1,6 @@
 """MoE router logits per token on every path, and routing replay on the HF path.
 
-Two jobs, both engine-side (the analysis lives in ``logdiff/routing.py``):
+Two jobs, both engine-side (the analysis lives in ``logdiff/diagnosis/routing.py``):
 
 * **Recording.** ``RouterSink`` is one more sink of the ``Recorder``: it keeps
   the router boundaries' rows (``kind == "router"`` in the correspondence map,

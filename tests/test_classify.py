@@ -128,8 +128,17 @@ def test_hf_vs_hf_decode_is_operator_path_in_attention(qwen3: Path, stock_varies
     assert r["first_divergence"]["inputs_equal"] is True
     assert r["verdict"] == "operator_path"
     assert {(c["class"], c["kind"]) for c in r["causes"]} == {("operator_path", "online_softmax_block_size")}
-    # The attention reference kernel alone closes the whole gap: a necessary cause with share 1.
-    assert all(c["share"] == 1.0 and c["necessity"] is True for c in r["causes"])
+    assert all(_within(c) for c in r["causes"])
+    # The attention reference kernel alone closes the whole gap: its shares sum to 1, every cause necessary.
+    assert r["attribution"]["closed"] == 1.0
+    assert sum(c["share"] for c in r["causes"]) == pytest.approx(1.0)
+    assert all(c["necessity"] is True for c in r["causes"])
+
+
+def _within(cause: dict[str, Any]) -> bool:
+    """Both sides checked and within their rounding bounds of the exact function (docs/causes.md)."""
+    conf = cause.get("conformance") or {}
+    return all(side in conf and conf[side]["error"] <= conf[side]["bound"] for side in ("train", "infer"))
 
 
 @pytest.mark.vllm
@@ -139,7 +148,10 @@ def test_hf_vs_vllm_is_operator_path_and_vanishes_under_consistent(demo_model: C
     model = demo_model(arch)
     r = logdiff.scan(model, infer=["vllm"], **SMALL)
     assert r["causes"] and r["verdict"] == "operator_path", [(c["boundary"], c["class"]) for c in r["causes"]]
-    assert all("vanishes with the reference kernel" in " ".join(c["evidence"]) for c in r["causes"])
+    # each cause judged locally: both sides within their bounds (MoE blocks, with no exact function here,
+    # by the reference rerun instead, which the evidence says)
+    for c in r["causes"]:
+        assert _within(c) or "vanishes with the reference kernel" in " ".join(c["evidence"]), c
     fixed = logdiff.scan(model, infer=["vllm"], consistent=True, **SMALL)
     assert fixed["logprobs"]["abs_diff_max"] == 0.0 and fixed["verdict"] == "consistent"
 
@@ -154,7 +166,7 @@ def test_planted_reduction_order_change_is_operator_path(qwen3: Path) -> None:
         r = logdiff.scan(qwen3, infer=["hf-decode"], **SMALL)
     c = cause_at(r, target)
     assert (c["class"], c["kind"]) == ("operator_path", "reduction_order")
-    assert "vanishes with the reference kernel" in " ".join(c["evidence"])
+    assert _within(c)  # split-K with rounded partials is the same function: within the GEMM's bound
 
 
 # --- controls -------------------------------------------------------------------------------

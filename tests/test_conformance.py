@@ -108,6 +108,19 @@ def test_rope_within_and_another_base_outside() -> None:
     assert err > 4 * bound
 
 
+def test_rope_interleaved_pairs() -> None:
+    """GPT-J style (DeepSeek's complex multiply) rotates (x0, x1), (x2, x3), ... by the i-th frequency."""
+    x = torch.randn(6, 2 * 8, generator=_gen()).double()
+    pos = torch.arange(6)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    got = exact.rope(x, pos, inv, 1.0, 2, 8, style="gptj").value
+    z = torch.view_as_complex(x.reshape(6, 2, 4, 2).contiguous())
+    turn = torch.polar(torch.ones(6, 4, dtype=torch.float64), pos[:, None].double() * inv[None])[:, None]
+    assert torch.allclose(got, torch.view_as_real(z * turn).reshape(6, 16), rtol=0, atol=1e-12)
+    neox = exact.rope(x, pos, inv, 1.0, 2, 8, style="neox").value
+    assert not torch.allclose(got, neox)
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, scale: float, window: int | None = None):
     t, s = q.shape[0], k.shape[0]
     d = q.shape[1] // heads
@@ -177,3 +190,88 @@ def test_conformance_decision() -> None:
     lines = one.evidence({"train": "hf", "infer": "vllm"})
     assert "OUTSIDE" in lines[1] and "vllm" in lines[1]
     assert one.to_dict()["infer"] == {"error": 30.0, "bound": 3.0, "rows": 10, "function": "f"}
+
+
+# --- the classification rule on conformance, without engines -----------------------------------
+
+PATHS = {"train": "hf", "infer": "vllm"}
+INSIDE, OUTSIDE = SideCheck(0.8, 3.0, 10, "f"), SideCheck(40.0, 3.0, 10, "f")
+
+
+def _contracts(unverified: list[str] | None = None, **sides: dict) -> dict:
+    same = {"rms_norm_eps": 1e-6, "attn_logit_softcapping": 50.0}
+    return {"train": {**same, **sides.get("train", {})}, "infer": {**same, **sides.get("infer", {})},
+            "differs": [k for k in sides.get("differs", [])], "weights": {"differs": [], "unverified": unverified or []}}
+
+
+def _op(conf: Conformance, vanished: bool | None = None, boundary: str = "model.layers.1.input_layernorm",
+        kind: str = "norm"):  # fmt: skip
+    from logdiff.diagnosis.classify import OpEvidence
+
+    return OpEvidence(boundary, kind, 1, 1e-3, 5.0, vanished, conf, PATHS)
+
+
+def test_both_sides_within_is_operator_path_without_a_rerun() -> None:
+    from logdiff.diagnosis.classify import classify_op
+
+    c = classify_op(_op(Conformance({"train": INSIDE, "infer": INSIDE})), _contracts(), fused_add_norm=True)
+    assert (c.class_, c.kind) == ("operator_path", "fused_vs_unfused")
+    assert c.conformance["train"]["error"] == 0.8 and "within" in " ".join(c.evidence)
+
+
+def test_one_side_outside_is_semantic_and_names_it_even_if_the_rerun_would_close_it() -> None:
+    from logdiff.diagnosis.classify import classify_op
+
+    for side, path in (("train", "hf"), ("infer", "vllm")):
+        sides = {"train": INSIDE, "infer": INSIDE, side: OUTSIDE}
+        c = classify_op(_op(Conformance(sides), vanished=True), _contracts(), fused_add_norm=True)
+        assert (c.class_, c.kind, c.paths) == ("framework_difference", "semantic", [path])
+        assert "no kernel change" in c.fix
+
+
+def test_outside_reading_an_unverified_weight_is_a_possible_weights_cause() -> None:
+    from logdiff.diagnosis.classify import classify_op
+
+    w = "model.layers.1.mlp.down_proj.weight"
+    conf = Conformance({"train": INSIDE, "infer": OUTSIDE})
+    c = classify_op(_op(conf, boundary="model.layers.1.mlp.down_proj", kind="linear"), _contracts([w]), True)
+    assert (c.class_, c.kind, c.differs) == ("framework_difference", "weights", [w])
+
+
+def test_both_outside_is_not_conclusive_and_the_rerun_decides() -> None:
+    from logdiff.diagnosis.classify import classify_op
+
+    conf = Conformance({"train": OUTSIDE, "infer": OUTSIDE})
+    assert conf.decided and not conf.conclusive
+    c = classify_op(_op(conf, vanished=True), _contracts(), fused_add_norm=True)
+    assert (c.class_, c.kind) == ("operator_path", "fused_vs_unfused")
+    assert "not conclusive" in " ".join(c.evidence) and "vanishes with the reference kernel" in " ".join(c.evidence)
+
+
+def test_a_feature_the_implementation_drops_is_semantic_from_the_contract() -> None:
+    from logdiff.diagnosis.classify import classify_op
+    from logdiff.diagnosis.preflight import compare_contracts
+    from logdiff.probes.contracts import effective
+
+    train = effective({"attn_logit_softcapping": 50.0, "attention_scale": 0.125}, {"attn_logit_softcapping": "sdpa drops it"})
+    infer = {"attn_logit_softcapping": 50.0, "attention_scale": 0.125}
+    contracts = compare_contracts(train, infer)
+    assert contracts["differs"] == ["attn_logit_softcapping"] and contracts["unknown"] == []
+    conf = Conformance({"train": INSIDE, "infer": INSIDE})
+    ev = _op(conf, boundary="model.layers.0.self_attn.attn_core", kind="attn")
+    c = classify_op(ev, {**contracts, "weights": None}, fused_add_norm=True, adapter=_gemma2())
+    assert (c.class_, c.kind, c.paths) == ("framework_difference", "semantic", ["hf"])
+    assert any("sdpa drops it" in line for line in c.evidence)
+
+
+def test_a_key_read_on_one_side_only_is_unknown_never_equal() -> None:
+    from logdiff.diagnosis.preflight import compare_contracts
+
+    out = compare_contracts({"a": 1, "b": None, "attn_implementation": "sdpa"}, {"a": 1, "b": 2, "attn_implementation": "X"})
+    assert out["differs"] == [] and out["unknown"] == ["b"]
+
+
+def _gemma2():
+    from logdiff.probes.arch import adapter_for
+
+    return adapter_for("Gemma2ForCausalLM")

@@ -255,7 +255,7 @@ def preflight_only_causes(
     covered = {d for c in causes for d in c.differs}
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
-    from logdiff.diagnosis import sampling  # sampler and scoring keys: one sampling_semantics cause (logdiff/sampling.py)
+    from logdiff.diagnosis import sampling  # sampler and scoring keys: one sampling_semantics cause (logdiff/diagnosis/sampling.py)
 
     for item in [*contracts.get("differs", []), *weights]:
         if item in covered or item == "dtype" or item in (*sampling.SAMPLER_KEYS, *sampling.SCORING_KEYS):

@@ -32,10 +32,11 @@ import numpy as np
 
 from logdiff.diagnosis import exact
 from logdiff.diagnosis.spacing import eps
+from logdiff.probes.contracts import norm_eps
 
 SIDES = ("train", "infer")
 #: rows read per side and op (evenly spaced over the kept sequences); attention reads every key before them
-MAX_ROWS = 128
+MAX_ROWS = 64
 
 
 @dataclass
@@ -131,11 +132,12 @@ class ConformanceCheck:
         self.rope_params = rope_params or {}
         self.stores = {"train": record.train_store, "infer": record.store}
 
-    def check(self, boundary: str, kind: str, layer: int | None) -> Conformance:
+    def check(self, boundary: str) -> Conformance:
+        """Both sides' conformance at ``boundary`` (``unchecked`` says why not, where it could not run)."""
         out = Conformance()
         b = self.record.cmap.get(boundary)
-        if b is None or any(self.stores[s] is None for s in SIDES):
-            out.unchecked = "the op's rows were not kept on both sides"
+        if b is None:
+            out.unchecked = f"{boundary} is not in the architecture's correspondence map"
             return out
         for side in SIDES:
             try:
@@ -161,15 +163,15 @@ class ConformanceCheck:
         sources = [store.get(n) for n in b.inputs]
         if target is None or any(s is None for s in sources):
             return []
-        sequences = range(min(self.record.train_store.num_sequences, _kept(self.record.train_store)))
+        sequences = range(_kept(self.record.train_store))
         per_seq = max(1, MAX_ROWS // max(1, len(sequences)))
         sites = []
         for seq in sequences:
             pos = np.arange(target.max_len)
             seqs = np.full(len(pos), seq)
             ok = target.has(seqs, pos)
-            for src in sources:
-                ok &= src.has_prefix(seqs, pos) if b.causal else src.has(seqs, pos)
+            for i, src in enumerate(sources):  # attention also reads every earlier key and value
+                ok &= src.has_prefix(seqs, pos) if b.causal and i > 0 else src.has(seqs, pos)
             pos = pos[ok]
             if not len(pos):
                 continue
@@ -206,7 +208,11 @@ class ConformanceCheck:
             key = next((k for k in self.adapter.contract_keys(b.name, "norm")[0] if k.endswith("eps")), None)
             if key is None or contract.get(key) is None:
                 raise NotCheckable(f"the {side} side's eps of {b.name} is unknown")
-            value, offset = float(contract[key]), bool(self.adapter.norm_offset)
+            # eps as this norm module holds it (the contract reads one norm per key); a side whose contract
+            # differs from the training model's holds its own
+            held = norm_eps(mod)
+            agree = self.contracts["train"].get(key) == contract[key]
+            value, offset = float(held if agree and held is not None else contract[key]), bool(self.adapter.norm_offset)
             return lambda s: exact.rms_norm(s.inputs[0], mod.weight, value, offset)
         if kind == "add":
             return lambda s: exact.add(s.inputs[0], s.inputs[1])
@@ -236,8 +242,9 @@ class ConformanceCheck:
 
     def _rope(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
         contract = self.contracts[side]
-        if contract.get("rope_style") != "neox":
-            raise NotCheckable(f"no exact function for RoPE style {contract.get('rope_style')!r}")
+        style = contract.get("rope_style")
+        if style not in ("neox", "gptj"):
+            raise NotCheckable(f"no exact function for RoPE style {style!r}")
         params = self._rope_params(b.layer)
         if params is None:
             raise NotCheckable("the RoPE table the training model computes could not be read")
@@ -247,13 +254,18 @@ class ConformanceCheck:
 
         if contract.get("rope_type") not in (None, params.rope_type) or contract.get("rope_theta") is None:
             raise NotCheckable(f"the {side} side's RoPE type {contract.get('rope_type')!r} is not the training model's")
-        params = replace(params, theta=float(contract["rope_theta"]))  # the side's own base
+        theta = self.contracts["train"].get("rope_theta")
+        if contract["rope_theta"] != theta and params.theta == theta:  # a side with its own base (an override)
+            params = replace(params, theta=float(contract["rope_theta"]))
         inv_freq, factor = rope_inv_freq(params), rope_attention_scaling(params)
-        head_dim = _head_dim(self.model.config)
+        head_dim = _rope_head_dim(self.model.config)
+        # HF's interleaved RoPE (DeepSeek-V3) returns even lanes, then odd; the probes record vLLM's that way too
+        split = self.record.cmap.rope_function == "apply_rotary_pos_emb_interleave"
 
         def run(s: Site) -> exact.Exact:
             heads = s.inputs[0].shape[1] // head_dim
-            return exact.rope(s.inputs[0], _tensor(s.pos), inv_freq, factor, heads, params.rotary_dim)
+            ex = exact.rope(s.inputs[0], _tensor(s.pos), inv_freq, factor, heads, params.rotary_dim, style)
+            return exact.deinterleaved(ex, heads) if split else ex
 
         return run
 
@@ -290,8 +302,10 @@ def _kept(store: Any) -> int:
     return getattr(store, "sequences", None) or store.num_sequences
 
 
-def _head_dim(config: Any) -> int:
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+def _rope_head_dim(config: Any) -> int:
+    """The per-head width of the rows RoPE rotates (MLA rotates its ``qk_rope_head_dim`` part alone)."""
+    rope_part = getattr(config, "qk_rope_head_dim", None)
+    return int(rope_part or getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
 
 def _tensor(pos: np.ndarray) -> Any:

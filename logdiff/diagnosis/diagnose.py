@@ -113,7 +113,9 @@ def diagnose(
     reference = None
     if undecided:
         progress("rerunning both paths with the reference kernels", phase="reference_rerun")
-        families = {FAMILY.get(op.get("kind") or "module") for op in undecided}
+        # every introducing op's family, not only the undecided ones': an op may compute through another
+        # family's kernel (MLA's latent attention applies RoPE inside)
+        families = {FAMILY.get(op.get("kind") or "module") for op in ops}
         families = set(KERNEL_FAMILIES) if None in families else families
         reference = reference_rerun(cfg, rescanner, families, found.warnings)
     progress(f"classifying {len(ops)} ops that introduce error", phase="classify")
@@ -160,6 +162,8 @@ def _conformance(
     ops: list[dict[str, Any]], record: Any, train: Engine, arch: Any, contracts: dict[str, Any], dtype: str
 ) -> dict[str, Conformance]:
     """Each introducing op's conformance (``conformance.py``); unchecked where the rows were not kept."""
+    if not ops:
+        return {}
     if record is None or record.train_store is None:
         return {op["boundary"]: Conformance(unchecked="the probes kept no rows of the training path") for op in ops}
     check = ConformanceCheck(record, train.module(), classify.adapter_or_default(arch), contracts, dtype,
@@ -167,7 +171,7 @@ def _conformance(
     out = {}
     for op in ops:
         try:
-            out[op["boundary"]] = check.check(op["boundary"], op.get("kind") or "module", op.get("layer"))
+            out[op["boundary"]] = check.check(op["boundary"])
         except Exception as e:  # noqa: BLE001 - an op the check cannot read is classified by the rerun
             out[op["boundary"]] = Conformance(unchecked=f"{type(e).__name__}: {e}")
     return out

@@ -9,8 +9,10 @@ bound; docs/causes.md) and the ``OpBound`` of a stock implementation.
 These are the contracted functions, written from their definitions, not the
 engines' code: a side that drops a soft cap or ignores its eps differs from
 them by more than rounding, whatever its own module would compute in fp64.
-Where ``logdiff.kernels`` has an fp64 reference for the op (attention, RMSNorm,
-the gated activations, RoPE tables), it is used.
+(The kernels' fp64 references follow HF's steps instead, casts included; the
+RoPE tables do come from ``logdiff.kernels.rope``, the one definition of every
+table.) Each function evaluates its magnitude scale alongside, which the
+kernels' references have no use for.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def linear(x: Any, weight: Any, bias: Any | None = None, softcap: float | None =
 
     x64, w64 = _f64(x), _f64(weight)
     z = x64 @ w64.T
-    scale = x64.abs() @ w64.abs().T
+    scale = (x.detach().float().abs() @ weight.detach().float().abs().T).double()  # a magnitude: fp32 will do
     if bias is not None:
         z = z + _f64(bias)
         scale = scale + _f64(bias).abs()
@@ -95,22 +97,44 @@ def act_mul(gate: Any, up: Any, activation: str) -> Exact:
     return Exact(y, y.abs(), OpBound(2.0), f"{activation}(gate) * up")  # act rounded, then the product
 
 
-def rope(x: Any, positions: Any, inv_freq: Any, factor: float, heads: int, rotary_dim: int) -> Exact:
-    """NeoX-style RoPE (halves of the first ``rotary_dim`` dims) of ``[rows, heads * head_dim]`` rows at
-    ``positions``, with cos/sin from ``inv_freq`` (fp64) times ``factor`` (yarn's attention factor)."""
+def rope(
+    x: Any, positions: Any, inv_freq: Any, factor: float, heads: int, rotary_dim: int, style: str = "neox"
+) -> Exact:
+    """RoPE of ``[rows, heads * head_dim]`` rows at ``positions`` over the first ``rotary_dim`` dims of each
+    head, with cos/sin from ``inv_freq`` (fp64) times ``factor`` (yarn's attention factor). ``neox``
+    rotates the two halves against each other, ``gptj`` interleaved pairs."""
     import torch
 
     x64 = _f64(x)
     rows = x64.reshape(x64.shape[0], heads, -1)
     angle = positions.to(torch.float64)[:, None] * _f64(inv_freq)[None, :]  # [rows, rotary_dim / 2]
-    cos, sin = (torch.cat([t, t], -1)[:, None, :] * factor for t in (torch.cos(angle), torch.sin(angle)))
+    cos, sin = (t[:, None, :] * factor for t in (torch.cos(angle), torch.sin(angle)))
     rot, rest = rows[..., :rotary_dim], rows[..., rotary_dim:]
-    half = rotary_dim // 2
-    turned = torch.cat([-rot[..., half:], rot[..., :half]], -1)
-    y = torch.cat([rot * cos + turned * sin, rest], -1).reshape(x64.shape)
-    scale = torch.cat([(rot * cos).abs() + (turned * sin).abs(), rest.abs()], -1).reshape(x64.shape)
+    if style == "neox":
+        a, b = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+    else:
+        a, b = rot[..., 0::2], rot[..., 1::2]
+    ya, yb = a * cos - b * sin, b * cos + a * sin
+    sa, sb = (a * cos).abs() + (b * sin).abs(), (b * cos).abs() + (a * sin).abs()
+    if style == "neox":
+        y, scale = torch.cat([ya, yb], -1), torch.cat([sa, sb], -1)
+    else:
+        y, scale = torch.stack([ya, yb], -1).flatten(-2), torch.stack([sa, sb], -1).flatten(-2)
+    y = torch.cat([y, rest], -1).reshape(x64.shape)
+    scale = torch.cat([scale, rest.abs()], -1).reshape(x64.shape)
     # cos and sin rounded to the dtype, both products and their sum rounded
-    return Exact(y, scale, OpBound(4.0), f"rope(rotary_dim={rotary_dim}, style=neox)")
+    return Exact(y, scale, OpBound(4.0), f"rope(rotary_dim={rotary_dim}, style={style})")
+
+
+def deinterleaved(ex: Exact, heads: int) -> Exact:
+    """``ex`` with each head's lanes reordered even first, then odd (HF's ``rope_interleave`` output)."""
+    import torch
+
+    def lanes(t: Any) -> Any:
+        h = t.reshape(t.shape[0], heads, -1)
+        return torch.cat([h[..., 0::2], h[..., 1::2]], -1).reshape(t.shape)
+
+    return Exact(lanes(ex.value), lanes(ex.scale), ex.bound, ex.function + ", de-interleaved")
 
 
 def attention(

@@ -34,19 +34,21 @@ def _dropped_by_one(key: str, ct: dict[str, Any], ci: dict[str, Any]) -> bool:
 
 def preflight(train: Engine, infer: Engine, *, weights: bool = True) -> dict[str, Any]:
     """The ``contracts`` block of result.json for one (train, infer) engine pair."""
-    ct, ci = train.contract(), infer.contract()
+    out = compare_contracts(train.contract(), infer.contract())
+    out["weights"] = compare_fingerprints(train.fingerprints(), infer.fingerprints()) if weights else None
+    return out
+
+
+def compare_contracts(ct: dict[str, Any], ci: dict[str, Any]) -> dict[str, Any]:
+    """The contracts block without weights: both sides, the keys that differ and those known on one side only."""
     keys = [k for k in dict.fromkeys([*ct, *ci]) if k not in IMPLEMENTATION_KEYS]
-    out: dict[str, Any] = {
+    return {
         "train": ct,
         "infer": ci,
         "differs": [k for k in keys if _differs(ct.get(k), ci.get(k)) or _dropped_by_one(k, ct, ci)],
         # read on one side only: unknown, never equal (a dropped feature is known: its effective value is none)
         "unknown": [k for k in keys if (ct.get(k) is None) != (ci.get(k) is None) and not _dropped(k, ct, ci)],
-        "weights": None,
     }
-    if weights:
-        out["weights"] = compare_fingerprints(train.fingerprints(), infer.fingerprints())
-    return out
 
 
 def compare_fingerprints(ft: dict[str, str | None], fi: dict[str, str | None]) -> dict[str, Any]:

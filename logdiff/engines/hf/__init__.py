@@ -47,10 +47,21 @@ def load_model(spec: EngineSpec) -> Any:
         spec.model_dir,
         config=config,
         dtype=getattr(torch, spec.dtype),
-        attn_implementation=spec.option("attn_implementation", "sdpa"),
+        attn_implementation=spec.option("attn_implementation") or default_attention(config),
         trust_remote_code=spec.trust_remote_code,
     )
     return model.to(resolve_device(spec.device)).eval()
+
+
+def default_attention(config: Any) -> str:
+    """``sdpa``, unless the model sets a feature sdpa drops (Gemma 2's soft cap): then ``eager``.
+
+    The default must compute the contracted function; ``train.attn_implementation=sdpa``
+    still reproduces a trainer that runs sdpa, and the contract then says what it drops.
+    """
+    from logdiff.engines.hf.contract import HF_DROPS
+
+    return "eager" if any(getattr(config, k, None) is not None for k in HF_DROPS["sdpa"]) else "sdpa"
 
 
 def apply_override(config: Any, key: str, value: Any) -> None:
