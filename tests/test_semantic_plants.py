@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any

@@ -35,6 +35,7 @@ from logdiff.phases import Phases, silent
 from logdiff.probes.arch import find as find_adapter
 from logdiff.result import ScanResult
 
+
 def reference_rerun(
     cfg: ScanConfig, rescanner: Rescanner, families: set[str], warnings: list[str]
 ) -> Callable[[str], bool | None] | None:
@@ -109,7 +110,9 @@ def diagnose(
     progress(f"checking {len(ops)} ops that introduce error against their exact functions", phase="conformance")
     conformance = _conformance(ops, record, train, arch, contracts, cfg.dtype)
     # the reference rerun only where the local check could not decide and no contract already does
-    undecided = [op for op in ops if not conformance[op["boundary"]].conclusive and not _reads_a_difference(op, contracts, arch)]
+    undecided = [
+        op for op in ops if not conformance[op["boundary"]].conclusive and not _reads_a_difference(op, contracts, arch)
+    ]
     reference = None
     if undecided:
         progress("rerunning both paths with the reference kernels", phase="reference_rerun")
@@ -142,7 +145,8 @@ def diagnose(
     for u in unresolved:
         conf = checked[u["boundary"]]
         if conf.conclusive and conf.outside:
-            ev = classify.OpEvidence(u["boundary"], u.get("kind") or "module", u.get("layer"), None, None, None, conf, paths)
+            kind = u.get("kind") or "module"
+            ev = classify.OpEvidence(u["boundary"], kind, u.get("layer"), None, None, None, conf, paths)
             causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
     causes = classify.merge_fused(causes, arch)
     causes += classify.preflight_only_causes(contracts, causes, arch)
