@@ -131,6 +131,7 @@ def baseline_tree(rev: str, tmp: Path) -> dict[str, str]:
 
     src, tree = tmp / "baseline-src", tmp / "baseline"
     src.mkdir()
+    tree.mkdir()
     archive = subprocess.run(["git", "-C", str(BENCH.parent), "archive", rev], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     dirs = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]

@@ -374,7 +374,7 @@ def write_baseline(path: Path, baseline: dict[str, Any]) -> None:
     problem = baseline_problem(baseline)
     if problem:
         raise InputError(f"baseline not written to {path}: {problem}")
-    write_text(path, json.dumps(baseline, indent=2, allow_nan=False) + "\n")
+    write_text(path, json.dumps(baseline, indent=2, allow_nan=False) + "\n", "--baseline")
 
 
 def baseline_tolerance(baseline: dict[str, Any]) -> Tolerance:

@@ -3,8 +3,10 @@
 Only this module knows about terminals, exit codes and files on disk. Every
 command imports torch, transformers and vLLM lazily, inside its body, so that
 ``logdiff --help`` stays instant. Errors the user can fix print one line and
-exit with the code documented in docs/cli.md; anything else is an internal
-error (exit 101), with the traceback only under ``LOGDIFF_DEBUG=1``.
+exit with the code documented in docs/cli.md (2 an input, 3 an engine, 4 an
+output that cannot be written: every file goes through ``logdiff.outputs``);
+anything else is an internal error (exit 101), with the traceback only under
+``LOGDIFF_DEBUG=1``.
 """
 
 from __future__ import annotations
@@ -363,11 +365,13 @@ def _report_gates(
         props = {"verdict": result.get("verdict"), "model": result.get("model"), "dtype": result.get("dtype"),
                  "hardware": gating.hardware_key(result.get("environment") or {}),
                  "baseline": baseline or "", "logdiff": (result.get("tool") or {}).get("version")}  # fmt: skip
-        outputs.write_text(junit, junit_xml(dicts, properties=props))
+        outputs.write_text(junit, junit_xml(dicts, properties=props), "--junit")
     if github:
         for line in gh.annotations(dicts, explanation) + gh.warnings(notes):
             typer.echo(line)
-        gh.append_step_summary(gh.step_summary(dicts, explanation + notes))
+        summary = os.environ.get("GITHUB_STEP_SUMMARY") or "$GITHUB_STEP_SUMMARY"
+        with outputs.writing(Path(summary), "$GITHUB_STEP_SUMMARY"):  # appended to, so not atomic
+            gh.append_step_summary(gh.step_summary(dicts, explanation + notes))
 
 
 def _load_valid_result(path: Path) -> dict[str, Any]:
@@ -401,8 +405,9 @@ def report(
 
     result = _load_valid_result(result_json)
     path = out or result_json.parent / "report.html"
-    outputs.probe_file(path, "--out")
-    outputs.write_text(path, render_html(result))
+    what = "--out" if out is not None else None  # else beside RESULT, named by no option
+    outputs.probe_file(path, what)
+    outputs.write_text(path, render_html(result), what)
     print_summary(result, Console(), quiet=quiet)
     _say(_stderr(), f"wrote {path}")
 
@@ -460,13 +465,15 @@ def demo_model(
     max_steps: Optional[int] = typer.Option(None, help="Stop after this many steps (reproducible builds)."),
 ) -> None:
     """Build a small trained demo model (and tokenizer) from a transformers config."""
+    from logdiff import outputs
     from logdiff.demo import SUPPORTED_DEMO_ARCHS, build_demo_model
     from logdiff.errors import InputError
 
     if arch not in SUPPORTED_DEMO_ARCHS:
         raise InputError(f"unknown --arch {arch!r}; choose one of {', '.join(SUPPORTED_DEMO_ARCHS)}")
+    outputs.probe_demo_target(path)  # before the training, not after it
     console = _stderr()
-    with console.status(f"building {arch} demo model") as status:
+    with console.status(f"building {arch} demo model") as status, outputs.writing_tree(path):
         built = build_demo_model(
             path, arch, seed=seed, train_seconds=train_seconds, max_steps=max_steps,
             progress=lambda msg: status.update(msg),

@@ -252,19 +252,28 @@ def table_json(frame: Any) -> dict[str, Any] | None:
 
 
 def write_table(frame: Any, out_dir: Path, stem: str = "divergence_table") -> Path:
-    """Save a divergence DataFrame beside result.json: parquet when pyarrow is installed, else CSV."""
+    """Save a divergence DataFrame beside result.json: parquet when pyarrow is installed, else CSV.
+
+    An OSError while writing (a full disk, a directory that cannot be created) is an
+    ``OutputError`` naming the file. It writes in place: ``logdiff.outputs.write_result``
+    calls it on a temporary directory and renames the files into place.
+    """
+    from logdiff.errors import OutputError
+
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     frame = frame.copy()
     frame.columns = [str(c) for c in frame.columns]
     try:
         import pyarrow  # noqa: F401
 
-        path = out_dir / f"{stem}.parquet"
-        frame.to_parquet(path)
+        path, write = out_dir / f"{stem}.parquet", frame.to_parquet
     except ImportError:
-        path = out_dir / f"{stem}.csv"
-        frame.to_csv(path)
+        path, write = out_dir / f"{stem}.csv", frame.to_csv
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except OSError as e:
+        raise OutputError.from_os(path, e) from e
     return path
 
 

@@ -1,4 +1,4 @@
-"""Group per-op causes by family: one row per (class, kind, op family).
+"""Group per-op causes by family: one row per (class, kind, op family), and side for a ``semantic`` one.
 
 A scan classifies every op that introduces error, so a 24-layer model yields
 the same three or four kinds of cause at a hundred sites. People read them as
@@ -96,12 +96,13 @@ def group_causes(causes: list[dict[str, Any]], summed: bool = True) -> list[dict
     rounding), then larger shares; each group keeps its members' order.
     ``summed=False`` takes the largest member share (results before Shapley attribution).
     """
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, str, str, tuple[str, ...]], list[dict[str, Any]]] = {}
     for c in causes:
         if isinstance(c, dict):
-            groups.setdefault((str(c.get("class")), str(c.get("kind")), _family(c)), []).append(c)
+            side = tuple(str(p) for p in c.get("paths") or []) if c.get("kind") == "semantic" else ()
+            groups.setdefault((str(c.get("class")), str(c.get("kind")), _family(c), side), []).append(c)
     out = []
-    for (cls, kind, family), members in groups.items():
+    for (cls, kind, family, side), members in groups.items():
         sites = list(dict.fromkeys(str(c.get("boundary")) for c in members))
         fixes = list(dict.fromkeys(str(c.get("fix") or "") for c in members if c.get("fix")))
         out.append({
@@ -115,6 +116,7 @@ def group_causes(causes: list[dict[str, Any]], summed: bool = True) -> list[dict
             "necessity": _necessity(members),
             "fix": " / ".join(fixes),
             "evidence": [str(e) for e in members[0].get("evidence") or [] if e],
+            **({"paths": list(side)} if side else {}),
         })
     out.sort(key=lambda g: (g["class"] != "framework_difference",
                             -(g["share"] if g["share"] is not None else float("-inf"))))
@@ -130,3 +132,9 @@ def cause_groups(result: dict[str, Any]) -> list[dict[str, Any]]:
     attribution = result.get("attribution")
     legacy = isinstance(attribution, dict) and "closed" not in attribution  # each cause: its lever's whole share
     return group_causes(causes, summed=not legacy) if isinstance(causes, list) else []
+
+
+def kind_label(group: dict[str, Any]) -> str:
+    """A group's kind, with the side that computes another function for a ``semantic`` one."""
+    paths = group.get("paths")
+    return str(group.get("kind")) + (f" ({', '.join(str(p) for p in paths)})" if paths else "")

@@ -28,7 +28,7 @@ from typing import Any
 
 from .charts import heatmap_data, histogram_chart, position_chart
 from . import shares
-from .groups import cause_groups
+from .groups import cause_groups, kind_label
 from .format import (METRICS, cost_text, current_names, fmt_fraction, fmt_lens, fmt_metric, fmt_num, fmt_value, is_number,
                      pair_label, verdict_text)
 
@@ -340,7 +340,7 @@ def _groups(r: dict) -> list[dict]:
         width = min(100.0, max(0.0, 100.0 * share)) if is_number(share) and math.isfinite(share) else 0.0
         sites = [{"boundary": str(s), "evidence": evidence.get((g.get("class"), g.get("kind"), str(s)), [])}
                  for s in _list(g.get("sites"))]
-        out.append({"cls": _text(g.get("class")), "kind": _text(g.get("kind")), "family": _text(g.get("family")),
+        out.append({"cls": _text(g.get("class")), "kind": _text(kind_label(g)), "family": _text(g.get("family")),
                     "layers": _text(g.get("layers"), ""), "sites": sites, "count": g.get("count") or len(sites),
                     "fix": _text(g.get("fix"), ""), "evidence": [str(e) for e in _list(g.get("evidence"))],
                     "share": fmt_fraction(share) if is_number(share) else "not measured",

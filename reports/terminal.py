@@ -14,20 +14,38 @@ Control characters inside the result's strings (ESC, OSC-8, CR, LF) are
 escaped first (``format.terminal_safe``), so a hostile result.json can neither
 drive the terminal nor start a line of its own (a CI log's ``::error::``).
 NaN/inf on a path (``non_finite``) is the first line printed, even when quiet.
+
+Every line fits the console's width, so nothing is soft-wrapped mid-word by the
+terminal. The one-line texts (the verdict, what was compared, the cost, the
+first divergence, MoE routing, warnings) are built as *fields*, each with the
+separator that joins it to the one before, and ``fit`` packs them greedily
+into lines: a field that does not fit starts an indented continuation line, so
+lines break between fields (at 80 columns the verdict becomes "verdict + gap"
+and "first divergence + causes"); wider consoles keep more on a line and lose
+nothing that fits. Long names (a model path, a boundary, a path's name) are
+shortened to the room their field leaves, keeping their head and tail around
+'…' (``middle``: ``model.layers…attn.rope_q``), and prose too long for a line
+is wrapped at its spaces. The tables get column widths that add up to the
+console's width, and rich fits the metrics table. The exception is ``--quiet``:
+its verdict line (``verdict_line``) is the one long line, never wrapped, meant
+for logs and grep.
 """
 
 from __future__ import annotations
 
+import re
 import textwrap
+from collections import deque
 from typing import Any
 
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from . import shares
-from .groups import cause_groups
+from .groups import cause_groups, kind_label
 from .format import (KEY_METRICS, METRICS, cost_text, current_names, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label,
                      safe_text, terminal_safe)
 
@@ -38,65 +56,221 @@ MAX_GROUPS = 8
 WIDE = 120  # from this many columns on, the causes table has a fix column and the metrics their verl names
 
 
-def verdict_line(result: dict) -> Text:
-    """One line: verdict, the size of the gap, and where it starts (``result`` already terminal-safe)."""
-    verdict = str(result.get("verdict", "unknown"))
-    line = Text("logdiff: ")
-    line.append(verdict, style=VERDICT_STYLE.get(verdict, "bold"))
-    if result.get("complete") is False:
-        line.append(" (incomplete)", style="bold red")
-    lp = result.get("logprobs") if isinstance(result.get("logprobs"), dict) else {}
-    line.append(f"  max|Δlogprob| {fmt_num(lp.get('abs_diff_max'))}"
-                f"  mean {fmt_num(lp.get('abs_diff_mean'))}")
-    pairs = result.get("pairs")
-    if isinstance(pairs, list) and pairs and isinstance(pairs[0], dict):
-        line.append(f" ({pair_label(pairs[0])})")
-    fd = result.get("first_divergence")
-    if isinstance(fd, dict):
-        line.append(f"  first divergence {fd.get('boundary')} @ position {fd.get('position')}")
-    causes = result.get("causes")
-    if isinstance(causes, list) and causes:
-        line.append(f"  {len(causes)} cause{'s' if len(causes) != 1 else ''}")
+INDENT = "  "                 # the start of a continuation line
+ELLIPSIS = "…"
+_CUT_AFTER = frozenset("./_-: ")  # ``middle`` cuts a name just after one of these where it can
+Field = tuple[str, Text]      # a field of a one-line text, and the separator joining it to the one before
+_COMMANDS = ("::", "##")      # how a CI log's commands start (``::error::``, ``##[error]``), leading spaces aside
+
+
+def middle(text: str, width: int) -> str:
+    """``text`` in at most ``width`` cells: itself when it fits, else its head and its tail around '…'.
+
+    The tail, the most specific part of a dotted or slashed name (``rope_q``, ``global_step_100/actor``),
+    gets the larger share, then the head what the tail leaves, then the tail what the head leaves; each
+    is cut at a word's edge (next to a '.', '/', '_', '-', ':' or space) where that keeps at least half
+    of its room, so ``model.layers.0.self_attn.rope_q`` becomes ``model.layers…rope_q`` in 19 cells.
+    """
+    head, tail = _middle_cut(text, width)
+    return text if tail < 0 else text[:head] + ELLIPSIS + text[len(text) - tail:]
+
+
+def _middle_cut(text: str, width: int) -> tuple[int, int]:
+    """How many characters of ``text`` ``middle`` keeps from its head and its tail; (len, -1) when it fits."""
+    if cell_len(text) <= width:
+        return len(text), -1
+    width = max(width, 3)
+    tail = _word_cut(text[::-1], (width - 1) * 3 // 5, tail=True)
+    head = _word_cut(text, width - 1 - cell_len(text[len(text) - tail:]))
+    return head, _word_cut(text[::-1], width - 1 - cell_len(text[:head]), tail=True)
+
+
+def _word_cut(text: str, width: int, tail: bool = False) -> int:
+    """How many leading characters of ``text`` to keep in ``width`` cells: up to a word's edge when that
+    keeps at least half of them. ``text`` reversed for a tail, which starts a word rather than a separator."""
+    used, n = 0, len(text)
+    for i, ch in enumerate(text):
+        used += cell_len(ch)
+        if used > width:
+            n = i
+            break
+
+    def edge(i: int) -> bool:
+        return i == len(text) or text[i] in _CUT_AFTER or (not tail and i > 0 and text[i - 1] in _CUT_AFTER)
+
+    if edge(n):
+        return n
+    cut = next((i for i in range(n - 1, 0, -1) if edge(i)), 0)
+    return cut if 2 * cell_len(text[:cut]) >= cell_len(text[:n]) else n
+
+
+def _middle_text(text: Text, width: int) -> Text:
+    """``middle`` for a styled ``Text``: the kept head and tail keep their styles."""
+    head, tail = _middle_cut(text.plain, width)
+    if tail < 0:
+        return text
+    return text[:head] + Text(ELLIPSIS) + text[len(text) - tail:]
+
+
+def fit(fields: list[Field], width: int) -> list[Text]:
+    """``fields`` packed into lines of at most ``width`` cells.
+
+    A field joins the current line after its separator when it fits there, else it starts the next
+    line, indented by ``INDENT``; a ',' or ';' separator stays at the end of the line it breaks. A
+    field longer than a line of its own goes in as its words (prose wraps at its spaces), and a word
+    longer than a line keeps its head and tail (``middle``). Names are best shortened by the caller,
+    which knows the room a field leaves them. A field or word that starts like a CI log command
+    (``::error::``) stays joined to the one before it, so wrapping never gives it a line of its own.
+    """
+    width = max(width, len(INDENT) + 8)
+    room = width - len(INDENT)
+    queue = deque(_glued(fields))
+    lines: list[Text] = []
+    line: Text | None = None
+    while queue:
+        sep, field = queue.popleft()
+        if field.cell_len > (width if line is None and not lines else room):
+            words = _glued([(sep if i == 0 else " ", field[m.start():m.end()])
+                            for i, m in enumerate(re.finditer(r"\S+", field.plain))])
+            queue.extendleft(reversed([(s, _middle_text(word, room)) for s, word in words]))
+            continue
+        if line is not None and line.cell_len + cell_len(sep) + field.cell_len <= width:
+            line.append(sep)
+            line.append_text(field)
+            continue
+        if line is not None:
+            end = sep.strip()
+            if end in (",", ";") and line.cell_len + len(end) <= width:
+                line.append(end)
+            lines.append(line)
+        line = Text(INDENT if lines else "")
+        line.append_text(field)
+    if line is not None:
+        lines.append(line)
+    return lines
+
+
+def _glued(fields: list[Field]) -> list[Field]:
+    """``fields`` with each one that starts like a CI log command joined to the one before it."""
+    out: list[Field] = []
+    for sep, field in fields:
+        if out and field.plain.lstrip().startswith(_COMMANDS):
+            before_sep, before = out[-1]
+            out[-1] = (before_sep, before + Text(sep) + field)
+        else:
+            out.append((sep, field))
+    return out
+
+
+def _print_fitted(console: Console, fields: list[Field]) -> None:
+    for line in fit(fields, console.width):
+        console.print(line, soft_wrap=True)  # already fits: printed as built
+
+
+def _joined(fields: list[Field]) -> Text:
+    line = Text()
+    for sep, field in fields:
+        line.append(sep)
+        line.append_text(field)
     return line
 
 
+def _shortened(name: str, width: int | None, used: int) -> str:
+    """``name`` shortened to what a line of ``width`` cells leaves after ``used`` cells (unchanged without a width)."""
+    return name if width is None else middle(name, width - used)
+
+
+def verdict_line(result: dict) -> Text:
+    """One line: verdict, the size of the gap, and where it starts (``result`` already terminal-safe).
+
+    This is the ``--quiet`` output, the one line meant for logs and grep: never wrapped or shortened,
+    so it can be longer than the console. The summary fits the same fields to the console's width.
+    """
+    return _joined(_verdict_fields(result))
+
+
+def _verdict_fields(result: dict, width: int | None = None) -> list[Field]:
+    """The verdict line's fields: the verdict, the gap with its pair, the first divergence and the number
+    of causes. With a ``width``, names are shortened to fit a continuation line of that many cells."""
+    room = None if width is None else width - len(INDENT)
+    verdict = str(result.get("verdict", "unknown"))
+    head = Text("logdiff: ")
+    head.append(verdict, style=VERDICT_STYLE.get(verdict, "bold"))
+    if result.get("complete") is False:
+        head.append(" (incomplete)", style="bold red")
+    fields: list[Field] = [("", head)]
+    lp = result.get("logprobs") if isinstance(result.get("logprobs"), dict) else {}
+    gap = f"max|Δlogprob| {fmt_num(lp.get('abs_diff_max'))}  mean {fmt_num(lp.get('abs_diff_mean'))}"
+    pairs = result.get("pairs")
+    if isinstance(pairs, list) and pairs and isinstance(pairs[0], dict):
+        gap += f" ({_pair_label(pairs[0], None if room is None else room - cell_len(gap) - 3)})"
+    fields.append(("  ", Text(gap)))
+    causes = result.get("causes")
+    count = f"{len(causes)} cause{'s' if len(causes) != 1 else ''}" if isinstance(causes, list) and causes else ""
+    fd = result.get("first_divergence")
+    if isinstance(fd, dict):
+        where = f" @ position {fd.get('position')}"
+        used = len("first divergence ") + cell_len(where) + (len("  ") + len(count) if count else 0)
+        name = _shortened(str(fd.get("boundary")), room, used)         # leaves room for the count after it
+        fields.append(("  ", Text(f"first divergence {name}{where}")))
+    if count:
+        fields.append(("  ", Text(count)))
+    return fields
+
+
+def _pair_label(pair: dict, width: int | None) -> str:
+    """``pair_label`` in ``width`` cells, its two path names shortened alike when it does not fit."""
+    label = pair_label(pair)
+    if width is None or cell_len(label) <= width:
+        return label
+    each = (width - len(" vs ")) // 2
+    return f"{middle(str(pair.get('train', '?')), each)} vs {middle(str(pair.get('infer', '?')), each)}"
+
+
 def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
-    """Print the verdict line, then (unless quiet) warnings, top causes and key metrics."""
+    """Print the verdict, then (unless quiet) warnings, top causes and key metrics, every line within
+    the console's width. Quiet prints the verdict as one line (``verdict_line``), for logs and grep."""
     result = terminal_safe(result)
+    width = console.width
     non_finite = result.get("non_finite") if isinstance(result.get("non_finite"), dict) else None
     if non_finite:
         head = Text("warning: non-finite values (NaN/inf) on a path: ", style="bold red")
-        console.print(head + Text(str(non_finite.get("summary") or "see non_finite in result.json")), soft_wrap=True)
-    console.print(verdict_line(result), soft_wrap=True)
+        line = head + Text(str(non_finite.get("summary") or "see non_finite in result.json"))
+        if quiet:
+            console.print(line, soft_wrap=True)
+        else:
+            _print_fitted(console, [("", line)])
     if quiet:
+        console.print(verdict_line(result), soft_wrap=True)
         return
-    console.print(_context_line(result), soft_wrap=True)
-    cost = _cost_line(result)
-    if cost is not None:
-        console.print(cost, soft_wrap=True)
+    _print_fitted(console, _verdict_fields(result, width))
+    _print_fitted(console, _context_fields(result, width))
+    cost = cost_text(result)
+    if cost:                                              # breaks between its parts, then between its phases
+        _print_fitted(console, [(" · " if i and j == 0 else ", " if j else "", Text(phase, style="dim"))
+                                for i, part in enumerate(cost.split(" · "))
+                                for j, phase in enumerate(part.split(", "))])
     if result.get("complete") is False:
-        console.print(Text("The scan stopped early: this result is incomplete.", style="bold red"))
+        _print_fitted(console, [("", Text("The scan stopped early: this result is incomplete.", style="bold red"))])
     for warning in result.get("warnings") or []:
         if non_finite and warning == non_finite.get("summary"):
             continue  # already the first line
-        console.print(Text("warning: ", style="yellow") + Text(str(warning)), soft_wrap=True)
+        _print_fitted(console, [("", Text("warning: ", style="yellow") + Text(str(warning)))])
 
     replay = result.get("rollout_replay")
     if isinstance(replay, dict) and replay.get("summary"):
         style = "green" if replay.get("reproduced") is True else "yellow"
-        console.print(Text("recorded rollout: ", style=f"bold {style}") + Text(str(replay["summary"])), soft_wrap=True)
+        _print_fitted(console, [("", Text("recorded rollout: ", style=f"bold {style}") + Text(str(replay["summary"])))])
 
     fd = result.get("first_divergence")
     if isinstance(fd, dict):
-        eq = fd.get("inputs_equal")
-        how = {True: "inputs bitwise equal", False: "inputs already differ"}.get(eq, "inputs not compared")
-        console.print(Text("first divergence: ", style="bold")
-                      + Text(f"{fd.get('boundary')} (layer {fd.get('layer')}, position {fd.get('position')}), "
-                             f"max |Δ| {fmt_num(fd.get('max_abs_diff'))}, {how}"), soft_wrap=True)
+        _print_fitted(console, _divergence_fields(fd, width))
 
     moe = moe_line(result.get("moe"))
     if moe is not None:
-        console.print(Text("moe routing: ", style="bold") + Text(moe), soft_wrap=True)
+        parts = moe.split("; ")
+        _print_fitted(console, [("", Text("moe routing: ", style="bold") + Text(parts[0]))]
+                      + [("; ", Text(part)) for part in parts[1:]])
 
     if cause_groups(result):
         table, fixes = _causes_table(result, console.width)
@@ -132,16 +306,29 @@ def moe_line(moe: Any) -> str | None:
     return line
 
 
-def _context_line(result: dict) -> Text:
-    """What was compared: the model and each path with its engine version."""
-    paths = [p for p in result.get("paths") or [] if isinstance(p, dict)]
-    described = [f"{p.get('name')} ({p.get('engine')} {p.get('version') or '?'}, {p.get('mode')})" for p in paths]
-    line = Text("model ", style="dim") + Text(str(result.get("model") or "—"))
-    if result.get("dtype"):
-        line += Text(f" · {result.get('dtype')}")
-    if described:
-        line += Text(" · ", style="dim") + Text(", ".join(described))
-    return line
+def _context_fields(result: dict, width: int | None = None) -> list[Field]:
+    """What was compared: the model with its dtype, then each path with its engine version. With a
+    ``width``, the model path keeps to the first line and a path's name to a continuation line."""
+    dtype = f" · {result.get('dtype')}" if result.get("dtype") else ""
+    model = _shortened(str(result.get("model") or "—"), width, len("model ") + cell_len(dtype))
+    fields: list[Field] = [("", Text("model ", style="dim") + Text(model) + Text(dtype))]
+    room = None if width is None else width - len(INDENT)
+    for i, p in enumerate(p for p in result.get("paths") or [] if isinstance(p, dict)):
+        how = f" ({p.get('engine')} {p.get('version') or '?'}, {p.get('mode')})"
+        name = _shortened(str(p.get("name")), room, cell_len(how) + 1)          # 1: the ',' ending a line
+        fields.append((" · " if i == 0 else ", ", Text(name + how)))
+    return fields
+
+
+def _divergence_fields(fd: dict, width: int | None = None) -> list[Field]:
+    """The first divergence: the boundary with its layer and position, its size, whether its inputs agree."""
+    how = {True: "inputs bitwise equal", False: "inputs already differ"}.get(fd.get("inputs_equal"),
+                                                                             "inputs not compared")
+    head = "first divergence: "
+    where = f" (layer {fd.get('layer')}, position {fd.get('position')})"
+    name = _shortened(str(fd.get("boundary")), width, len(head) + cell_len(where) + 1)
+    return [("", Text(head, style="bold") + Text(name + where)),
+            (", ", Text(f"max |Δ| {fmt_num(fd.get('max_abs_diff'))}")), (", ", Text(how))]
 
 
 def clip(text: str, width: int, lines: int = 2) -> str:
@@ -152,11 +339,6 @@ def clip(text: str, width: int, lines: int = 2) -> str:
         return "\n".join(wrapped)
     rest = " ".join(wrapped[lines - 1:])
     return "\n".join(wrapped[:lines - 1] + [rest[:width - 1].rstrip() + "…"])
-
-
-def _cost_line(result: dict) -> Text | None:
-    text = cost_text(result)
-    return Text(text, style="dim") if text else None
 
 
 def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:
@@ -171,7 +353,7 @@ def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:
     wide = width >= WIDE
     shares = [fmt_fraction(g.get("share")) if is_number(g.get("share")) else "—" for g in shown]
     necessity = [{True: "yes", False: "no"}.get(g.get("necessity"), "—") for g in shown]
-    cause_w = min(25, max(5, *(len(str(g.get(k))) for g in shown for k in ("family", "kind"))))
+    cause_w = min(25, max(5, *(len(x) for g in shown for x in (str(g.get("family")), kind_label(g)))))
     classes = {str(g.get("class")) for g in groups}
     class_w = 20 if wide else 0 if len(classes) == 1 else 10   # narrow: one class goes in the title
     share_w = max(5, *(len(x) for x in shares))
@@ -198,7 +380,7 @@ def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:
     fixes: list[Text] = []
     for g, share, nec in zip(shown, shares, necessity):
         cls = str(g.get("class"))
-        cells = [Text(clip(str(g.get("family")), cause_w, 1) + "\n" + clip(str(g.get("kind")), cause_w, 1))]
+        cells = [Text(clip(str(g.get("family")), cause_w, 1) + "\n" + clip(kind_label(g), cause_w, 1))]
         if class_w:
             cells.append(Text(clip(cls if wide else cls.replace("_", " "), class_w), style=CLASS_STYLE.get(cls, "")))
         cells += [Text(clip(str(g.get("layers")), where_w)), Text(share), Text(nec)]
@@ -296,3 +478,4 @@ class PhaseProgress:
         self.progress.update(self._task, description=safe_text(update.message),
                              total=total if counted else None, completed=step - 1 if counted else 0,
                              count=f"{step}/{total}" if counted else "")
+
