@@ -140,7 +140,7 @@ def classify_op(
         if dropped:
             evidence += [f"{side}: {why}" for side, why in dropped]
             side = dropped[0][0]
-            return _cause(ev, "framework_difference", "semantic", evidence, SEMANTIC_FIX.format(side=side),
+            return _cause(ev, "framework_difference", "semantic", evidence, _semantic_fix(ev, side),
                           c_diff + w_diff, sides=[s for s, _ in dropped])  # fmt: skip
         kind = _framework_kind(c_diff, w_diff)
         fix = {
@@ -166,13 +166,10 @@ def classify_op(
         if conf.outside:
             sides = conf.outside
             if unverified and sides == ["infer"]:  # the likeliest other function: a weight nobody could compare
-                evidence.append(f"weight unverified: {', '.join(unverified)} could not be read back from the "
-                                "inference engine, so a stale or mis-loaded copy cannot be ruled out")
-                fix = f"check {', '.join(unverified)} on the inference engine against the checkpoint"
-                return _cause(ev, "framework_difference", "weights", evidence, fix, unverified, sides=sides)
+                return _unverified_weights(ev, evidence, unverified, sides)
             evidence.append(f"the {sides[0]} side computes another function than its contract names, "
                             "although the contracts read the same")  # fmt: skip
-            return _cause(ev, "framework_difference", "semantic", evidence, SEMANTIC_FIX.format(side=sides[0]),
+            return _cause(ev, "framework_difference", "semantic", evidence, _semantic_fix(ev, sides[0]),
                           sides=sides)  # fmt: skip
         evidence.append("both sides are within their rounding bounds of the exact function: the same function, "
                         "computed in a different order or precision")  # fmt: skip
@@ -192,10 +189,7 @@ def classify_op(
             else f"more than {NOISE_ULPS:g} units of the output dtype's spacing: not reordering noise"
         )
         if unverified:  # the likeliest different function: a weight nobody could compare
-            evidence.append(f"weight unverified: {', '.join(unverified)} could not be read back from the "
-                            "inference engine, so a stale or mis-loaded copy cannot be ruled out")
-            fix = f"check {', '.join(unverified)} on the inference engine against the checkpoint (stale or mis-loaded weights)"
-            return _cause(ev, "framework_difference", "weights", evidence, fix, unverified)
+            return _unverified_weights(ev, evidence, unverified)
         fix = "compare this op's implementation on both sides: it computes a different function although its visible contract matches"
         return _cause(ev, "framework_difference", "hidden_difference", evidence, fix)
     kind = _operator_kind(ev.kind, fused_add_norm)
@@ -213,6 +207,22 @@ def _cause(
         names = ev.paths or {}
         cause.paths = [names.get(s, s) for s in sides]
     return cause
+
+
+def _unverified_weights(
+    ev: OpEvidence, evidence: list[str], unverified: list[str], sides: list[str] | None = None
+) -> Cause:
+    """A ``weights`` cause for an op computing another function while reading weights nobody could compare."""
+    evidence.append(f"weight unverified: {', '.join(unverified)} could not be read back from the inference "
+                    "engine, so a stale or mis-loaded copy cannot be ruled out")  # fmt: skip
+    fix = f"check {', '.join(unverified)} on the inference engine against the checkpoint (stale or mis-loaded weights)"
+    return _cause(ev, "framework_difference", "weights", evidence, fix, unverified, sides=sides)
+
+
+def _semantic_fix(ev: OpEvidence, side: str) -> str:
+    """The fix of a ``semantic`` cause, naming the side by its path (``vllm (infer)``)."""
+    path = (ev.paths or {}).get(side)
+    return SEMANTIC_FIX.format(side=f"{path} ({side})" if path else side)
 
 
 def _dropped(keys: list[str], contracts: dict[str, Any] | None) -> list[tuple[str, str]]:
