@@ -25,7 +25,7 @@ the reference rerun instead.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -212,7 +212,8 @@ class ConformanceCheck:
             # differs from the training model's holds its own
             held = norm_eps(mod)
             agree = self.contracts["train"].get(key) == contract[key]
-            value, offset = float(held if agree and held is not None else contract[key]), bool(self.adapter.norm_offset)
+            value = float(held if agree and held is not None else contract[key])
+            offset = bool(self.adapter.norm_offset)
             return lambda s: exact.rms_norm(s.inputs[0], mod.weight, value, offset)
         if kind == "add":
             return lambda s: exact.add(s.inputs[0], s.inputs[1])
@@ -248,8 +249,6 @@ class ConformanceCheck:
         params = self._rope_params(b.layer)
         if params is None:
             raise NotCheckable("the RoPE table the training model computes could not be read")
-        from dataclasses import replace
-
         from logdiff.kernels.rope import rope_attention_scaling, rope_inv_freq
 
         if contract.get("rope_type") not in (None, params.rope_type) or contract.get("rope_theta") is None:
