@@ -137,12 +137,11 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
             continue
         if not _diverged(evidence, tolerance):
             continue
-        b = pair.cmap.get(name)
         introducing.append(
             {
                 "boundary": name,
                 "layer": _layer(pair, name),
-                "kind": b.kind if b is not None else None,
+                "kind": _kind(pair, name),
                 "method": method,
                 "local_max_abs_diff": evidence.max_abs_diff,
                 "local_max_ulp": evidence.max_ulp,
@@ -185,8 +184,7 @@ def first_nonfinite(pair: Any, order: list[str]) -> dict[str, Any] | None:
         # the stored (reference) side is the inference path, the live side the training path
         sides = [p for p, n in ((pair.train, s.nonfinite_other), (pair.infer, s.nonfinite_ref)) if n]
         seq, pos = s.nonfinite_at or (None, None)
-        b = pair.cmap.get(name)
-        return {"boundary": name, "layer": _layer(pair, name), "kind": b.kind if b is not None else None,
+        return {"boundary": name, "layer": _layer(pair, name), "kind": _kind(pair, name),
                 "paths": sides, "sequence": seq, "position": pos, "inputs": _inputs(pair, name, order)}  # fmt: skip
     return None
 

@@ -144,9 +144,7 @@ class ProbeSession:
             extra = [self._router_sink(role, path)] if self._has_routers else []
             if role == "infer":
                 if path not in self.stores:
-                    self._store_count += 1
-                    root = self.root / f"{self._store_count:02d}"
-                    self.stores[path] = StoreSink(root, path, len(self.seqs), max_len)
+                    self.stores[path] = self._new_store(path, max_len)
                     self.owners[path] = rec.owners
                 return [self.stores[path], *extra]
             sinks = extra
@@ -154,9 +152,7 @@ class ProbeSession:
                 if path in self.train_stores and self.owners.get(f"train:{path}") is not rec.owners:
                     self.train_stores.pop(path).close()  # a later run of the same path replaces it
                 if path not in self.train_stores:
-                    self._store_count += 1
-                    root = self.root / f"{self._store_count:02d}"
-                    self.train_stores[path] = StoreSink(root, path, len(self.seqs), max_len, self.conformance_sequences)
+                    self.train_stores[path] = self._new_store(path, max_len, self.conformance_sequences)
                 sinks.append(self.train_stores[path])
             for infer_path, store in self.stores.items():
                 key = (path, infer_path)
@@ -173,6 +169,11 @@ class ProbeSession:
         for w in rec.warnings:
             if w not in self.warnings:
                 self.warnings.append(w)
+
+    def _new_store(self, path: str, max_len: int, sequences: int | None = None) -> StoreSink:
+        """A store for ``path`` in the next numbered directory of the session (of its first ``sequences`` only)."""
+        self._store_count += 1
+        return StoreSink(self.root / f"{self._store_count:02d}", path, len(self.seqs), max_len, sequences)
 
     def _router_sink(self, role: str, path: str) -> RouterSink:
         """The path's router sink (created on its first pass; dropped with its store when a path reruns)."""

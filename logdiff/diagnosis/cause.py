@@ -41,7 +41,7 @@ class Cause:
     kind: str
     evidence: list[str]
     fix: str
-    share: float | None = None  # attribution: the fraction of abs_diff_max gone with this cause alone fixed
+    share: float | None = None  # attribution: its part of the mean |Δ logprob| gap (its lever's Shapley share, split)
     necessity: bool | None = None  # attribution: whether the gap stays open with every other cause fixed
     differs: list[str] = field(default_factory=list)  # the contract keys / weight names behind it
     paths: list[str] | None = None  # the paths that show it (non_finite, sampling)
@@ -81,11 +81,10 @@ def merge_causes(causes: list[Cause], new: list[Cause]) -> None:
 
 
 def framework_cause(
-    boundary: str, op_kind: str, kind: str, evidence: list[str], fix: str, differs: list[str] | None = None,
-    layer: int | None = None,
+    boundary: str, op_kind: str, kind: str, evidence: list[str], fix: str, differs: list[str] | None = None
 ) -> Cause:
-    """A ``framework_difference`` at ``boundary`` (an op of ``op_kind``)."""
-    return Cause(boundary, layer, op_kind, FAMILY.get(op_kind), "framework_difference", kind, evidence, fix,
+    """A ``framework_difference`` at ``boundary`` (an op of ``op_kind``) found outside the per-op classification."""
+    return Cause(boundary, None, op_kind, FAMILY.get(op_kind), "framework_difference", kind, evidence, fix,
                  differs=list(differs or []))  # fmt: skip
 
 

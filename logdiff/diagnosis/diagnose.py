@@ -108,7 +108,8 @@ def diagnose(
     if not ops:
         found.warnings.append("the logprobs differ but no op was found to introduce the error")
     progress(f"checking {len(ops)} ops that introduce error against their exact functions", phase="conformance")
-    conformance = _conformance(ops, record, train, arch, contracts, cfg.dtype)
+    check = _checker(record, train, arch, contracts, cfg.dtype) if ops or result.located.unresolved else None
+    conformance = _conformance(ops, check)
     # the reference rerun only where the local check could not decide and no contract already does
     undecided = [
         op for op in ops if not conformance[op["boundary"]].conclusive and not _reads_a_difference(op, contracts, arch)
@@ -141,7 +142,7 @@ def diagnose(
     # a boundary locate could not judge (inputs differ, no replay) is an introducing op after all when a
     # side computes another function there
     unresolved = result.located.unresolved
-    checked = _conformance(unresolved, record, train, arch, contracts, cfg.dtype)
+    checked = _conformance(unresolved, check)
     for u in unresolved:
         conf = checked[u["boundary"]]
         if conf.conclusive and conf.outside:
@@ -162,16 +163,18 @@ def diagnose(
     return found
 
 
-def _conformance(
-    ops: list[dict[str, Any]], record: Any, train: Engine, arch: Any, contracts: dict[str, Any], dtype: str
-) -> dict[str, Conformance]:
-    """Each introducing op's conformance (``conformance.py``); unchecked where the rows were not kept."""
-    if not ops:
-        return {}
+def _checker(record: Any, train: Engine, arch: Any, contracts: dict[str, Any], dtype: str) -> ConformanceCheck | None:
+    """The conformance check of the primary pair, or None where the probes kept no training-path rows."""
     if record is None or record.train_store is None:
+        return None
+    adapter = classify.adapter_or_default(arch)
+    return ConformanceCheck(record, train.module(), adapter, contracts, dtype, train.rope_params())
+
+
+def _conformance(ops: list[dict[str, Any]], check: ConformanceCheck | None) -> dict[str, Conformance]:
+    """Each op's conformance (``conformance.py``); unchecked where the rows were not kept or could not be read."""
+    if check is None:
         return {op["boundary"]: Conformance(unchecked="the probes kept no rows of the training path") for op in ops}
-    check = ConformanceCheck(record, train.module(), classify.adapter_or_default(arch), contracts, dtype,
-                             train.rope_params())  # fmt: skip
     out = {}
     for op in ops:
         try:
