@@ -432,7 +432,9 @@ class Recorder:
         return None
 
     def _install_hf_functions(self) -> None:
-        modeling = sys.modules.get(type(self.model).__module__)
+        # the modeling module of the model's own class: FSDP2's fully_shard swaps in a subclass defined elsewhere
+        modeling = next((m for m in (sys.modules.get(c.__module__) for c in type(self.model).__mro__)
+                         if hasattr(m, self.cmap.rope_function)), sys.modules.get(type(self.model).__module__))
         # apply_rotary_pos_emb(q, k, cos, sin), or the adapter's (DeepSeek-V2: apply_rotary_emb(q, k, freqs))
         rope_name = self.cmap.rope_function
         orig_rope = getattr(modeling, rope_name, None)

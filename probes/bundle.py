@@ -1,0 +1,211 @@
+"""Capture bundles: records of one side of a run, from any number of ranks, on disk.
+
+A bundle is a directory that any machine can read with numpy and safetensors
+alone (no torch, vLLM, torch_npu or GPU)::
+
+    BUNDLE/
+      bundle.json                   {"format": "logdiff-capture", "version": 1, "role": "train", "world_size": 2}
+      rank-00000/manifest.json      the rank's ParallelLayout, its metadata, and one entry per step
+      rank-00000/step-000000.safetensors
+      rank-00001/...
+
+Each rank writes only its own directory, with no collective: a trainer rank or
+an inference worker never waits for another to record. A step is one forward
+pass; its file holds the pass's token ids and positions (``tokens``,
+``positions``) and every record of the pass under its boundary name, as the
+rank's *local* tensor. The manifest gives each record's dtype, local shape and
+``Placement`` (``layout.py``), so ``unshard`` can rebuild the logical tensor.
+Steps are written as they finish (memory stays flat) and the manifest is
+rewritten atomically after each, so a run that dies leaves a readable bundle of
+the steps it completed. bfloat16 is stored as its raw 16-bit pattern (``int16``)
+with ``dtype: bfloat16`` in the manifest, since numpy has no bfloat16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from logdiff.probes.errors import InputError
+from logdiff.probes.layout import ParallelLayout, Placement
+from logdiff.probes.unshard import Logical, unshard
+
+FORMAT = "logdiff-capture"
+VERSION = 1
+ROLES = ("train", "infer")
+RESERVED = ("tokens", "positions", "sequences", "valid")
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))  # insertion order: records stay in the order they were recorded
+    os.replace(tmp, path)
+
+
+def _raw(tensor: Any) -> tuple[np.ndarray, str]:
+    """A torch tensor (or numpy array) as a contiguous numpy array and the dtype name it holds."""
+    if isinstance(tensor, np.ndarray):
+        return np.ascontiguousarray(tensor), str(tensor.dtype)
+    import torch
+
+    t = tensor.detach()
+    if hasattr(t, "to_local"):  # a DTensor: this rank's piece
+        t = t.to_local()
+    t = t.cpu().contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy(), dtype
+
+
+class BundleWriter:
+    """Writes one rank's part of a bundle, step by step."""
+
+    def __init__(self, root: str | Path, role: str, layout: ParallelLayout, meta: dict[str, Any] | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role {role!r} (expected one of {', '.join(ROLES)})")
+        self.root = Path(root)
+        self.layout = layout
+        self.dir = self.root / f"rank-{layout.rank:05d}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        _write_json(self.root / "bundle.json", {"format": FORMAT, "version": VERSION, "role": role,
+                                                "world_size": layout.world_size})
+        self.manifest: dict[str, Any] = {"layout": layout.to_json(), "meta": meta or {}, "steps": []}
+        self._records: dict[str, tuple[np.ndarray, str, Placement]] = {}
+        self._index: dict[str, np.ndarray] = {}
+        self._tokens: dict[str, np.ndarray] | None = None
+
+    def begin_step(self, token_ids: Any, positions: Any, sequences: Any = None, valid: Any = None) -> None:
+        """The rows this rank's forward pass sees: token ids, positions and, from a capture, each row's
+        sequence id and whether it holds a real token (the attention mask), all of one flat length."""
+        if self._tokens is not None:
+            self.end_step()
+        table = {"tokens": token_ids, "positions": positions, "sequences": sequences, "valid": valid}
+        self._tokens = {k: _raw(v)[0].reshape(-1).astype(np.int64) for k, v in table.items() if v is not None}
+
+    def record(self, name: str, tensor: Any, placement: Placement, rows: Any = None) -> None:
+        """One record of the step; ``rows`` gives the index into the step's rows of each of its rows."""
+        if self._tokens is None:
+            raise RuntimeError("record() outside a step: call begin_step() first")
+        if name in RESERVED or "#" in name or name in self._records:
+            raise ValueError(f"record {name!r} twice in one step, or under a reserved name")
+        array, dtype = _raw(tensor)
+        self._records[name] = (array, dtype, placement)
+        if rows is not None:
+            self._index[name] = np.asarray(rows, dtype=np.int64)
+
+    def meta_update(self, meta: dict[str, Any]) -> None:
+        self.manifest["meta"].update(meta)
+
+    def end_step(self) -> None:
+        if self._tokens is None:
+            return
+        from safetensors.numpy import save_file
+
+        index = len(self.manifest["steps"])
+        file = f"step-{index:06d}.safetensors"
+        arrays = dict(self._tokens)
+        arrays.update({name: a for name, (a, _, _) in self._records.items()})
+        arrays.update({f"{name}#rows": index for name, index in self._index.items()})
+        tmp = self.dir / f".{file}.tmp"
+        save_file(arrays, str(tmp))
+        os.replace(tmp, self.dir / file)
+        self.manifest["steps"].append({
+            "file": file,
+            "records": {name: {"dtype": dtype, "shape": list(a.shape), "placement": p.to_json()}
+                        for name, (a, dtype, p) in self._records.items()},
+        })
+        _write_json(self.dir / "manifest.json", self.manifest)
+        self._records, self._index, self._tokens = {}, {}, None
+
+    def close(self) -> None:
+        self.end_step()
+        _write_json(self.dir / "manifest.json", self.manifest)
+
+
+@dataclass
+class RankPart:
+    layout: ParallelLayout
+    meta: dict[str, Any]
+    steps: list[dict[str, Any]]
+    dir: Path
+
+    def load(self, step: int, names: list[str]) -> dict[str, np.ndarray]:
+        from safetensors import safe_open
+
+        with safe_open(str(self.dir / self.steps[step]["file"]), framework="numpy") as f:
+            return {n: f.get_tensor(n) for n in names}
+
+    def names(self, step: int) -> set[str]:
+        from safetensors import safe_open
+
+        with safe_open(str(self.dir / self.steps[step]["file"]), framework="numpy") as f:
+            return set(f.keys())
+
+
+class Bundle:
+    """A bundle on disk, read with numpy only."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        head_path = self.root / "bundle.json"
+        try:
+            head = json.loads(head_path.read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"{self.root} is not a capture bundle (no readable bundle.json: {e})") from None
+        if head.get("format") != FORMAT:
+            raise InputError(f"{head_path}: format {head.get('format')!r}, expected {FORMAT!r}")
+        if head.get("version") != VERSION:
+            raise InputError(f"{head_path}: bundle version {head.get('version')!r}, this logdiff reads {VERSION}")
+        self.role: str = head["role"]
+        self.world_size = int(head["world_size"])
+        self.ranks: list[RankPart] = []
+        for part in sorted(self.root.glob("rank-*/manifest.json")):
+            m = json.loads(part.read_text())
+            self.ranks.append(RankPart(ParallelLayout.from_json(m["layout"]), m.get("meta", {}), m["steps"],
+                                       part.parent))
+        if not self.ranks:
+            raise InputError(f"{self.root}: a bundle with no rank's records")
+        if {r.layout.rank for r in self.ranks} != set(range(self.world_size)):
+            missing = sorted(set(range(self.world_size)) - {r.layout.rank for r in self.ranks})
+            raise InputError(f"{self.root}: world size {self.world_size}, no records from ranks {missing}")
+
+    @property
+    def num_steps(self) -> int:
+        return min(len(r.steps) for r in self.ranks)
+
+    def names(self, step: int) -> list[str]:
+        return list(self.ranks[0].steps[step]["records"])
+
+    def rows(self, step: int) -> dict[tuple[int, ...], dict[str, np.ndarray]]:
+        """The step's row table (``tokens``, ``positions``, and from a capture ``sequences``, ``valid``),
+        one per ``tp`` group (the ranks of a group see the same batch)."""
+        out = {}
+        for part in self.ranks:
+            key = part.layout.group("tp")
+            if key not in out:
+                out[key] = part.load(step, [n for n in RESERVED if n in part.names(step)])
+        return out
+
+    def record_rows(self, step: int, name: str) -> np.ndarray | None:
+        """The index into the step's rows of each row of record ``name`` (None: one row per step row)."""
+        part = self.ranks[0]
+        key = f"{name}#rows"
+        return part.load(step, [key])[key] if key in part.names(step) else None
+
+    def logical(self, step: int, name: str) -> dict[tuple[int, ...], Logical]:
+        """Record ``name`` of ``step`` rebuilt into logical tensors (``unshard``), one per ``tp`` group."""
+        entries = [part.steps[step]["records"].get(name) for part in self.ranks]
+        if any(e is None for e in entries):
+            raise InputError(f"{self.root}: step {step} has no record {name!r} on every rank")
+        placements = {json.dumps(e["placement"], sort_keys=True) for e in entries}
+        dtypes = {e["dtype"] for e in entries}
+        if len(placements) > 1 or len(dtypes) > 1:
+            raise InputError(f"{self.root}: ranks disagree on how {name!r} is placed or typed")
+        pieces = [(part.layout, part.load(step, [name])[name]) for part in self.ranks]
+        return unshard(name, pieces, Placement.from_json(entries[0]["placement"]), entries[0]["dtype"])

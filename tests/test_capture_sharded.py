@@ -1,0 +1,187 @@
+"""Capture on the ranks of a real sharded run, un-shard offline (issue 22).
+
+Two processes on gloo run the demo Qwen3, each inside ``probes.capture.Capture``:
+
+* under DTensor tensor parallel (``parallelize_module``: q/k/v, gate and up
+  column-wise, o and down row-wise), both ranks on the same batch. Every record
+  is rebuilt offline (``Bundle.logical``, numpy only) and compared with the same
+  capture of the unsharded model: the same boundaries, the same shapes, the
+  row-parallel replicas bitwise equal, and values within a float32 bound (the
+  all-reduce reorders the row-parallel sums; nothing else differs). The planted
+  control: rank 1 perturbs its own shard of layer 0's ``up_proj`` weight; the first
+  record that differs is ``up_proj``, in rank 1's columns only.
+* under FSDP2 (``fully_shard`` per layer and on the model), each rank on its own
+  batch. FSDP2 gathers exact weights before each forward, so each rank's records
+  must equal, bit for bit, the unsharded model's capture of that rank's batch.
+
+Both runs compute in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+IDS = [[5, 17, 3, 9, 42, 7, 11, 2], [8, 1, 30, 4, 6, 19, 23, 13]]
+RANK_IDS = {0: [IDS[0]], 1: [IDS[1]]}  # FSDP2: each rank its own batch
+PLANTED = "model.layers.0.mlp.up_proj"
+
+
+def _load(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _capture(model, out: Path, batches: list[list[list[int]]]) -> None:
+    """The public ``logdiff.capture``: the layout is read from the model (FSDP2, a DTensor mesh, or none)."""
+    import torch
+
+    import logdiff
+
+    with logdiff.capture(model, out, "train"), torch.no_grad():
+        for ids in batches:
+            model(torch.tensor(ids))
+
+
+def _rank(rank: int, world: int, model_dir: str, out: str, store: str, mode: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = _load(model_dir)
+        if mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            _capture(model, Path(out), [RANK_IDS[rank]])  # data parallel: each rank its own tp group of one
+            return
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {}
+        for i in range(model.config.num_hidden_layers):
+            plan.update({f"model.layers.{i}.{m}": ColwiseParallel() for m in COLWISE})
+            plan.update({f"model.layers.{i}.{m}": RowwiseParallel() for m in ROWWISE})
+        parallelize_module(model, mesh, plan)
+        if mode == "planted" and rank == 1:
+            with torch.no_grad():
+                dict(model.named_modules())[PLANTED].weight.to_local()[0] += 0.25
+        _capture(model, Path(out), [IDS])
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(model_dir: Path, tmp_path: Path, mode: str):
+    import torch.multiprocessing as mp
+
+    from logdiff.probes.bundle import Bundle
+
+    out = tmp_path / mode
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.start_processes(_rank, args=(2, str(model_dir), str(out), str(tmp_path / f"store-{mode}"), mode),
+                       nprocs=2, join=True, start_method="spawn")
+    return Bundle(out)
+
+
+@pytest.fixture(scope="module")
+def unsharded(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory):
+    """The demo model's directory and its captures, unsharded: of both sequences, and of each alone."""
+    from logdiff.probes.bundle import Bundle
+
+    model_dir = demo_model("qwen3")
+    model = _load(str(model_dir))
+    root = tmp_path_factory.mktemp("unsharded")
+    _capture(model, root / "both", [IDS])
+    for rank, ids in RANK_IDS.items():
+        _capture(model, root / f"rank{rank}", [ids])
+    return model_dir, Bundle(root / "both"), {r: Bundle(root / f"rank{r}") for r in RANK_IDS}
+
+
+def _single(bundle, name: str) -> np.ndarray:
+    (logical,) = bundle.logical(0, name).values()
+    return logical.value
+
+
+def _f32(array: np.ndarray) -> np.ndarray:
+    return array.astype(np.float32)
+
+
+def test_unsharded_capture_records_every_boundary_the_adapter_knows(unsharded) -> None:
+    from logdiff.probes.arch import adapter_for
+
+    model_dir, both, _ = unsharded
+    config = json.loads((model_dir / "config.json").read_text())
+    known = adapter_for(config["architectures"][0]).correspondence(config).order
+    # all of them, in the order the model ran them; log_softmax only when the trainer's goes through the capture
+    assert set(both.names(0)) == set(known) - {"log_softmax"}
+    (table,) = both.rows(0).values()
+    assert table["tokens"].tolist() == sum(IDS, []) and table["sequences"].tolist() == [0] * 8 + [1] * 8
+    meta = both.ranks[0].meta
+    assert meta["warnings"] == [] and meta["contract"]["vocab_size"] == config["vocab_size"]
+    # one rank (a process group of one, as an in-process vLLM leaves, reads the same)
+    assert (both.world_size, both.ranks[0].layout.group("tp")) == (1, (0,))
+
+
+def test_tp2_capture_unshards_to_the_unsharded_capture(unsharded, tmp_path: Path) -> None:
+    model_dir, both, _ = unsharded
+    bundle = _run(model_dir, tmp_path, "tp")
+    assert bundle.world_size == 2 and bundle.names(0) == both.names(0)
+    assert [part.meta["warnings"] for part in bundle.ranks] == [[], []]
+    assert [part.layout.group("tp") for part in bundle.ranks] == [(0, 1), (0, 1)]
+    sharded = set()
+    for name in both.names(0):
+        (logical,) = bundle.logical(0, name).values()
+        want = _f32(_single(both, name))
+        assert logical.ranks == (0, 1) and logical.value.shape == want.shape, name
+        if logical.replicas_equal is None:
+            sharded.add(name)
+        else:
+            assert logical.replicas_equal, f"{name}: the replicas differ"
+        assert np.max(np.abs(_f32(logical.value) - want)) <= 1e-5 * (np.abs(want).max() + 1e-30), name
+    assert {n for n in sharded if n.startswith("model.layers.0.")} >= {
+        "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.rope_q", "model.layers.0.self_attn.attn_core",
+        "model.layers.0.mlp.act_mul"}  # fmt: skip
+    assert "model.layers.0.self_attn.o_proj" not in sharded and "logits" not in sharded
+
+
+def test_a_shard_planted_on_rank_1_is_the_first_record_to_differ(unsharded, tmp_path: Path) -> None:
+    model_dir, both, _ = unsharded
+    bundle = _run(model_dir, tmp_path, "planted")
+    differing = []
+    for name in both.names(0):
+        want = _f32(_single(both, name))
+        got = _f32(_single(bundle, name))
+        if np.max(np.abs(got - want)) > 1e-5 * (np.abs(want).max() + 1e-30):
+            differing.append((name, got - want))
+    assert differing and differing[0][0] == PLANTED
+    per_column = np.abs(differing[0][1]).max(axis=0)
+    half = per_column.shape[0] // 2
+    assert per_column[:half].max() <= 1e-5 and per_column[half] > 0  # rank 0's columns untouched
+
+
+def test_fsdp2_ranks_equal_the_unsharded_model_on_their_batches_bitwise(unsharded, tmp_path: Path) -> None:
+    model_dir, _, alone = unsharded
+    bundle = _run(model_dir, tmp_path, "fsdp")
+    for rank, reference in alone.items():
+        assert bundle.names(0) == reference.names(0)
+        for name in reference.names(0):
+            logical = bundle.logical(0, name)[(rank,)]
+            assert np.array_equal(logical.value, _single(reference, name)), f"rank {rank}: {name}"
+        assert bundle.rows(0)[(rank,)]["tokens"].tolist() == RANK_IDS[rank][0]
+    assert [part.layout.group("dp") for part in bundle.ranks] == [(0, 1), (0, 1)]
