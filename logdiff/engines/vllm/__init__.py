@@ -19,7 +19,6 @@ per-request seeds crash vLLM's CPU build under chunked prefill.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,6 +97,7 @@ class VLLMEngine(Engine):
         vllm = import_vllm()
         from logdiff.engines.vllm.forced import ForcedTokens
 
+        self.llm = None
         kwargs: dict[str, Any] = {
             "max_num_seqs": int(spec.option("max_num_seqs", 16)),
             "logprobs_mode": spec.option("logprobs_mode", "raw_logprobs"),
@@ -122,6 +122,9 @@ class VLLMEngine(Engine):
             )
         except Exception as e:  # noqa: BLE001 - vLLM reports config problems as many types
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            from vllm.distributed import parallel_state
+
+            parallel_state.cleanup_dist_env_and_memory()  # what it set up before failing would meet the next engine
             raise EngineUnavailable(f"vLLM could not start on {spec.model_dir}: {msg}") from None
         self._version = vllm.__version__
         self._consistent = False
@@ -260,8 +263,25 @@ class VLLMEngine(Engine):
         }
 
     def close(self) -> None:
+        """Shut the engine down and tear down the parallel state vLLM set up in this process.
+
+        vLLM keeps its process groups in module globals (``parallel_state``): the world
+        group, TP/PP/DP and, only for an MoE model, the expert-parallel group. Left in
+        place, the next engine in this process reuses them (``ensure_model_parallel_initialized``
+        skips a set-up that is already done), so a dense model followed by an MoE model
+        fails with "expert parallel group is not initialized". The engine core's own
+        shutdown runs vLLM's ``cleanup_dist_env_and_memory``; it runs again here (it is
+        idempotent) for an engine whose shutdown failed half-way. Like vLLM's, it destroys
+        the default torch.distributed group, whoever initialized it.
+        """
+        if self.llm is None:
+            return
+        from vllm.distributed import parallel_state
+
+        with contextlib.suppress(Exception):  # an engine that failed half-way has less to shut down
+            self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
-        gc.collect()
+        parallel_state.cleanup_dist_env_and_memory()
 
 
 def _rank1(entry: dict[int, Any]) -> int:
