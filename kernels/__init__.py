@@ -19,6 +19,7 @@ and ``rope`` are both a function and a submodule, and only an eager
 """
 
 from .activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference, silu_and_mul, silu_and_mul_reference
+from .activation import swiglu_oai_and_mul, swiglu_oai_and_mul_reference
 from .caches import KernelCaches, kernel_caches
 from .attention import KV_BLOCK, Q_TILE, attention, attention_batched, attention_heads_first, attention_reference
 from .fixed_order import exp, halving_sum, log, pairwise_sum, tanh
@@ -28,6 +29,7 @@ from .moe import (
     moe_combine,
     moe_combine_reference,
     moe_experts,
+    moe_experts_oai,
     moe_route,
     moe_route_grouped,
     moe_route_grouped_reference,
@@ -78,6 +80,9 @@ __all__ = [
     "log_softmax",
     "log_softmax_reference",
     "moe_combine",
+    "moe_experts_oai",
+    "swiglu_oai_and_mul",
+    "swiglu_oai_and_mul_reference",
     "moe_combine_reference",
     "moe_experts",
     "moe_route",

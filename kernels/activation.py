@@ -25,7 +25,8 @@ runs the same code, and the slicing is skipped.
 
 :func:`gelu_tanh_and_mul` is Gemma's ``gelu_pytorch_tanh`` gated MLP (vLLM's
 ``GeluAndMul(approximate="tanh")``), built the same way around
-``F.gelu(approximate="tanh")``.
+``F.gelu(approximate="tanh")``; its backward is ATen's ``gelu_backward(approximate="tanh")``
+in the same slices, as SiLU's is ``silu_backward``.
 """
 
 from __future__ import annotations
@@ -73,28 +74,31 @@ def _compute_dtype(gate: torch.Tensor) -> torch.dtype:
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in fp32 (fp64 for fp64 input), rounded once to ``gate.dtype``."""
     if needs_grad(gate, up):
-        return _SiluAndMul.apply(gate, up)
+        return _Gated.apply(gate, up, _silu_fixed_calls, _silu_grad_fixed_calls)
     dtype = _compute_dtype(gate)
     return (_silu_fixed_calls(gate.to(dtype)) * up.to(dtype)).to(gate.dtype)
 
 
-class _SiluAndMul(torch.autograd.Function):
-    """Elementwise backward: ``d_up = dy * silu(gate)``, ``d_gate = silu_backward(dy * up, gate)``, fixed slices."""
+class _Gated(torch.autograd.Function):
+    """``act(gate) * up`` with an elementwise backward in the forward's fixed slices:
+    ``d_up = dy * act(gate)``, ``d_gate = act_grad(dy * up, gate)`` (``silu_backward``, ``gelu_backward``)."""
 
     @staticmethod
-    def forward(ctx, gate, up):  # noqa: ANN001, ANN205
+    def forward(ctx, gate, up, act, act_grad):  # noqa: ANN001, ANN205
         ctx.save_for_backward(gate, up)
-        with torch.no_grad():
-            return silu_and_mul(gate, up)
+        ctx.act, ctx.act_grad = act, act_grad
+        with torch.no_grad():  # the inference path's expression: the same bits
+            dtype = _compute_dtype(gate)
+            return (act(gate.to(dtype)) * up.to(dtype)).to(gate.dtype)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
         gate, up = ctx.saved_tensors
         dtype = _compute_dtype(gate)
         g, u, d = gate.to(dtype), up.to(dtype), dy.to(dtype)
-        d_gate = _silu_grad_fixed_calls(d * u, g).to(gate.dtype) if ctx.needs_input_grad[0] else None
-        d_up = (d * _silu_fixed_calls(g)).to(up.dtype) if ctx.needs_input_grad[1] else None
-        return d_gate, d_up
+        d_gate = ctx.act_grad(d * u, g).to(gate.dtype) if ctx.needs_input_grad[0] else None
+        d_up = (d * ctx.act(g)).to(up.dtype) if ctx.needs_input_grad[1] else None
+        return d_gate, d_up, None, None
 
 
 def _gelu_tanh_fixed_calls(g: torch.Tensor) -> torch.Tensor:
@@ -108,13 +112,21 @@ def _gelu_tanh_fixed_calls(g: torch.Tensor) -> torch.Tensor:
     return flat[: g.numel()].view(g.shape)
 
 
-def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(gate) * up`` (Gemma's ``gelu_pytorch_tanh`` gated MLP) in fp32, rounded once.
+def _gelu_tanh_grad_fixed_calls(dy: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``dy * gelu_tanh'(g)`` (ATen's ``gelu_backward``) in the same tail-free, equal-size slices."""
+    if g.device.type == "cuda":
+        return torch.ops.aten.gelu_backward(dy, g, approximate="tanh")
+    flat_dy, flat_g = _flat_chunks(dy), _flat_chunks(g)
+    for start in range(0, flat_g.numel(), CHUNK):
+        part = slice(start, start + CHUNK)
+        flat_dy[part] = torch.ops.aten.gelu_backward(flat_dy[part], flat_g[part], approximate="tanh")
+    return flat_dy[: g.numel()].view(g.shape)
 
-    Inference only: with autograd recording it raises (its fixed calls write in place).
-    """
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (Gemma's ``gelu_pytorch_tanh`` gated MLP) in fp32 (fp64 for fp64), rounded once."""
     if needs_grad(gate, up):
-        raise NotImplementedError("gelu_tanh_and_mul: no backward")
+        return _Gated.apply(gate, up, _gelu_tanh_fixed_calls, _gelu_tanh_grad_fixed_calls)
     dtype = _compute_dtype(gate)
     return (_gelu_tanh_fixed_calls(gate.to(dtype)) * up.to(dtype)).to(gate.dtype)
 
@@ -129,3 +141,65 @@ def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor
     """``F.silu(gate) * up`` in fp32 (fp64 for fp64 input), rounded once."""
     dtype = torch.float64 if gate.dtype == torch.float64 else torch.float32
     return (F.silu(gate.to(dtype)) * up.to(dtype)).to(gate.dtype)
+
+
+# ---- gpt-oss's clamped SwiGLU ------------------------------------------------------------------
+#
+# ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, l)`` (HF ``GptOssExperts._apply_gate``,
+# vLLM ``SwigluOAIAndMul``), in fp32 and rounded once. The sigmoid is ``1 / (1 + exp(-alpha * g))`` with the
+# position-independent :func:`fixed_order.exp`, so an element's bits never depend on where it sits in the tensor.
+
+
+def _swiglu_oai_parts(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> tuple[torch.Tensor, ...]:
+    """(clamped gate g, clamped up u, sigmoid(alpha * g)) in the compute dtype."""
+    from .fixed_order import exp
+
+    dtype = _compute_dtype(gate)
+    g = gate.to(dtype).clamp(max=limit)
+    u = up.to(dtype).clamp(min=-limit, max=limit)
+    e = exp(g * -alpha) if dtype == torch.float32 else torch.exp(g * -alpha)  # fp64: the reference's exp
+    return g, u, 1.0 / (1.0 + e)
+
+
+def swiglu_oai_and_mul(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, l)``, fp32, rounded once."""
+    if needs_grad(gate, up):
+        return _SwigluOai.apply(gate, up, alpha, limit)
+    g, u, sig = _swiglu_oai_parts(gate, up, alpha, limit)
+    return ((u + 1.0) * (g * sig)).to(gate.dtype)
+
+
+class _SwigluOai(torch.autograd.Function):
+    """Elementwise backward (zero where a clamp holds): ``d_up = dy * g * s``,
+    ``d_gate = dy * (u + 1) * (s + alpha * g * s * (1 - s))``."""
+
+    @staticmethod
+    def forward(ctx, gate, up, alpha, limit):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(gate, up)
+        ctx.alpha, ctx.limit = alpha, limit
+        with torch.no_grad():
+            return swiglu_oai_and_mul(gate, up, alpha, limit)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        gate, up = ctx.saved_tensors
+        g, u, sig = _swiglu_oai_parts(gate, up, ctx.alpha, ctx.limit)
+        d = dy.to(g.dtype)
+        d_gate = d_up = None
+        if ctx.needs_input_grad[0]:
+            slope = sig + ctx.alpha * g * sig * (1.0 - sig)
+            d_gate = torch.where(gate.to(g.dtype) < ctx.limit, d * (u + 1.0) * slope, 0.0).to(gate.dtype)
+        if ctx.needs_input_grad[1]:
+            inside = up.to(g.dtype).abs() < ctx.limit
+            d_up = torch.where(inside, d * g * sig, 0.0).to(up.dtype)
+        return d_gate, d_up, None, None
+
+
+def swiglu_oai_and_mul_reference(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
+) -> torch.Tensor:
+    """HF's ``GptOssExperts._apply_gate`` on split gate/up in fp32 (fp64 for fp64 input), rounded once."""
+    dtype = _compute_dtype(gate)
+    g = gate.to(dtype).clamp(max=limit)
+    u = up.to(dtype).clamp(min=-limit, max=limit)
+    return ((u + 1) * (g * torch.sigmoid(g * alpha))).to(gate.dtype)

@@ -47,11 +47,18 @@ their absolute indices and may leave the dropped ones as zeros.
 Soft-capping (Gemma 2's ``attn_logit_softcapping``): each score becomes
 ``cap * tanh(score / cap)`` right after the scaling, with the
 position-independent :func:`fixed_order.tanh`, so the invariance above holds
-unchanged (inference only: the backward refuses a softcap).
+unchanged (the backward's too: it multiplies by the cap's slope ``1 - tanh^2``,
+recomputed from the same score bits).
+
+Attention sinks (gpt-oss): query head ``h`` has one learned logit ``sinks[h]``
+that joins the softmax's denominator and attends to nothing. The row max
+includes it (max is order-free), and ``exp(sink - M)`` is added to the row's
+``sum(p)`` after the blocks' pairwise sum: a function of the sink and the exact
+row max only, so every invariance above holds unchanged.
 
 Value head size (MLA: DeepSeek's q/k heads are ``qk_nope + qk_rope`` = 192 wide,
 its v heads 128): ``v`` may be narrower or wider than ``q``/``k``. The score GEMMs
-are over the q/k dim, the value GEMMs produce ``Dv + 1`` columns, and every
+are over the q/k dim, the value GEMMs produce ``max(Dv + 1, 16)`` columns, and every
 invariance above holds unchanged (the backward's too).
 
 Groups hold at most :data:`MAX_TILE_ELEMENTS` accumulator elements; rows are
@@ -87,13 +94,15 @@ def attention(
     kv_len: int | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence: q ``[T, Hq, D]``, k ``[S, Hkv, D]``, v ``[S, Hkv, Dv]`` (keys at positions 0..S-1)
     -> ``[T, Hq, Dv]``.
 
     Query ``i`` sees key ``j`` iff ``j <= q_positions[i]`` (and ``j < kv_len``, and
     ``j > q_positions[i] - window`` with a ``window``). ``softcap``: scores become
-    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
+    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2). ``sinks`` ``[Hq]``: one more logit per
+    query head in the softmax's denominator, attending to nothing (gpt-oss).
     """
     s = k.shape[0] if kv_len is None else int(kv_len)
     kv_lens = torch.tensor([s], dtype=torch.int64, device=q.device)
@@ -106,6 +115,7 @@ def attention(
         kv_lens,
         softcap,
         window,
+        sinks,
     )
     return out[0].transpose(0, 1)
 
@@ -119,11 +129,12 @@ def attention_batched(
     kv_lens: torch.Tensor,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Padded batch: q ``[B, T, Hq, D]``, k ``[B, S, Hkv, D]``, v ``[B, S, Hkv, Dv]``, q_positions ``[B, T]``
     (-1: no query), kv_lens ``[B]`` -> ``[B, T, Hq, Dv]``. Sequence ``b``'s keys are ``k[b, :kv_lens[b]]``."""
     out = attention_heads_first(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_positions, scale, kv_lens, softcap, window
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q_positions, scale, kv_lens, softcap, window, sinks
     )
     return out.transpose(1, 2)
 
@@ -137,20 +148,24 @@ def attention_heads_first(
     kv_lens: torch.Tensor,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`attention_batched` in the heads-first layout of HF: q ``[B, Hq, T, D]``, k ``[B, Hkv, S, D]``,
     v ``[B, Hkv, S, Dv]`` -> ``[B, Hq, T, Dv]``."""
     if window is not None and int(window) < 1:
         raise ValueError(f"attention: window must be at least 1, got {window}")
-    if softcap:
-        if needs_grad(q, k, v):
-            raise NotImplementedError("attention: no backward with a softcap")
-        return _attention_forward(q, k, v, q_positions, scale, kv_lens, softcap, window)
+    softcap = softcap or None
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"attention: sinks must hold one logit per query head ({q.shape[1]}), got {tuple(sinks.shape)}")
+    if sinks is not None and needs_grad(q, k, v, sinks):
+        from .attention_backward import SinkAttention  # the backward builds on this module
+
+        return SinkAttention.apply(q, k, v, q_positions, scale, kv_lens, window, softcap, sinks)
     if needs_grad(q, k, v):
         from .attention_backward import Attention  # the backward builds on this module
 
-        return Attention.apply(q, k, v, q_positions, scale, kv_lens, window)
-    return _attention_forward(q, k, v, q_positions, scale, kv_lens, None, window)
+        return Attention.apply(q, k, v, q_positions, scale, kv_lens, window, softcap)
+    return _attention_forward(q, k, v, q_positions, scale, kv_lens, softcap, window, sinks)
 
 
 def _attention_forward(
@@ -162,18 +177,21 @@ def _attention_forward(
     kv_lens: torch.Tensor,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, hq, t, _ = q.shape
     dv = v.shape[-1]
     layout, g = _layout_of(q, k, q_positions, kv_lens, window)
     q_tiles = _query_tiles(q, k.shape[1], layout.n_qt)
     k_blocks, v_blocks = _kv_blocks(k, v, layout.n_kb)
-    acc = torch.empty(*q_tiles.shape[:-1], dv + 1, dtype=torch.float32, device=q.device)
+    rows_sink = sink_rows(sinks, k.shape[1], layout.n_qt)
+    acc = torch.empty(*q_tiles.shape[:-1], v_blocks.shape[-1], dtype=torch.float32, device=q.device)
     for q0, q1, n_blocks, hidden in layout.groups:
         acc[:, :, q0:q1] = _tile_group(
-            q_tiles[:, :, q0:q1], k_blocks[:, :, :n_blocks], v_blocks[:, :, :n_blocks], hidden, scale, softcap
+            q_tiles[:, :, q0:q1], k_blocks[:, :, :n_blocks], v_blocks[:, :, :n_blocks], hidden, scale, softcap,
+            None if rows_sink is None else rows_sink[:, q0:q1],
         )[0]
-    out = _from_query_tiles(acc[..., :dv] / acc[..., dv:], t, g)
+    out = _from_query_tiles(acc[..., :dv] / acc[..., -1:], t, g)
     out = torch.where(layout.has_query, out, 0.0)
     return out.reshape(b, hq, t, dv).to(q.dtype)
 
@@ -204,18 +222,36 @@ def _from_query_tiles(tiles: torch.Tensor, t: int, g: int) -> torch.Tensor:
     return tiles.reshape(b, hkv, n_qt * Q_TILE, d)[:, :, : t * g].reshape(b, hkv, t, g, d).transpose(2, 3)
 
 
+def sink_rows(sinks: torch.Tensor | None, hkv: int, n_qt: int) -> torch.Tensor | None:
+    """Each query-tile row's sink logit, fp32 ``[Hkv, nQ, Q_TILE]`` (row ``r`` is query head ``hkv * G + r % G``),
+    or None without sinks."""
+    if sinks is None:
+        return None
+    g = sinks.shape[0] // hkv
+    per_head = sinks.detach().to(torch.float32).view(hkv, g)
+    return per_head[:, torch.arange(n_qt * Q_TILE, device=sinks.device) % g].view(hkv, n_qt, Q_TILE)
+
+
+#: the fewest columns a value GEMM gets: on AVX2, ``[16, 16] @ [16, N]`` with N < 16 computes a row's bits
+#: depending on its place in the tile (measured for N = 5 and 9, not for 16, 17 or 65), so narrow values
+#: (head dim <= 14) are padded with zero columns up to this width
+VALUE_WIDTH_MIN = 16
+
+
 def _kv_blocks(k: torch.Tensor, v: torch.Tensor, n_kb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys in absolute fp32 blocks ``[B, Hkv, nK, KV_BLOCK, D]``; values ``[..., Dv+1]`` with a ones column,
-    so that the value GEMM also yields each block's sum of p, in the same fixed order."""
+    """Keys in absolute fp32 blocks ``[B, Hkv, nK, KV_BLOCK, D]``; values ``[..., W]``: ``Dv`` value columns,
+    zero columns up to ``VALUE_WIDTH_MIN``, and a ones column last, so that the value GEMM also yields each
+    block's sum of p (the last column), in the same fixed order."""
     b, hkv, s, d = k.shape
     dv = v.shape[-1]
+    width = max(dv + 1, VALUE_WIDTH_MIN)
     s_used = min(s, n_kb * KV_BLOCK)
     k_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, d, dtype=torch.float32, device=k.device)
     k_pad[:, :, :s_used] = k[:, :, :s_used]
-    v_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, dv + 1, dtype=torch.float32, device=k.device)
+    v_pad = torch.zeros(b, hkv, n_kb * KV_BLOCK, width, dtype=torch.float32, device=k.device)
     v_pad[:, :, :s_used, :dv] = v[:, :, :s_used]
-    v_pad[..., dv] = 1.0
-    return k_pad.view(b, hkv, n_kb, KV_BLOCK, d), v_pad.view(b, hkv, n_kb, KV_BLOCK, dv + 1)
+    v_pad[..., -1] = 1.0
+    return k_pad.view(b, hkv, n_kb, KV_BLOCK, d), v_pad.view(b, hkv, n_kb, KV_BLOCK, width)
 
 
 class _Layout:
@@ -292,34 +328,50 @@ def _layout(
     return layout
 
 
-def _tile_group(
-    q_tiles: torch.Tensor,  # [B, Hkv, nq, Q_TILE, D]
-    k_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, D]
-    v_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, Dv+1]
-    hidden: torch.Tensor,  # [B, 1, nq, nk, Q_TILE, KV_BLOCK]: masked (row, key) pairs
-    scale: float,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([sum(p v) | sum(p)] [B, Hkv, nq, Q_TILE, Dv+1], p [B, Hkv, nq, nk, Q_TILE, KV_BLOCK])`` over every
-    (tile, block) pair; ``p = exp(s - row max)`` is unnormalised."""
+def _scaled_scores(q_tiles: torch.Tensor, k_blocks: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * q.k`` for every (tile, block) pair, ``[B, Hkv, nq, nk, Q_TILE, KV_BLOCK]`` (the backward
+    recomputes a soft cap's slope from these very bits)."""
     b, hkv, nq, _, d = q_tiles.shape
-    nk, d1 = k_blocks.shape[2], v_blocks.shape[-1]
-    pairs = (b, hkv, nq, nk)
+    pairs = (b, hkv, nq, k_blocks.shape[2])
     # One [Q_TILE, D] @ [D, KV_BLOCK] GEMM per (sequence, head, tile, block): explicit bmm, never
     # torch.matmul, whose broadcasting may fold batches into a GEMM of another shape.
     a = q_tiles.unsqueeze(3).expand(*pairs, Q_TILE, d).reshape(-1, Q_TILE, d)
     kb = k_blocks.unsqueeze(2).expand(*pairs, KV_BLOCK, d).reshape(-1, KV_BLOCK, d)
-    scores = torch.bmm(a, kb.transpose(1, 2)).view(*pairs, Q_TILE, KV_BLOCK).mul_(scale)
+    return torch.bmm(a, kb.transpose(1, 2)).view(*pairs, Q_TILE, KV_BLOCK).mul_(scale)
+
+
+def _tile_group(
+    q_tiles: torch.Tensor,  # [B, Hkv, nq, Q_TILE, D]
+    k_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, D]
+    v_blocks: torch.Tensor,  # [B, Hkv, nk, KV_BLOCK, W]: values, zero padding, ones (``_kv_blocks``)
+    hidden: torch.Tensor,  # [B, 1, nq, nk, Q_TILE, KV_BLOCK]: masked (row, key) pairs
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hkv, nq, Q_TILE]: each row's sink logit (``sink_rows``)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([sum(p v) | 0 | sum(p)] [B, Hkv, nq, Q_TILE, W], p [B, Hkv, nq, nk, Q_TILE, KV_BLOCK])`` over every
+    (tile, block) pair; ``p = exp(s - row max)`` is unnormalised. With ``sinks`` the row max includes the row's
+    sink and ``sum(p)`` ends with ``exp(sink - row max)``, added after the blocks' pairwise sum (one fixed
+    order: the blocks' sum, then the sink)."""
+    b, hkv, nq = q_tiles.shape[:3]
+    nk, d1 = k_blocks.shape[2], v_blocks.shape[-1]
+    pairs = (b, hkv, nq, nk)
+    scores = _scaled_scores(q_tiles, k_blocks, scale)
     if softcap:  # elementwise and position-independent: a score's bits stay a function of its value
         scores = tanh(scores.div_(softcap)).mul_(softcap)
     scores.masked_fill_(hidden, _MASKED)
     # Exact row max over all blocks, then p = exp(s - max) with exact zeros where masked.
     row_max = scores.amax(-1).amax(3)  # [B, Hkv, nq, Q_TILE]
+    if sinks is not None:
+        row_max = torch.maximum(row_max, sinks)
     p = exp(scores.sub_(row_max[:, :, :, None, :, None]))
-    # One [Q_TILE, KV_BLOCK] @ [KV_BLOCK, Dv+1] GEMM per pair: the block's [p v | sum p].
+    # One [Q_TILE, KV_BLOCK] @ [KV_BLOCK, W] GEMM per pair: the block's [p v | 0 | sum p].
     vb = v_blocks.unsqueeze(2).expand(*pairs, KV_BLOCK, d1).reshape(-1, KV_BLOCK, d1)
     pv = torch.bmm(p.view(-1, Q_TILE, KV_BLOCK), vb).view(*pairs, Q_TILE, d1)
-    return pairwise_sum(pv, 3), p
+    summed = pairwise_sum(pv, 3)
+    if sinks is not None:
+        summed[..., -1] += exp(sinks - row_max)
+    return summed, p
 
 
 def attention_reference(
@@ -331,9 +383,11 @@ def attention_reference(
     kv_len: int | None = None,
     softcap: float | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain masked softmax attention for one sequence, fp32 (fp64 for fp64 input), scores optionally soft-capped,
-    keys optionally limited to the last ``window`` positions."""
+    keys optionally limited to the last ``window`` positions, one ``sinks`` logit per head optionally in the
+    denominator (a column HF's gpt-oss concatenates and drops)."""
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     s = k.shape[0] if kv_len is None else int(kv_len)
     g = q.shape[1] // k.shape[1]
@@ -346,6 +400,10 @@ def attention_reference(
     if window:
         visible &= torch.arange(s)[None, :] > q_positions.long()[:, None] - window
     scores = scores.masked_fill(~visible[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        column = sinks.to(dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("hts,shd->thd", probs, vv)
     return out.to(q.dtype)

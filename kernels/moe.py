@@ -329,3 +329,28 @@ def moe_combine_reference(
         ]
     )
     return (outs * weights.to(dtype).unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def moe_experts_oai(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    b13: torch.Tensor,
+    w2: torch.Tensor,
+    b2: torch.Tensor,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
+    """gpt-oss's experts, combined: biased ``w13 [E, 2I, H]`` whose rows interleave gate and up (``b13 [E, 2I]``),
+    the clamped SwiGLU (:func:`swiglu_oai_and_mul`), biased ``w2 [E, H, I]`` (``b2 [E, H]``).
+
+    HF stores the transpose (``gate_up_proj [E, H, 2I]``); vLLM's ``w13_weight`` is this layout.
+    """
+    from .activation import swiglu_oai_and_mul
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(rows, w13[e], b13[e])
+        return linear(swiglu_oai_and_mul(gate_up[:, 0::2], gate_up[:, 1::2], alpha, limit), w2[e], b2[e])
+
+    return moe_combine(x, weights, ids, expert)

@@ -159,6 +159,14 @@ KERNELS: list[KernelInfo] = [
         "activation.gelu_tanh_and_mul_reference",
     ),
     KernelInfo(
+        "swiglu_oai_and_mul",
+        "gpt-oss's clamped SwiGLU (clamp(up, ±7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7)",
+        "fp32 with position-independent exp, one rounding",
+        1e-6,
+        "activation.swiglu_oai_and_mul",
+        "activation.swiglu_oai_and_mul_reference",
+    ),
+    KernelInfo(
         "softcap",
         "logit soft-capping cap * tanh(x / cap) (Gemma 2 final logits; attention takes softcap=)",
         "fp32 with position-independent tanh (from exp), one rounding",
@@ -371,6 +379,12 @@ def _check_gelu_tanh_and_mul(gen: Any) -> tuple[bool, float, str]:
     return _check_gated(gen, gelu_tanh_and_mul, gelu_tanh_and_mul_reference)
 
 
+def _check_swiglu_oai_and_mul(gen: Any) -> tuple[bool, float, str]:
+    from .activation import swiglu_oai_and_mul, swiglu_oai_and_mul_reference
+
+    return _check_gated(gen, swiglu_oai_and_mul, swiglu_oai_and_mul_reference)
+
+
 def _check_softcap(gen: Any) -> tuple[bool, float, str]:
     import torch
 
@@ -397,6 +411,7 @@ _CHECKS: dict[str, Callable[[Any], tuple[bool, float, str]]] = {
     "moe_combine": _check_moe_combine,
     "gemma_rms_norm": _check_gemma_rms_norm,
     "gelu_tanh_and_mul": _check_gelu_tanh_and_mul,
+    "swiglu_oai_and_mul": _check_swiglu_oai_and_mul,
     "softcap": _check_softcap,
 }
 

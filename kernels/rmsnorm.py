@@ -86,13 +86,43 @@ def gemma_rms_norm(
     """Gemma's RMSNorm, ``(x32 / rms(x32) * (1 + w32)).to(x.dtype)``: the offset weight in fp32, one rounding.
 
     With ``residual``: ``(gemma_rms_norm(x + residual), x + residual)``, like :func:`rms_norm`.
-    Inference only (no backward).
     """
     if residual is not None:
         summed = x + residual
         return gemma_rms_norm(summed, weight, eps), summed
+    if needs_grad(x, weight):
+        return _GemmaRMSNorm.apply(x, weight, eps)
+    return _gemma_rms_norm(x, weight, eps)
+
+
+def _gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     return (x32 / _rms(x32, eps)).mul_(weight.float() + 1.0).to(x.dtype)
+
+
+class _GemmaRMSNorm(torch.autograd.Function):
+    """``gemma_rms_norm``'s backward, as ``_RMSNorm``'s with ``(1 + w)`` in fp32 and no rounding of ``u``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _gemma_rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):  # noqa: ANN001, ANN205
+        x, weight = ctx.saved_tensors
+        x32 = x.float()
+        rms = _rms(x32, ctx.eps)
+        u = x32 / rms  # the forward's normalised row (fp32, never rounded in this variant)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dn = dy.float() * (weight.float() + 1.0)
+            dot = halving_sum(dn * u, -1).div_(x.shape[-1]).unsqueeze(-1)
+            dx = ((dn - u * dot) / rms).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = pairwise_sum((dy.float() * u).reshape(-1, x.shape[-1]), 0).to(weight.dtype)
+        return dx, dw, None
 
 
 def gemma_rms_norm_reference(

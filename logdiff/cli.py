@@ -174,8 +174,8 @@ def scan(
         False, "--trust-remote-code", help="Let transformers and vLLM run Python code shipped with MODEL (auto_map)."
     ),
     is_threshold: float = typer.Option(
-        2.0, metavar="T", help="Truncated-IS and rejection bounds [1/T, T] of the rollout_is_*/rollout_rs_* "
-        "metrics (verl's rollout_is_threshold; default 2.0).",
+        2.0, metavar="T", help="T of the rollout_is_* metrics (IS weights truncated to at most T) and the ratio "
+        "bounds [1/T, T] of the k1 rollout_rs_* ones (verl's rollout_is_threshold; default 2.0).",
     ),  # fmt: skip
     out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),

@@ -7,12 +7,15 @@ replayed through every path, since they condition later tokens, but are not scor
 The metrics that carry a verl name are computed the way verl computes them, on a
 padded ``(sequences, positions)`` batch: token-level means are verl's
 ``masked_mean`` (``sum / (count + 1e-8)``), per-sequence means first where verl
-takes them, ``torch.std`` is the N-1 estimator (NaN, written null, at N = 1), log
-ratios are clamped at +-20 where verl clamps them. Sources (volcengine/verl):
+takes them, ``torch.std`` where verl calls it (the N-1 estimator, NaN, written null, at
+N = 1; ``rollout_is_std`` is verl's population ``sqrt(E[w^2] - E[w]^2)``), log ratios
+are clamped at +-20 where verl clamps them. Two differences are deliberate: logdiff
+computes in float64 over the whole batch, where verl computes in float32 and, for the
+metrics its actor logs, per micro-batch and then averages. Sources (volcengine/verl):
 ``verl/utils/debug/metrics.py`` (``training/rollout_probs_diff_*``, the Pearson r),
 ``verl/trainer/ppo/rollout_corr_helper.py`` (``rollout_corr/*``: ``compute_offpolicy_metrics``,
 ``compute_is_metrics``, ``compute_rollout_rejection_mask``), ``verl/trainer/ppo/core_algos.py``
-(``compute_policy_loss_vanilla``: ``pg_clipfrac``). Definitions: docs/result-schema.md#metrics.
+(``compute_policy_loss_vanilla``: ``ppo_kl``, ``pg_clipfrac``). Definitions: docs/result-schema.md#metrics.
 Samples come from the inference engine, so ``r = exp(lp_train - lp_infer)``.
 """
 
@@ -25,7 +28,8 @@ import numpy as np
 
 from logdiff.reports.format import METRIC_ALIASES
 
-#: verl's ``rollout_is_threshold`` default: truncated-IS bounds are [1/T, T]
+#: verl's ``rollout_is_threshold`` default T: verl truncates IS weights to at most T (from above only);
+#: its std and ESS clamp them to [1/T, T], its shares count r > T and r < 1/T
 IS_THRESHOLD = 2.0
 #: the symmetric ratio bands of ``ratio_outside_band_{eps}``
 BAND_EPSILONS = (0.2, 0.28)
@@ -35,8 +39,14 @@ PPO_EPS, DAPO_EPS_HIGH, DUAL_CLIP_C = 0.2, 0.28, 3.0
 SAFETY_BOUND = 20.0
 #: deprecated key -> the key it repeats (kept in result.json for readers of the old names)
 ALIASES = METRIC_ALIASES
-#: the ``rollout_rs`` options reported (verl's names; k1 bounds [1/T, T] on the ratio)
-RS_OPTIONS = ("token_k1", "seq_sum_k1", "seq_mean_k1")
+#: verl's ``rollout_rs`` options, all reported: k1 bounds the ratio to [1/T, T], k2 and k3 a divergence from above
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+#: the k2/k3 options' upper bound: verl's ``rollout_rs_threshold`` for ``seq_mean_k3`` in its
+#: ``decoupled_k3_rs`` / ``bypass_ppo_clip_k3_rs`` presets (verl/trainer/config/algorithm.py)
+RS_DIVERGENCE_BOUND = 0.01
+#: the chain of the combined ``rollout_rs_masked_fraction``: the three ratio bounds at T
+RS_CHAIN = ("token_k1", "seq_sum_k1", "seq_mean_k1")
 
 
 def padded(arrays: list[np.ndarray], masks: list[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -75,8 +85,13 @@ def token_metrics(
     infer_top1: list[np.ndarray] | None = None,
     masks: list[Any] | None = None,
     is_threshold: float = IS_THRESHOLD,
+    rs_bound: float = RS_DIVERGENCE_BOUND,
 ) -> dict[str, Any]:
-    """All scalar metrics over the scored response tokens (``masks``: one 0/1 list per sequence, or None)."""
+    """All scalar metrics over the scored response tokens (``masks``: one 0/1 list per sequence, or None).
+
+    ``is_threshold`` is T of the rollout_is_* and k1 rollout_rs_* metrics, ``rs_bound`` the upper
+    bound of the k2/k3 rollout_rs_* ones.
+    """
     lp_t, m = padded(train, masks)
     lp_i, _ = padded(infer, masks)
     if not m.any():
@@ -112,8 +127,8 @@ def token_metrics(
     out.update(offpolicy_metrics(lp_t, lp_i, m))
     for level in ("token", "sequence"):
         out.update(is_metrics(lp_t - lp_i, m, is_threshold, level))
-    out.update(rs_masked_fractions(lp_t - lp_i, m, is_threshold))
-    out.update(clip_fractions(lp_t - lp_i, m))
+    out.update(rs_masked_fractions(lp_t - lp_i, m, is_threshold, rs_bound))
+    out.update(policy_loss_metrics(lp_t - lp_i, m))
     out.update({old: out[new] for old, new in ALIASES.items()})
     return out
 
@@ -143,7 +158,7 @@ def offpolicy_metrics(lp_t: np.ndarray, lp_i: np.ndarray, m: np.ndarray) -> dict
 
 
 def is_metrics(log_ratio: np.ndarray, m: np.ndarray, threshold: float, level: str = "token") -> dict[str, float]:
-    """verl's ``compute_is_metrics`` (truncated IS, bounds [1/T, T]) at ``rollout_is=token`` or ``sequence``.
+    """verl's ``compute_is_metrics`` (on the weights before truncation) at ``rollout_is=token`` or ``sequence``.
 
     Token level gives verl's ``rollout_is_*`` names; sequence level (one weight per sequence, the
     exp of its summed log ratio) the same statistics as ``rollout_is_sequence_*``.
@@ -176,35 +191,69 @@ def is_metrics(log_ratio: np.ndarray, m: np.ndarray, threshold: float, level: st
     return {prefix + k: float(v) for k, v in out.items()}
 
 
-def rs_masked_fractions(log_ratio: np.ndarray, m: np.ndarray, threshold: float) -> dict[str, float]:
-    """verl's ``compute_rollout_rejection_mask`` masked fractions for the k1 options at ``rollout_rs_threshold=T``.
+def rejection_keeps(log_ratio: np.ndarray, m: np.ndarray, threshold: float,
+                    bound: float = RS_DIVERGENCE_BOUND) -> dict[str, np.ndarray]:
+    """Which tokens each of verl's ``compute_rollout_rejection_mask`` options keeps: option -> bool array like ``m``.
 
-    A token (``token_k1``) or a sequence (its summed or mean ``-log r``) is rejected outside
-    [log(1/T), log T]; ``_masked_fraction`` is the share of scored tokens rejected,
-    ``_seq_masked_fraction`` the share of sequences with any rejected token.
+    Per token, k1 is ``-log r``, k2 ``(log r)^2 / 2``, k3 ``r - 1 - log r`` (``log r`` clamped to +-20);
+    ``token_*`` judges each token, ``seq_sum_*`` / ``seq_mean_*`` / ``seq_max_*`` each sequence by the
+    sum / mean / max over its scored tokens (a sequence with none: 0). A k1 statistic is kept inside
+    [log(1/T), log T], a k2 or k3 one at or below ``bound``. What an unscored entry's flag says does
+    not matter: every share counts scored tokens only.
     """
-    k1 = -np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
+    lr = np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
+    per_token = {"k1": -lr, "k2": 0.5 * lr**2, "k3": np.exp(lr) - 1.0 - lr}
     lo, hi = math.log(1.0 / threshold), math.log(threshold)
-    out = {}
+
+    def seq_max(v: np.ndarray) -> np.ndarray:
+        top = np.where(m, v, -np.inf).max(-1)
+        return np.where(top == -np.inf, 0.0, top)
+
+    level = {"token": lambda v: v, "seq_sum": lambda v: masked_sum(v, m, -1)[:, None],
+             "seq_mean": lambda v: masked_mean(v, m, -1)[:, None], "seq_max": lambda v: seq_max(v)[:, None]}
+    keeps = {}
     for option in RS_OPTIONS:
-        stat = {"token_k1": k1, "seq_sum_k1": masked_sum(k1, m, -1)[:, None],
-                "seq_mean_k1": masked_mean(k1, m, -1)[:, None]}[option]
-        keep = np.broadcast_to((stat >= lo) & (stat <= hi), m.shape)
-        seq_valid = m.sum(-1) > 0
-        seq_rejected = (~keep & m).any(-1)
+        where, kind = option.rsplit("_", 1)
+        stat = level[where](per_token[kind])
+        keep = (stat >= lo) & (stat <= hi) if kind == "k1" else stat <= bound
+        keeps[option] = np.broadcast_to(keep, m.shape)
+    return keeps
+
+
+def rs_masked_fractions(log_ratio: np.ndarray, m: np.ndarray, threshold: float,
+                        bound: float = RS_DIVERGENCE_BOUND, chain: tuple[str, ...] = RS_CHAIN) -> dict[str, float]:
+    """verl's rejection-sampling shares: per option, and for the ``chain`` of options every token must pass.
+
+    ``rollout_rs_{option}_masked_fraction`` is the share of scored tokens the option rejects,
+    ``_seq_masked_fraction`` the share of sequences with a scored token (the others do not count)
+    that have one rejected. The combined ``rollout_rs_masked_fraction`` / ``rollout_rs_seq_masked_fraction``
+    are the same for verl's ``rollout_rs=",".join(chain)``, except that verl divides the sequence share
+    by every sequence, a sequence with no scored token included.
+    """
+    keeps = rejection_keeps(log_ratio, m, threshold, bound)
+    seq_valid = m.any(-1)
+    out = {}
+    for option, keep in keeps.items():
         out[f"rollout_rs_{option}_masked_fraction"] = float(masked_mean(~keep, m))
-        out[f"rollout_rs_{option}_seq_masked_fraction"] = float((seq_rejected & seq_valid).sum() / seq_valid.sum())
+        out[f"rollout_rs_{option}_seq_masked_fraction"] = float((~keep & m).any(-1).sum() / seq_valid.sum())
+    kept = np.logical_and.reduce([keeps[option] for option in chain])
+    out["rollout_rs_masked_fraction"] = float(masked_mean(~kept, m))
+    out["rollout_rs_seq_masked_fraction"] = float((~kept & m).any(-1).mean())
     return out
 
 
-def clip_fractions(log_ratio: np.ndarray, m: np.ndarray) -> dict[str, float]:
-    """verl's ``actor/pg_clipfrac`` (and ``pg_clipfrac_lower``) as if every advantage had one sign.
+def policy_loss_metrics(log_ratio: np.ndarray, m: np.ndarray) -> dict[str, float]:
+    """verl's PPO policy-loss metrics in bypass mode (the rollout logprobs are the old ones), first step.
 
-    With A > 0 PPO clips r > 1 + eps_high; with A < 0 it clips r < 1 - eps_low, and dual-clip
-    bounds r > clip_ratio_c. Advantage magnitudes do not matter, only their sign.
+    ``ppo_kl`` (``actor/ppo_kl``) is the mean of ``-log r``, clamped to +-20. ``actor/pg_clipfrac`` (and
+    ``pg_clipfrac_lower``) as if every advantage had one sign: with A > 0 PPO clips r > 1 + eps_high;
+    with A < 0 it clips r < 1 - eps_low, and dual-clip bounds r > clip_ratio_c. Advantage magnitudes
+    do not matter, only their sign.
     """
-    r = np.exp(np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND))
+    lr = np.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
+    r = np.exp(lr)
     return {
+        "ppo_kl": float(masked_mean(-lr, m)),
         "pg_clipfrac_adv_pos": float(masked_mean(r > 1 + PPO_EPS, m)),
         "pg_clipfrac_adv_pos_dapo": float(masked_mean(r > 1 + DAPO_EPS_HIGH, m)),
         "pg_clipfrac_adv_neg": float(masked_mean(r < 1 - PPO_EPS, m)),

@@ -49,7 +49,7 @@ class ScanConfig:
     #: score exactly these sequences (responses included) instead of loading or sampling any:
     #: the diagnosis's rescans replay the first scan's tokens (Python API only, not a CLI option)
     replay: tuple[Any, ...] | None = None
-    #: truncated-IS / rejection bounds [1/T, T] of the rollout_is_* and rollout_rs_* metrics (verl's default 2.0)
+    #: T of the rollout_is_* metrics (weights truncated to <= T) and the k1 rollout_rs_* bounds [1/T, T] (verl's 2.0)
     is_threshold: float = 2.0
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from logdiff.probes.errors import EngineUnavailable, InputError, LogdiffError
+from logdiff.probes.errors import EngineUnavailable, InputError, LogdiffError, WorkspaceError
 
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
@@ -19,6 +19,7 @@ EXIT_USAGE = 2
 EXIT_ENGINE_UNAVAILABLE = 3
 EXIT_OUTPUT = 4
 EXIT_INTERNAL = 101
+assert WorkspaceError.exit_code == EXIT_OUTPUT  # probes/ cannot import this module's constant
 
 
 class OutputError(LogdiffError):
@@ -62,4 +63,5 @@ __all__ = [
     "InputError",
     "LogdiffError",
     "OutputError",
+    "WorkspaceError",
 ]

@@ -18,6 +18,7 @@ corrupt file is a one-line error rather than a deep engine traceback.
 from __future__ import annotations
 
 import atexit
+import errno
 import hashlib
 import json
 import shutil
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from logdiff.probes.arch import adapter_for
-from logdiff.probes.errors import InputError
+from logdiff.probes.errors import InputError, WorkspaceError
 
 _STAGE_ROOT: Path | None = None
 
@@ -98,7 +99,13 @@ def stage(model_dir: Path, ckpt: Path | None = None, trust_remote_code: bool = F
         raise InputError(f"checkpoint not found: {source}")
     out = _stage_dir(model_dir, source, trust_remote_code)
     if not (out / ".complete").exists():
-        _build(out, model_dir, source, trust_remote_code)
+        try:
+            _build(out, model_dir, source, trust_remote_code)
+        except OSError as e:
+            shutil.rmtree(out, ignore_errors=True)  # never a half-staged directory for the next run
+            if e.filename is not None and not str(e.filename).startswith(str(out)):
+                raise InputError(f"cannot read {e.filename}: {e.strerror or e}") from None
+            raise WorkspaceError(out.parent, e.strerror or str(e)) from None
     staged = StagedModel(out, cfg["architectures"][0], cfg, trust_remote_code)
     check_weights(staged)
     return staged
@@ -176,6 +183,10 @@ def _load_dcp(path: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             dcp_to_torch_save(str(path), f"{tmp}/sd.pt")
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the scratch copy, not the checkpoint
+                raise WorkspaceError(Path(tmp), e.strerror) from None
+            raise InputError(f"cannot read distributed checkpoint {path}: {type(e).__name__}: {e}") from None
         except Exception as e:  # noqa: BLE001
             raise InputError(f"cannot read distributed checkpoint {path}: {type(e).__name__}: {e}") from None
         sd = torch.load(f"{tmp}/sd.pt", map_location="cpu", weights_only=True)

@@ -83,6 +83,18 @@ def window_size(value: Any) -> int | None:
     return int(value[0] if isinstance(value, (tuple, list)) else value)
 
 
+def expert_groups(n_group: Any, topk_group: Any) -> tuple[int, int]:
+    """``(n_group, topk_group)`` of the expert choice a router makes: ``(1, 1)`` where it keeps every group.
+
+    Grouped top-k that keeps all ``n_group`` groups chooses exactly as greedy
+    top-k does, so both engines' routing keys read as one group then, whatever
+    their configs spell (vLLM routes DeepSeek-V2 grouped even where HF's
+    ``topk_method: greedy`` ignores the groups).
+    """
+    groups, kept = int(n_group or 1), int(topk_group or 1)
+    return (1, 1) if kept >= groups else (groups, kept)
+
+
 def narrowest(tensor: Any, dtype: Any) -> Any:
     """``tensor`` in the model's ``dtype`` when it is wider and holds values of that dtype exactly.
 

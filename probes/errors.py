@@ -24,3 +24,23 @@ class EngineUnavailable(LogdiffError):
     """A required engine (vLLM, ...) is not installed or cannot start here."""
 
     exit_code = 3
+
+
+class WorkspaceError(LogdiffError):
+    """logdiff's own scratch space cannot be written: the staged checkpoint under ``$TMPDIR``.
+
+    A full disk or a quota while staging is not the user's input and not an
+    internal error: one line naming the directory and the system's reason, and
+    the exit code of an unwritable output (4, ``logdiff.errors.EXIT_OUTPUT``).
+    """
+
+    exit_code = 4
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot write {path}: {reason} (staging the checkpoint; set TMPDIR to a disk with room)")
+
+    def __reduce__(self) -> tuple[type, tuple[object, str]]:
+        return type(self), (self.path, self.reason)
+

@@ -15,7 +15,8 @@ Two jobs, both engine-side (the analysis lives in ``logdiff/diagnosis/routing.py
   the adapter's ``router``) so that each token takes the expert ids another
   path chose; the router weights are recomputed as normal (fp32 softmax of
   the HF path's own logits at the forced ids, renormalized when the router
-  does; for a sigmoid grouped router, the adapter's ``routing_rule_of``: the
+  does, times the router's ``routed_scaling_factor`` where it has one (DeepSeek-V2);
+  for a sigmoid grouped router, the adapter's ``routing_rule_of``: the
   sigmoid scores there, renormalized, times the routed scaling). Which token a router row belongs to comes from ``align.hf_rows``
   and the engine's ``_begin_pass`` announcements, as in the recorder.
   Tokens the other path has no ids for keep their own routing, and so does
@@ -134,16 +135,18 @@ def forced_routing(engine: Any, forced: ForcedIds) -> Iterator[dict[str, int]]:
             if router is not None and n in forced.ids:
                 renormalize = arch.router_renormalizes_of(router)
                 rule = arch.routing_rule_of(router) if hasattr(arch, "routing_rule_of") else None
+                if rule is None:  # softmax top-k; DeepSeek-V2's router scales its weights too
+                    rule = {"scoring": "softmax", "scaling": float(getattr(router, "routed_scaling_factor", 1.0))}
                 forward = _forced_forward(router.forward, forced.ids[n], renormalize, passes, counts, rule)
                 patches.set(router, "forward", forward)
         yield counts
 
 
 def _forced_forward(
-    orig: Any, table: np.ndarray, renormalize: bool, passes: _Passes, counts: dict[str, int], rule: Any = None
+    orig: Any, table: np.ndarray, renormalize: bool, passes: _Passes, counts: dict[str, int], rule: dict[str, Any]
 ) -> Any:
     """A router forward that returns the forced ids where known, with weights from its own logits
-    (softmax; with a sigmoid grouped ``rule``, its scores and scaling)."""
+    (``rule``: the scoring, softmax or sigmoid, and the scaling of the weights)."""
     import torch
 
     def forward(hidden_states: Any) -> tuple[Any, Any, Any]:
@@ -161,15 +164,11 @@ def _forced_forward(
         counts["forced"] += int(known.sum())
         new_ids = torch.as_tensor(want, device=ids.device).clamp(min=0)
         new_ids = torch.where(torch.as_tensor(known, device=ids.device)[:, None], new_ids, ids)
-        if rule is None:
-            probs = torch.softmax(logits.float(), dim=-1).gather(1, new_ids)
-            if renormalize:
-                probs = probs / probs.sum(-1, keepdim=True)
-        else:
-            scores = torch.sigmoid(logits.float()) if rule["scoring"] == "sigmoid" else torch.softmax(logits.float(), -1)
-            probs = scores.gather(1, new_ids)
-            if renormalize:
-                probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+        scores = torch.sigmoid(logits.float()) if rule["scoring"] == "sigmoid" else torch.softmax(logits.float(), -1)
+        probs = scores.gather(1, new_ids)
+        if renormalize:
+            probs = probs / (probs.sum(-1, keepdim=True) + (1e-20 if "n_group" in rule else 0.0))
+        if rule["scaling"] != 1.0:
             probs = probs * rule["scaling"]
         new_weights = torch.where(torch.as_tensor(known, device=ids.device)[:, None], probs.to(weights.dtype), weights)
         return logits, new_weights, new_ids

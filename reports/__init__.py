@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["explain", "render_html", "write_html", "print_summary", "validate_result", "load_result",
+__all__ = ["explain", "render_html", "print_summary", "validate_result", "load_result",
            "PhaseProgress", "SCHEMA_VERSION"]
 
-_WHERE = {"explain": "narrative", "render_html": "html", "write_html": "html", "print_summary": "terminal",
+_WHERE = {"explain": "narrative", "render_html": "html", "print_summary": "terminal",
           "PhaseProgress": "terminal", "validate_result": "schema", "load_result": "schema",
           "SCHEMA_VERSION": "schema"}
 

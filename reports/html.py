@@ -29,8 +29,9 @@ from typing import Any
 from .charts import heatmap_data, histogram_chart, position_chart
 from . import shares
 from .groups import cause_groups, kind_label
-from .format import (METRICS, cost_text, current_names, fmt_fraction, fmt_lens, fmt_metric, fmt_num, fmt_value, is_number,
-                     pair_label, verdict_text)
+from .format import (cost_text, current_names, fmt_fraction, fmt_lens, fmt_num, fmt_value, is_number, pair_label,
+                     verdict_text)
+from .metric_groups import REST, group_metrics
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
 
@@ -44,20 +45,13 @@ def _environment():
     env.filters["num"] = fmt_num
     env.filters["csp_hash"] = csp_hash
     env.filters["breakable"] = breakable
+    env.filters["breakable_id"] = breakable_id
     return env
 
 
 def render_html(result: dict) -> str:
     """The report page for ``result`` (a result.json dict) as one HTML string."""
     return _environment().get_template("report.html").render(v=build_view(result))
-
-
-def write_html(result: dict, path: Path) -> Path:
-    """Render ``result`` to ``path`` (parents created); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(result), encoding="utf-8")
-    return path
 
 
 def embed_json(data: Any) -> str:
@@ -76,6 +70,13 @@ def breakable(name: Any):
     from markupsafe import Markup, escape
 
     return Markup(str(escape(name)).replace(".", ".<wbr>"))
+
+
+def breakable_id(name: Any):
+    """Escape a metric name and allow line breaks after its slashes and underscores (rollout_corr/<wbr>k3_<wbr>kl)."""
+    from markupsafe import Markup, escape
+
+    return Markup(str(escape(name)).replace("/", "/<wbr>").replace("_", "_<wbr>"))
 
 
 def csp_hash(script: str) -> str:
@@ -129,8 +130,8 @@ def build_view(result: dict) -> dict:
         "settings": _settings_rows(settings, r.get("sequences")),
         "environment": [(k, fmt_value(v)) for k, v in _dict(r.get("environment")).items()],
         "paths": _paths(r.get("paths")),
-        "pair_labels": [pair_label(p) for p in pairs],
-        "metrics": _metrics_rows(pairs, r.get("logprobs")),
+        "metrics": _metrics_view(pairs, r.get("logprobs")),
+        "is_threshold": fmt_num(settings.get("is_threshold")) if is_number(settings.get("is_threshold")) else None,
         "pairs": [_pair_view(p) for p in pairs],
         "first_divergence": _first_divergence(r.get("first_divergence")),
         "no_divergence_reason": _no_divergence_reason(r, depth),
@@ -258,21 +259,26 @@ def _paths(paths: Any) -> list[dict]:
     return out
 
 
-def _metrics_rows(pairs: list[dict], logprobs: Any) -> list[dict]:
-    """One row per known metric present in any pair; one value column per pair."""
-    per_pair = [current_names(_dict(p.get("metrics"))) for p in pairs] or [current_names(_dict(logprobs))]
-    rows = []
-    for key, label, verl, meaning in METRICS:
-        if not any(key in m for m in per_pair):
-            continue
-        rows.append({"key": key, "label": label, "verl": verl, "meaning": meaning,
-                     "cells": [fmt_metric(key, m.get(key)) if key in m else "—" for m in per_pair]})
-    known = {k for k, *_ in METRICS}
-    extra = sorted({k for m in per_pair for k in m} - known)
-    for key in extra:
-        rows.append({"key": key, "label": key, "verl": "", "meaning": "",
-                     "cells": [fmt_num(m.get(key)) if key in m else "—" for m in per_pair]})
-    return rows
+#: at most this many pairs side by side in one metrics table; more are stacked in tables of equal size
+MAX_PAIR_COLUMNS = 8
+
+
+def _metrics_view(pairs: list[dict], logprobs: Any) -> list[dict]:
+    """The metrics groups (``metric_groups``), each as one table per block of pairs (``MAX_PAIR_COLUMNS``
+    at most side by side): rows of label, verl name or key, meaning and one value per pair."""
+    columns = [current_names(_dict(p.get("metrics"))) for p in pairs] or [current_names(_dict(logprobs))]
+    heads = [(_text(p.get("train"), "?"), _text(p.get("infer"), "?")) for p in pairs] or [("primary", "")]
+    n_blocks = -(-len(columns) // MAX_PAIR_COLUMNS)
+    size = -(-len(columns) // n_blocks)
+    blocks = [range(start, min(start + size, len(columns))) for start in range(0, len(columns), size)]
+    out = []
+    for group, rows in group_metrics(columns):
+        tables = [{"heads": [heads[i] for i in block],
+                   "rows": [{"key": row.key, "label": row.label, "verl": row.verl, "meaning": row.meaning,
+                             "cells": [row.values[i] for i in block]} for row in rows]} for block in blocks]
+        out.append({"id": group.id, "title": group.title, "question": group.question, "folded": group is REST,
+                    "count": len(rows), "tables": tables})
+    return out
 
 
 def _pair_view(pair: dict) -> dict:

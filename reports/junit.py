@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
-from pathlib import Path
 from typing import Any
 
 CLASSNAME = "logdiff.check"
@@ -52,10 +51,3 @@ def junit_xml(
             failure.text = f"{_text(gate.get('message'))}\n{numbers}"
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
-
-
-def write_junit(path: Path, gates: list[dict[str, Any]], **kwargs: Any) -> None:
-    """Write ``junit_xml(gates, **kwargs)`` to ``path`` (parents created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(junit_xml(gates, **kwargs), encoding="utf-8")

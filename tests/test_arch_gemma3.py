@@ -112,11 +112,11 @@ def test_consistent_covers_gemma2_with_a_window_shorter_than_the_sequences(
     stock_varies(stock_diff == 0.0, "stock vLLM matches HF bitwise on the windowed Gemma 2")
 
 
-def test_consistent_training_step_is_refused_in_one_line(demo_model: Callable[[str], Path]) -> None:
-    """``train.grad=true`` under ``--consistent``: the windowed attention has a backward now, but the gelu-tanh
-    MLP kernel has none; one clear error (exit 2), never a half-consistent step."""
-    from logdiff.errors import InputError
-
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_consistent_training_step_runs_with_the_inference_bits(demo_model: Callable[[str], Path], arch: str) -> None:
+    """``train.grad=true`` under ``--consistent`` (refused before: no soft-capped attention or gelu-tanh backward):
+    the HF path runs a real step (train mode, backward through the kernels) and equals the HF decode bitwise."""
     fast = {**SMALL, "depth": "logprobs"}
-    with pytest.raises(InputError, match="--consistent: gelu_tanh_and_mul: no backward"):
-        logdiff.scan(demo_model("gemma3"), infer=["hf-decode"], consistent=True, train_set={"grad": True}, **fast)
+    r = logdiff.scan(demo_model(arch), infer=["hf-decode"], consistent=True, train_set={"grad": True}, **fast)
+    assert next(p for p in r["paths"] if p["role"] == "train")["settings"]["grad"] is True
+    assert r["verdict"] == "consistent" and r["logprobs"]["abs_diff_max"] == 0.0

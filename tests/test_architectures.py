@@ -35,6 +35,7 @@ NEW = {
     "gemma3": None,
     "deepseek-v2": None,
     "deepseek-v3": None,
+    "gpt-oss": None,
 }
 
 

@@ -96,7 +96,7 @@ def test_unsupported_arch_names_the_supported_ones(tmp_path):
     with pytest.raises(InputError, match="qwen3, llama, qwen3-moe"):
         tiny_config("gpt2", 4096)
     with pytest.raises(InputError, match="supported"):
-        build(tmp_path / "m", "gpt-oss", max_steps=0)
+        build(tmp_path / "m", "falcon", max_steps=0)
     assert not (tmp_path / "m").exists()
 
 
@@ -156,7 +156,8 @@ def test_demo_model_loads_in_transformers_as_bf16(built, arch):
                 "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM", "llama3": "LlamaForCausalLM",
                 "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                 "gemma3": "Gemma3ForCausalLM", "glm4-moe": "Glm4MoeForCausalLM",
-                "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM"}[arch]
+                "deepseek-v2": "DeepseekV2ForCausalLM", "deepseek-v3": "DeepseekV3ForCausalLM",
+                "gpt-oss": "GptOssForCausalLM"}[arch]
     assert type(model).__name__ == expected
     assert model.dtype == torch.bfloat16
     assert model.config.tie_word_embeddings is (arch in ("gemma2", "gemma3"))  # vLLM's Gemma 2 always ties

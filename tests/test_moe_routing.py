@@ -62,6 +62,7 @@ def test_one_ulp_near_tie_flip_is_operator_path() -> None:
     assert (layer["class"], layer["kind"]) == ("operator_path", "near_tie_flip")
     assert layer["margin_ulps_max"] == 1.0
     assert layer["flipped"][0]["train_experts"] == [0, 1] and layer["flipped"][0]["infer_experts"] == [0, 2]
+    assert layer["flipped"][0]["decision"] == "expert" and layer["group_flips"] == 0  # one group: the expert choice
     # the replay forces the inference side's experts at the flipped token only
     assert forced[0][0, 0].tolist() == [0, 2] and (forced[0][0, 1] == -1).all()
 

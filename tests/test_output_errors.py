@@ -512,3 +512,65 @@ def test_the_error_line_is_inert(saved: Path, tmp_path: Path) -> None:
     rc, _, stderr = invoke_cli("report", saved, "--out", hostile / "report.html")
     line = the_error(rc, stderr)  # one line: the newline in the path is escaped, and so is ESC
     assert "\x1b" not in stderr and "evil\\n::error::x\\x1b[2J" in line
+
+
+# --- the staged checkpoint: logdiff's own scratch space ------------------------------------------
+
+
+def _staging_fault(monkeypatch: pytest.MonkeyPatch, error: OSError | None) -> list[Path]:
+    """Make converting a .pt checkpoint write half a file, then raise ``error`` (None: write it)."""
+    from logdiff.probes import checkpoint
+
+    real_save, staged = checkpoint._save, []
+
+    def save(sd: dict, out: Path) -> None:
+        staged.append(out)
+        if error is None:
+            return real_save(sd, out)
+        (out / "model.safetensors").write_bytes(b"half")
+        error.filename = error.filename or str(out / "model.safetensors")
+        raise error
+
+    monkeypatch.setattr(checkpoint, "_save", save)
+    return staged
+
+
+@pytest.fixture(scope="module")
+def pt_ckpt(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from safetensors.torch import load_file
+
+    path = tmp_path_factory.mktemp("pt") / "ckpt.pt"
+    torch.save(load_file(str(qwen3 / "model.safetensors")), path)
+    return path
+
+
+def test_staging_on_a_full_disk_is_exit_4_and_leaves_nothing(
+    qwen3: Path, pt_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    staged = _staging_fault(monkeypatch, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    rc, stdout, stderr = invoke_cli("scan", qwen3, pt_ckpt, "--infer", "hf-decode", "--depth", "logprobs",
+                                    "--json", tmp_path / "r.json")
+    line = the_error(rc, stderr)
+    assert line.startswith(f"logdiff: error: cannot write {staged[0].parent}: {REASON[errno.ENOSPC]}"), line
+    assert "TMPDIR" in line and not staged[0].exists()  # no half-staged directory for the next run to trust
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_an_unreadable_source_while_staging_is_an_input_error(
+    qwen3: Path, pt_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from logdiff.errors import InputError
+    from logdiff.probes import checkpoint
+
+    _staging_fault(monkeypatch, OSError(errno.EIO, os.strerror(errno.EIO), str(pt_ckpt)))
+    with pytest.raises(InputError, match=f"cannot read {pt_ckpt}: {REASON[errno.EIO]}"):
+        checkpoint.stage(qwen3, pt_ckpt)
+
+
+def test_staging_negative_control(qwen3: Path, pt_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from logdiff.probes import checkpoint
+
+    staged = _staging_fault(monkeypatch, None)
+    model = checkpoint.stage(qwen3, pt_ckpt)
+    assert staged and model.path == staged[0] and (model.path / ".complete").is_file()

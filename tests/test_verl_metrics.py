@@ -1,8 +1,9 @@
 """Every verl-named metric equals verl's own formula, on padded, masked batches.
 
 The functions below are faithful torch copies of verl's code (volcengine/verl at commit
-b178a3cd56f58b2d502255daba591e92833930a7), cited per function; logdiff's numpy
-implementation (logdiff/compare.py) must give the same numbers to float64 rounding.
+b178a3cd56f58b2d502255daba591e92833930a7), cited per function with file and line; logdiff's numpy
+implementation (logdiff/compare.py) must give the same numbers to float64 rounding. The copies run
+in float64 on one batch: verl itself runs them in float32, per micro-batch (docs/result-schema.md).
 """
 
 from __future__ import annotations
@@ -124,42 +125,105 @@ def is_metrics(log_ratio, response_mask, rollout_is, rollout_is_threshold):
     return metrics
 
 
-# verl/trainer/ppo/rollout_corr_helper.py: compute_rollout_rejection_mask, one k1 option, threshold "T" (bounds 1/T, T)
-def rs_masked_fractions(log_ratio, response_mask, option, threshold):
-    lower_log, upper_log = math.log(float(str(1.0 / threshold))), math.log(threshold)
-    token_k1 = -torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+# verl/trainer/ppo/rollout_corr_helper.py: _parse_rollout_rs_thresholds (L93-153), the branches this file uses
+def parse_rs_thresholds(options, threshold_spec):
+    raw_specs = [str(threshold_spec)] if isinstance(threshold_spec, (int, float)) else \
+        [part.strip() for part in threshold_spec.split(",") if part.strip()]
+    if len(raw_specs) == 1 and len(options) > 1:
+        raw_specs = raw_specs * len(options)
+    thresholds = {}
+    for option, spec in zip(options, raw_specs, strict=True):
+        if option.endswith("k1"):
+            upper_str = spec
+            lower_str = str(1.0 / float(upper_str))
+            thresholds[option] = {"lower": float(lower_str), "upper": float(upper_str)}
+        else:
+            thresholds[option] = {"lower": None, "upper": float(spec)}
+    return thresholds
+
+
+# verl/trainer/ppo/rollout_corr_helper.py: compute_rollout_rejection_mask (L156-372), its masks and
+# masked fractions (compute_rs_metrics, L375-478, logs other statistics, not reported by logdiff)
+def rejection_mask(log_ratio, response_mask, rollout_rs, rollout_rs_threshold):
+    normalized_options = [opt.strip() for opt in rollout_rs.split(",") if opt.strip()]
+    threshold_specs = parse_rs_thresholds(normalized_options, rollout_rs_threshold)
+    log_ratio_safe = torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)  # L221-224
+    token_k1 = -log_ratio_safe
+    token_k2 = 0.5 * log_ratio_safe**2
+    token_k3 = torch.exp(log_ratio_safe) - 1.0 - log_ratio_safe
+    per_token = {"k1": token_k1, "k2": token_k2, "k3": token_k3}
     response_mask_bool = response_mask.bool()
     seq_valid_mask = response_mask.sum(dim=-1) > 0
-    if option == "token_k1":
-        token_keep_bool = (token_k1 >= lower_log) & (token_k1 <= upper_log)
-    else:
-        agg = masked_sum if option == "seq_sum_k1" else masked_mean
-        seq_stat = agg(token_k1, response_mask, axis=-1)
-        seq_keep = (seq_stat >= lower_log) & (seq_stat <= upper_log)
-        token_keep_bool = seq_keep.unsqueeze(-1).expand_as(response_mask_bool)
-    token_keep_mask = token_keep_bool.to(dtype=log_ratio.dtype)
-    seq_keep_bool_tensor = (~((~token_keep_bool) & response_mask_bool)).all(dim=-1)
-    token_masked_fraction = masked_mean(1 - token_keep_mask, response_mask).item()
-    seq_valid_float = seq_valid_mask.float()
-    seq_keep_float = seq_keep_bool_tensor.to(dtype=log_ratio.dtype)
-    seq_masked_fraction = (((1.0 - seq_keep_float) * seq_valid_float).sum() / seq_valid_float.sum()).item()
-    return {f"rollout_rs_{option}_masked_fraction": token_masked_fraction,
-            f"rollout_rs_{option}_seq_masked_fraction": seq_masked_fraction}
+    combined_mask = torch.ones_like(response_mask, dtype=log_ratio.dtype)
+    metrics = {}
+
+    def _sequence_max(values):  # L238-243
+        mask_bool = response_mask.bool()
+        neg_inf = torch.tensor(float("-inf"), device=values.device, dtype=values.dtype)
+        masked_values = values.masked_fill(~mask_bool, neg_inf)
+        max_values = masked_values.max(dim=-1).values
+        return torch.where(max_values == neg_inf, torch.zeros_like(max_values), max_values)
+
+    aggregate = {"seq_sum": lambda v: masked_sum(v, response_mask, axis=-1),
+                 "seq_mean": lambda v: masked_mean(v, response_mask, axis=-1), "seq_max": _sequence_max}
+    for option_name in normalized_options:  # L245-363, the branches written once per level and kind
+        upper_value, lower_value = threshold_specs[option_name]["upper"], threshold_specs[option_name]["lower"]
+        level, kind = option_name.rsplit("_", 1)
+        if kind == "k1":
+            lower_log, upper_log = math.log(lower_value), math.log(upper_value)
+        stat = per_token[kind] if level == "token" else aggregate[level](per_token[kind])
+        keep = (stat >= lower_log) & (stat <= upper_log) if kind == "k1" else stat <= upper_value
+        token_keep_bool = keep if level == "token" else keep.unsqueeze(-1).expand_as(response_mask_bool)
+        token_keep_mask = token_keep_bool.to(dtype=log_ratio.dtype)
+        combined_mask = combined_mask * token_keep_mask
+        seq_keep_bool_tensor = (~((~token_keep_bool) & response_mask_bool)).all(dim=-1)
+        token_masked_fraction = masked_mean(1 - token_keep_mask, response_mask).item()
+        seq_valid_float = seq_valid_mask.float()
+        if seq_valid_float.sum() > 0:
+            seq_keep_float = seq_keep_bool_tensor.to(dtype=log_ratio.dtype)
+            seq_masked_fraction = (((1.0 - seq_keep_float) * seq_valid_float).sum() / seq_valid_float.sum()).item()
+        else:
+            seq_masked_fraction = 0.0
+        metrics[f"rollout_rs_{option_name}_masked_fraction"] = token_masked_fraction
+        metrics[f"rollout_rs_{option_name}_seq_masked_fraction"] = seq_masked_fraction
+    final_mask = combined_mask  # L365-369
+    metrics["rollout_rs_masked_fraction"] = masked_mean(1 - final_mask, response_mask).item()
+    final_keep_bool = (final_mask > 0.5) & response_mask_bool
+    seq_has_masked = (~final_keep_bool & response_mask_bool).any(dim=-1)
+    metrics["rollout_rs_seq_masked_fraction"] = seq_has_masked.float().mean().item()
+    return metrics
 
 
-# verl/trainer/ppo/core_algos.py: compute_policy_loss_vanilla (pg_clipfrac, pg_clipfrac_lower), old = rollout (bypass)
+def rs_fractions(log_ratio, response_mask, threshold, bound=compare.RS_DIVERGENCE_BOUND):
+    """logdiff's rollout_rs_* keys from verl: every option in one call (each option's own fractions do
+    not depend on the others), the combined ones from a call with logdiff's chain at T."""
+    spec = ",".join(str(threshold) if o.endswith("k1") else str(bound) for o in compare.RS_OPTIONS)
+    out = rejection_mask(log_ratio, response_mask, ",".join(compare.RS_OPTIONS), spec)
+    del out["rollout_rs_masked_fraction"], out["rollout_rs_seq_masked_fraction"]
+    chained = rejection_mask(log_ratio, response_mask, ",".join(compare.RS_CHAIN), threshold)
+    out["rollout_rs_masked_fraction"] = chained["rollout_rs_masked_fraction"]
+    out["rollout_rs_seq_masked_fraction"] = chained["rollout_rs_seq_masked_fraction"]
+    return out
+
+
+# verl/trainer/ppo/core_algos.py: compute_policy_loss_vanilla (L1160-1251: ppo_kl L1210-1214, pg_clipfrac,
+# pg_clipfrac_lower), old = rollout (bypass mode, compute_policy_loss_bypass_mode L2065)
 def pg_clipfrac(old_log_prob, log_prob, advantages, response_mask, clip_low, clip_high, clip_ratio_c=3.0):
-    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0))
+    negative_approx_kl = log_prob - old_log_prob
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
     pg_losses1 = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
     pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     pg_losses3 = -advantages * clip_ratio_c
     pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)
-    return pg_clipfrac.item(), pg_clipfrac_lower.item()
+    return pg_clipfrac.item(), pg_clipfrac_lower.item(), ppo_kl.item()
 
 
-def verl_metrics(train: list, infer: list, masks: list, threshold: float = 2.0) -> dict[str, float]:
+def verl_metrics(train: list, infer: list, masks: list, threshold: float = 2.0,
+                 bound: float = compare.RS_DIVERGENCE_BOUND) -> dict[str, float]:
     """Every verl-named metric from the copies above, under logdiff's keys; padding holds NaN."""
     width = max(len(a) for a in train)
     lp_t = torch.full((len(train), width), float("nan"), dtype=torch.float64)
@@ -171,12 +235,11 @@ def verl_metrics(train: list, infer: list, masks: list, threshold: float = 2.0) 
     out.update(is_metrics(lp_t - lp_i, mask, "token", threshold))
     seq = is_metrics(lp_t - lp_i, mask, "sequence", threshold)
     out.update({k.replace("rollout_is_", "rollout_is_sequence_"): v for k, v in seq.items()})
-    for option in compare.RS_OPTIONS:
-        out.update(rs_masked_fractions(lp_t - lp_i, mask, option, threshold))
+    out.update(rs_fractions(lp_t - lp_i, mask, threshold, bound))
     pos, neg = torch.ones_like(lp_t), -torch.ones_like(lp_t)
-    out["pg_clipfrac_adv_pos"] = pg_clipfrac(lp_i, lp_t, pos, mask, 0.2, 0.2)[0]
+    out["pg_clipfrac_adv_pos"], _, out["ppo_kl"] = pg_clipfrac(lp_i, lp_t, pos, mask, 0.2, 0.2)
     out["pg_clipfrac_adv_pos_dapo"] = pg_clipfrac(lp_i, lp_t, pos, mask, 0.2, 0.28)[0]
-    out["pg_clipfrac_adv_neg"], out["pg_clipfrac_lower_adv_neg"] = pg_clipfrac(lp_i, lp_t, neg, mask, 0.2, 0.2)
+    out["pg_clipfrac_adv_neg"], out["pg_clipfrac_lower_adv_neg"], _ = pg_clipfrac(lp_i, lp_t, neg, mask, 0.2, 0.2)
     return out
 
 
@@ -199,12 +262,14 @@ def batch(seed: int, n: int = 6, spread: float = 0.6) -> tuple[list, list, list]
     return train, infer, masks
 
 
-@pytest.mark.parametrize("seed,threshold", [(0, 2.0), (1, 2.0), (2, 1.5), (3, 5.0)])
-def test_every_verl_metric_matches_verl(seed: int, threshold: float) -> None:
-    train, infer, masks = batch(seed)
-    ours = compare.token_metrics(train, infer, masks=masks, is_threshold=threshold)
-    theirs = verl_metrics(train, infer, masks, threshold)
-    assert len(theirs) == 55
+@pytest.mark.parametrize("seed,threshold,spread,bound", [(0, 2.0, 0.6, 0.01), (1, 2.0, 0.6, 0.01), (2, 1.5, 0.6, 0.01),
+                                                         (3, 5.0, 0.6, 0.01), (8, 1.5, 0.1, 0.01), (9, 1.5, 0.1, 0.01),
+                                                         (10, 3.0, 0.1, 0.02)])
+def test_every_verl_metric_matches_verl(seed: int, threshold: float, spread: float, bound: float) -> None:
+    train, infer, masks = batch(seed, spread=spread)
+    ours = compare.token_metrics(train, infer, masks=masks, is_threshold=threshold, rs_bound=bound)
+    theirs = verl_metrics(train, infer, masks, threshold, bound)
+    assert len(theirs) == 74
     for key, value in theirs.items():
         # verl takes these shares of sequences with `.float().mean()`: float32; logdiff keeps the exact fraction
         rel = 1e-7 if "fraction" in key and ("_seq_" in key or "sequence_ratio" in key) else 1e-12
@@ -212,6 +277,9 @@ def test_every_verl_metric_matches_verl(seed: int, threshold: float) -> None:
     # the thresholds are exercised: something is above and below the bounds on both levels
     assert 0 < ours["rollout_is_ratio_fraction_high"] < 1 and 0 < ours["rollout_is_ratio_fraction_low"] < 1
     assert 0 < ours["rollout_rs_token_k1_masked_fraction"] < 1 and ours["pg_clipfrac_lower_adv_neg"] > 0
+    if spread < 0.6:  # small divergences: every rejection option keeps some tokens and rejects others
+        assert all(0 < ours[f"rollout_rs_{o}_masked_fraction"] < 1 for o in compare.RS_OPTIONS)
+        assert 0 < ours["rollout_rs_masked_fraction"] < 1 and 0 < ours["rollout_rs_seq_masked_fraction"] < 1
 
 
 def test_torch_std_semantics_and_the_single_token_case() -> None:
@@ -241,3 +309,53 @@ def test_old_names_repeat_the_new_ones() -> None:
         assert m[old] == m[new] and m[old] is not None
     # the band is both tails at the same eps: PPO's positive- plus negative-advantage clip fractions
     assert m["ratio_outside_band_0.2"] == pytest.approx(m["pg_clipfrac_adv_pos"] + m["pg_clipfrac_adv_neg"], abs=1e-7)
+
+
+def tensors(train: list, infer: list, masks: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The log ratio and the mask of equal-length sequences, as verl's float64 tensors."""
+    lr = torch.tensor(np.array(train) - np.array(infer), dtype=torch.float64)
+    return lr, torch.tensor(masks, dtype=torch.float64)
+
+
+def test_rejection_identical_paths_reject_nothing_and_a_planted_token_is_found() -> None:
+    rng = np.random.default_rng(11)
+    train = [-rng.exponential(1.5, 8) for _ in range(3)]
+    masks = [[1] * 8, [1] * 8, [1, 1, 1, 1, 0, 0, 1, 1]]
+    same = compare.token_metrics(train, [t.copy() for t in train], masks=masks)
+    rs = {k: v for k, v in same.items() if k.startswith("rollout_rs_")}
+    assert len(rs) == 2 * len(compare.RS_OPTIONS) + 2 and set(rs.values()) == {0.0} and same["ppo_kl"] == 0.0
+    infer = [t.copy() for t in train]
+    infer[1][5] -= 0.3  # r = e^0.3 = 1.35: inside [1/2, 2], but k2 = 0.045 and k3 = 0.050 are above 0.01
+    planted = compare.token_metrics(train, infer, masks=masks)
+    theirs = rs_fractions(*tensors(train, infer, masks), 2.0)
+    assert {k: planted[k] for k in theirs} == pytest.approx(theirs, rel=1e-7)
+    for kind in ("k2", "k3"):
+        assert planted[f"rollout_rs_token_{kind}_masked_fraction"] == pytest.approx(1 / 22)  # the token
+        assert planted[f"rollout_rs_seq_max_{kind}_masked_fraction"] == pytest.approx(8 / 22)  # its sequence
+        assert planted[f"rollout_rs_seq_max_{kind}_seq_masked_fraction"] == pytest.approx(1 / 3)
+    assert planted["rollout_rs_token_k1_masked_fraction"] == 0.0 and planted["rollout_rs_masked_fraction"] == 0.0
+    infer[1][5] -= 0.7  # r = e^1.0: above T = 2, so the k1 chain rejects the token and, by its sum, the sequence
+    far = compare.token_metrics(train, infer, masks=masks)
+    assert far["rollout_rs_token_k1_masked_fraction"] == pytest.approx(1 / 22)
+    assert far["rollout_rs_masked_fraction"] == pytest.approx(8 / 22)
+    assert far["rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 3)
+
+
+def test_combined_sequence_share_counts_sequences_without_a_scored_token() -> None:
+    train = [np.array([-1.0, -2.0, -0.5]), np.array([-1.0, -0.2, -3.0]), np.array([-0.7, -0.9, -1.1])]
+    infer = [np.array([-1.0, -0.5, -0.5]), np.array([-1.0, -0.2, -3.0]), np.array([-5.0, -0.9, -1.1])]
+    masks = [[1, 1, 1], [1, 1, 1], [0, 0, 0]]  # the third sequence differs, but scores nothing
+    ours = compare.token_metrics(train, infer, masks=masks)
+    theirs = rs_fractions(*tensors(train, infer, masks), 2.0)
+    assert ours["rollout_rs_token_k1_seq_masked_fraction"] == theirs["rollout_rs_token_k1_seq_masked_fraction"] == 0.5
+    assert ours["rollout_rs_seq_masked_fraction"] == pytest.approx(theirs["rollout_rs_seq_masked_fraction"]) == 1 / 3
+
+
+def test_ppo_kl_is_the_k1_kl_clamped_at_the_safety_bound() -> None:
+    train, infer, masks = batch(12, spread=0.3)
+    train[1][0], infer[1][0], masks[1][0] = -1.0, -2.0, 1  # batch() plants a ratio past the bound here: undo it
+    within = compare.token_metrics(train, infer, masks=masks)
+    assert within["ppo_kl"] == pytest.approx(within["kl"], rel=1e-12)
+    infer[1][0] = -1.0 - 30.0  # log r = 30, clamped to 20 in ppo_kl only
+    past = compare.token_metrics(train, infer, masks=masks)
+    assert past["ppo_kl"] - past["kl"] == pytest.approx(10.0 / past["num_tokens"], rel=1e-9)

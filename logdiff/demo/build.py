@@ -110,6 +110,7 @@ def build_demo_model(
     import transformers
     import tokenizers
     from transformers import AutoModelForCausalLM, GenerationConfig
+    from logdiff.engines.hf import supports_sdpa
 
     from logdiff.demo.configs import tiny_config
 
@@ -140,7 +141,8 @@ def build_demo_model(
     previous_threads = torch.get_num_threads()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        attention = "sdpa" if supports_sdpa(config) else "eager"  # gpt-oss's sinks have no sdpa path
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
     try:
         torch.use_deterministic_algorithms(True)
         if settings.threads is not None:

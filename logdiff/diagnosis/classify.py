@@ -90,7 +90,9 @@ def _framework_kind(keys: list[str], weights: list[str]) -> str:
         return "weights"
     if any(k in ("temperature", "logprobs_mode") for k in keys):
         return "sampling_semantics"
-    if any(k in ("num_experts_per_tok", "norm_topk_prob") for k in keys):
+    from logdiff.diagnosis.routing import ROUTER_KEYS  # top-k, renormalisation, scoring, groups, scaling
+
+    if any(k in ROUTER_KEYS for k in keys):
         return "moe_routing"
     if "sliding_window" in keys:
         return "mask"
@@ -147,7 +149,8 @@ def classify_op(
             "weights": f"reload or resync {', '.join(w_diff)} on the inference engine (stale or mis-loaded weights)",
             "sampling_semantics": "compute both sides' logprobs with the same temperature and logprobs mode "
             "(vLLM: logprobs_mode; trainer: divide logits by the rollout temperature only if the engine did)",
-            "moe_routing": "align the router settings (top-k, renormalisation) and compute router logits in fp32 on both sides",
+            "moe_routing": "align the router settings (top-k, renormalisation, scoring, expert groups, scaling) and "
+            "compute router logits in fp32 on both sides",
             "mask": "align the attention mask / sliding window between the engines",
             "config_contract": f"set {', '.join(c_diff)} to the same value in both engines' configs",
         }[kind]

@@ -17,7 +17,7 @@ The local check here decides instead, on recorded tensors alone:
 Both sides within their bounds: the same function computed two ways
 (``operator_path``). A side outside: it computes something else
 (``framework_difference``), whatever its contract says. An op this module has
-no exact function for (MoE blocks, MLA, an attention with sinks, a RoPE style
+no exact function for (MoE blocks, MLA, a RoPE style
 other than NeoX) is reported as unchecked, with the reason, and classified by
 the reference rerun instead.
 """
@@ -278,8 +278,9 @@ class ConformanceCheck:
         contract = self.contracts[side]
         layer_module = self.adapter.layers(self.model)[b.layer]
         attn = self.adapter.attention(layer_module)
-        if self.adapter.latent_attention(attn) or getattr(attn, "sinks", None) is not None:
-            raise NotCheckable("no exact function for this attention (latent attention or sinks)")
+        if self.adapter.latent_attention(attn):
+            raise NotCheckable("no exact function for this attention (latent attention)")
+        sinks = getattr(attn, "sinks", None)  # gpt-oss: one logit per head in the denominator
         if contract.get("attention_scale") is None:
             raise NotCheckable(f"the {side} side's attention scale is unknown")
         scale, cap = float(contract["attention_scale"]), contract.get("attn_logit_softcapping")
@@ -291,7 +292,8 @@ class ConformanceCheck:
         heads = int(self.model.config.num_attention_heads)
 
         def run(s: Site) -> exact.Exact:
-            return exact.attention(s.inputs[0], s.inputs[1], s.inputs[2], _tensor(s.pos), heads, scale, cap, window)
+            return exact.attention(s.inputs[0], s.inputs[1], s.inputs[2], _tensor(s.pos), heads, scale, cap, window,
+                                   sinks)  # fmt: skip
 
         return run
 

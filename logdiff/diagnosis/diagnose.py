@@ -96,7 +96,7 @@ def diagnose(
     if held:  # hashes of NaN-holding tensors say nothing (and vLLM's CPU weights cannot be recovered)
         found.warnings.append("weight fingerprints skipped: the weights hold NaN/inf (see non_finite)")
     contracts = found.contracts = preflight(train, infer, weights=not held)
-    arch = find_adapter(result.architecture)  # what each op reads (None: the plain decoder layout)
+    arch = scan_adapter(result.architecture, train)  # what each op reads (None: the plain decoder layout)
     if result.non_finite:  # no op's arithmetic can be judged on NaN/inf: the finding is the cause
         found.causes = classify.preflight_only_causes(contracts, result.causes, arch)
         return found
@@ -161,6 +161,17 @@ def diagnose(
     causes.sort(key=lambda c: (-(c.share if c.share is not None else -1.0), c.boundary))
     found.causes = causes
     return found
+
+
+def scan_adapter(architecture: str | None, train: Engine) -> Any:
+    """The scan's adapter in the training model's layout (``configured``: e.g. the first MoE layer, where the
+    routing keys are read first); None for an architecture without one."""
+    arch = find_adapter(architecture)
+    try:
+        config = train.loaded_config()
+    except (NotImplementedError, AttributeError):  # an engine that cannot say: the adapter's default layout
+        return arch
+    return arch.configured(config) if arch is not None else None
 
 
 def _checker(record: Any, train: Engine, arch: Any, contracts: dict[str, Any], dtype: str) -> ConformanceCheck | None:

@@ -138,14 +138,16 @@ def deinterleaved(ex: Exact, heads: int) -> Exact:
 
 
 def attention(
-    q: Any, k: Any, v: Any, q_positions: Any, heads: int, scale: float, softcap: float | None, window: int | None
+    q: Any, k: Any, v: Any, q_positions: Any, heads: int, scale: float, softcap: float | None, window: int | None,
+    sinks: Any = None,
 ) -> Exact:
     """Causal softmax attention of one sequence: ``[T, heads * D]`` queries at ``q_positions`` against
     ``[S, kv_heads * D]`` keys and ``[S, kv_heads * Dv]`` values at positions ``0..S-1``.
 
     The scale of output element (t, h, d) bounds what rounding the scores and
     probabilities to the dtype can move it by (first order):
-    ``sum_j p_j |v_jd| + sum_j p_j |s_j| |v_jd - o_td|``.
+    ``sum_j p_j |v_jd| + sum_j p_j |s_j| |v_jd - o_td|``. ``sinks`` (gpt-oss, one logit per head) join the
+    softmax as a key whose value is zero: its term in the bound is ``p_sink |sink| |o_td|``.
     """
     import torch
 
@@ -166,7 +168,13 @@ def attention(
     visible = keys[None, :] <= pos[:, None]
     if window:
         visible &= keys[None, :] > pos[:, None] - window
-    p = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)  # [H, T, S]
+    masked = scores.masked_fill(~visible[None], float("-inf"))
+    if sinks is not None:  # one more column, dropped after the softmax (HF's formula)
+        sink = _f64(sinks).reshape(heads)
+        full = torch.softmax(torch.cat([masked, sink[:, None, None].expand(heads, t, 1)], dim=-1), dim=-1)
+        p, p_sink = full[..., :-1], full[..., -1]  # [H, T, S], [H, T]
+    else:
+        p = torch.softmax(masked, dim=-1)  # [H, T, S]
     out = torch.einsum("hts,shd->thd", p, vh)
     ps = p * scores.abs().masked_fill(~visible[None], 0.0)
     scale_t = torch.einsum("hts,shd->thd", p, vh.abs())
@@ -174,8 +182,10 @@ def attention(
     for a in range(0, t, step):  # sum_j p_j |s_j| |v_j - o_t|, a chunk of queries at a time
         spread = (vh.transpose(0, 1)[None] - out[a : a + step, :, None, :]).abs()  # [t, H, S, Dv]
         scale_t[a : a + step] += torch.einsum("hts,thsd->thd", ps[:, a : a + step], spread)
+    if sinks is not None:
+        scale_t += (p_sink * sink.abs()[:, None]).transpose(0, 1)[..., None] * out.abs()
     what = f"attention(scale={scale:.6g}" + (f", softcap={softcap:g}" if softcap else "") + (
-        f", window={window}" if window else "") + ")"  # fmt: skip
+        f", window={window}" if window else "") + (", sinks" if sinks is not None else "") + ")"  # fmt: skip
     # scores, probabilities and the output each rounded once; the p @ v reduction over S keys
     return Exact(out.reshape(t, heads * dv), scale_t.reshape(t, heads * dv), OpBound(3.0, s), what)
 

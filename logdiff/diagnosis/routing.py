@@ -2,30 +2,32 @@
 
 For every router boundary (``kind == "router"`` in the correspondence) both paths' router
 logits are recorded per token (``probes/routing.py``). Each side's expert set
-is recomputed from *its own* logits with *its own* routing rule (top-k from
-the side's contract; the weights: fp32 softmax at the chosen experts,
-renormalized when that side renormalizes), so a flip means the two engines
-really sent the token to different experts.
+is recomputed from *its own* logits with *its own* routing rule (``routing_rules``:
+the side's effective contract, as its engine's code applies it), so a flip
+means the two engines really sent the token to different experts.
 
-Sigmoid grouped routing (GLM-4.5, DeepSeek-V3: contract keys ``scoring_func``,
-``n_group``, ``topk_group``, ``routed_scaling_factor``) follows the same rule
-as ``kernels.moe_route_grouped``: experts are chosen on ``sigmoid(logits) +
-e_score_correction_bias`` (each side's own bias of the layer, read from its
-engine: ``Biases``) within the best groups, and weighted by the unbiased
-scores, renormalized, times the scaling. There the margins and near-ties are
-measured on those choice scores instead of the logits.
+Grouped and sigmoid routing (DeepSeek-V2's ``group_limited_greedy``, vLLM's
+DeepSeek-V2 whatever ``topk_method`` says, GLM-4.5, DeepSeek-V3: contract keys
+``scoring_func``, ``n_group``, ``topk_group``, ``routed_scaling_factor``)
+follows ``kernels.moe_route_grouped``: the best ``topk_group`` groups first,
+then the experts within them, ranked on ``sigmoid(logits) +
+e_score_correction_bias`` where the layer has a bias (each side's own, read
+from its engine: ``router_biases``), and weighted by the unbiased scores,
+renormalized, times the scaling.
 
 Per layer: the flip rate (tokens whose expert set differs whichever way each
-engine breaks an exact tie at the k-th place; tokens that differ only through
-such a tie are counted apart, ``tied_tokens``), the logit margin
-at each flip (the gap between the k-th and the (k+1)-th expert, the larger of
-the two sides', in logits and in units of the logits' dtype spacing), the
-largest routing-weight difference where the sets agree, and which class the
-routing differences belong to:
+engine breaks an exact tie; tokens that differ only through such a tie are
+counted apart, ``tied_tokens``), at each flip the decision that flipped (the
+group choice, ``group_flips``, or the expert choice) and its margin (the gap
+between the last chosen and the first unchosen group or expert, the larger of
+the two sides', in what the decision ranks and in units of the logits' dtype
+spacing there), the largest routing-weight difference where the sets agree,
+and which class the routing differences belong to:
 
 * ``framework_difference`` when the router itself computes something else on
-  the two sides: a router setting differs in the contracts (``top_k``,
-  ``norm_topk_prob``: kind ``moe_routing``), the layer's router weight differs
+  the two sides: a router setting differs in the contracts (``ROUTER_KEYS``:
+  top-k, renormalisation, scoring, groups, scaling; kind ``moe_routing``, its
+  evidence naming both sides' rules), the layer's router weight differs
   (``weights``), or the classifier found this layer's router op to compute a
   different function (its cause's kind). A flip downstream of another
   framework difference is one too (kind ``upstream_difference``).
@@ -43,13 +45,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from logdiff.diagnosis import spacing
 from logdiff.diagnosis.cause import Cause, Json
+from logdiff.diagnosis.routing_rules import Rule, compare, decide, route, rule_of
+
+__all__ = ["Rule", "route", "rule_of", "analyze", "compare_layer", "classify_layer", "moe_section", "replay"]
 
 if TYPE_CHECKING:
     from logdiff.result import ScanResult
@@ -64,111 +68,6 @@ ROUTER_KEYS = ("num_experts_per_tok", "norm_topk_prob", "scoring_func", "n_group
 BIAS = "e_score_correction_bias"
 
 
-@dataclass(frozen=True)
-class Rule:
-    """One side's routing rule: how many experts, whether their weights are renormalized, and (sigmoid
-    grouped routing) the scoring, the groups and the scaling of the weights."""
-
-    top_k: int
-    renormalize: bool
-    scoring: str = "softmax"
-    n_group: int = 1
-    topk_group: int = 1
-    scaling: float = 1.0
-
-    def summary(self) -> dict[str, Any]:
-        """The rule for result.json: top-k and renormalisation, plus the rest where it is not softmax top-k."""
-        out = vars(self).copy()
-        return out if _grouped(self) else {"top_k": self.top_k, "renormalize": self.renormalize}
-
-
-def rule_of(contract: Mapping[str, Any] | None, config: Mapping[str, Any], family_renormalizes: bool | None) -> Rule:
-    """A side's rule from its contract (what the engine runs with), else the model config."""
-    contract = contract or {}
-
-    def read(key: str, default: Any) -> Any:
-        value = contract.get(key)
-        return config.get(key, default) if value is None else value
-
-    k = contract.get("num_experts_per_tok") or config.get("num_experts_per_tok")
-    renorm = contract.get("norm_topk_prob")
-    if renorm is None:
-        renorm = config.get("norm_topk_prob", family_renormalizes)
-    return Rule(int(k), bool(renorm), str(read("scoring_func", "softmax")), int(read("n_group", 1) or 1),
-                int(read("topk_group", 1) or 1), float(read("routed_scaling_factor", 1.0) or 1.0))  # fmt: skip
-
-
-def _grouped(rule: Rule) -> bool:
-    return rule.scoring != "softmax" or rule.n_group > 1
-
-
-def choice_scores(logits: np.ndarray, rule: Rule, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``(scores [N, E], choice [N, E])``: the weights' scores and what the top-k ranks (float64).
-
-    Softmax: the probabilities, ranked by the logits themselves. Sigmoid grouped:
-    ``sigmoid(logits)``, ranked by ``scores + bias`` with experts outside the best
-    ``topk_group`` groups at ``-inf`` (a group scores the sum of its top two with a bias,
-    else its best; ties to the lower index), as ``kernels.moe_route_grouped``.
-    """
-    x = logits.astype(np.float64)
-    if rule.scoring == "sigmoid":
-        scores = 1.0 / (1.0 + np.exp(-x))
-    else:
-        scores = np.exp(x - x.max(-1, keepdims=True))
-        scores /= scores.sum(-1, keepdims=True)
-    if not _grouped(rule) and bias is None:
-        return scores, logits
-    choice = scores if bias is None else scores + bias.astype(np.float64)
-    if 1 < rule.n_group and rule.topk_group < rule.n_group:
-        n, e = choice.shape
-        per_group = choice.reshape(n, rule.n_group, e // rule.n_group)
-        top = 2 if bias is not None else 1
-        group_scores = -np.sort(-per_group, axis=-1)[..., :top].sum(-1)
-        best = np.argsort(-group_scores, axis=-1, kind="stable")[:, : rule.topk_group]
-        keep = np.zeros((n, rule.n_group), bool)
-        np.put_along_axis(keep, best, True, -1)
-        choice = np.where(np.repeat(keep, e // rule.n_group, axis=-1), choice, -np.inf)
-    return scores, choice
-
-
-def route(logits: np.ndarray, rule: Rule, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(ids [N, k] best first, weights [N, k], margin [N])`` from router logits ``[N, E]``.
-
-    Ties go to the lower expert index (a stable sort); ``margin`` is the gap between
-    the k-th and the (k+1)-th expert in what the rule ranks (the logits, or the choice
-    scores of sigmoid grouped routing; inf when every eligible expert is chosen).
-    """
-    scores, choice = choice_scores(logits, rule, bias)
-    order = np.argsort(-choice, axis=-1, kind="stable")
-    ids = order[:, : rule.top_k]
-    weights = np.take_along_axis(scores, ids, -1)
-    if rule.renormalize:
-        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if _grouped(rule) else 0.0))
-    weights = weights * rule.scaling
-    if rule.top_k < logits.shape[-1]:
-        ranked = np.take_along_axis(choice, order[:, rule.top_k - 1 : rule.top_k + 1], -1)
-        with np.errstate(invalid="ignore"):
-            margin = np.where(np.isneginf(ranked[:, 1]), np.inf, ranked[:, 0] - ranked[:, 1])
-    else:
-        margin = np.full(len(logits), np.inf)
-    return ids, weights, margin
-
-
-def _sure(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(surely in, surely out)`` of the top-k ``[N, E]``, whichever way an exact tie at the k-th place is broken."""
-    ranked = -np.sort(-logits, axis=-1)
-    if k >= logits.shape[-1]:
-        return np.ones(logits.shape, bool), np.zeros(logits.shape, bool)
-    return logits > ranked[:, k : k + 1], logits < ranked[:, k - 1 : k]
-
-
-def _certain_flip(lt: np.ndarray, li: np.ndarray, k_train: int, k_infer: int) -> np.ndarray:
-    """Tokens whose expert sets differ under every tie-break: an expert surely in on one side, surely out on the other."""
-    in_t, out_t = _sure(lt, k_train)
-    in_i, out_i = _sure(li, k_infer)
-    return ((in_t & out_i) | (in_i & out_t)).any(-1)
-
-
 def compare_layer(
     train: Any, infer: Any, rule_train: Rule, rule_infer: Rule, biases: tuple[Any, Any] = (None, None)
 ) -> tuple[dict[str, Any], np.ndarray]:
@@ -179,24 +78,17 @@ def compare_layer(
     both = train.present & infer.present
     seq, pos = np.nonzero(both)
     lt, li = train.values[seq, pos], infer.values[seq, pos]
-    ids_t, w_t, m_t = route(lt, rule_train, biases[0])
-    ids_i, w_i, m_i = route(li, rule_infer, biases[1])
-    same_k = rule_train.top_k == rule_infer.top_k
-    set_t, set_i = np.sort(ids_t, -1), np.sort(ids_i, -1)
-    differ = ~(set_t == set_i).all(-1) if same_k else np.ones(len(seq), bool)
-    # what each side ranks: the logits, or the choice scores of sigmoid grouped routing
-    ct, ci = choice_scores(lt, rule_train, biases[0])[1], choice_scores(li, rule_infer, biases[1])[1]
-    # an exact tie at the k-th place is broken by each engine's own top-k: count only certain flips
-    flipped = differ & _certain_flip(ct, ci, rule_train.top_k, rule_infer.top_k) if same_k else differ
-    margin = np.maximum(m_t, m_i)
-    kth = np.take_along_axis(ct, ids_t[:, -1:], -1)[:, 0]
-    margin_ulps = margin / spacing.ulp_at(kth, train.dtype)
-    agree = ~differ
+    dt, di = decide(lt, rule_train, biases[0]), decide(li, rule_infer, biases[1])
+    found = compare(dt, di)
+    flipped, margin = found.certain, found.margin
+    with np.errstate(divide="ignore", invalid="ignore"):
+        margin_ulps = margin / spacing.ulp_at(np.where(np.isfinite(found.value), found.value, 0.0), train.dtype)
+    agree = ~found.differ
     weight_diff = 0.0
-    if same_k and agree.any():
+    if rule_train.top_k == rule_infer.top_k and agree.any():
         # compare each expert's weight: order both sides' weights by expert id
-        wt = np.take_along_axis(w_t, np.argsort(ids_t, -1), -1)[agree]
-        wi = np.take_along_axis(w_i, np.argsort(ids_i, -1), -1)[agree]
+        wt = np.take_along_axis(dt.weights, np.argsort(dt.ids, -1), -1)[agree]
+        wi = np.take_along_axis(di.weights, np.argsort(di.ids, -1), -1)[agree]
         weight_diff = float(np.abs(wt - wi).max())
     listed = np.nonzero(flipped)[0]
     listed = listed[np.argsort(margin[listed], kind="stable")][:MAX_FLIPS_LISTED]
@@ -204,23 +96,24 @@ def compare_layer(
         {
             "sequence": int(seq[j]),
             "position": int(pos[j]),
-            "train_experts": sorted(int(e) for e in ids_t[j]),
-            "infer_experts": sorted(int(e) for e in ids_i[j]),
+            "train_experts": sorted(int(e) for e in dt.ids[j]),
+            "infer_experts": sorted(int(e) for e in di.ids[j]),
+            "decision": "group" if found.at_group[j] else "expert",
             "margin": float(margin[j]),
             "margin_ulps": float(margin_ulps[j]),
         }
         for j in listed
     ]
     n_flips = int(flipped.sum())
-    fm = margin[flipped]
     stats = {
         "boundary": train.boundary,
         "layer": train.layer,
         "tokens": int(len(seq)),
         "flips": n_flips,
-        "tied_tokens": int((differ & ~flipped).sum()),
+        "group_flips": int(found.at_group.sum()),
+        "tied_tokens": int((found.differ & ~flipped).sum()),
         "flip_rate": n_flips / len(seq) if len(seq) else 0.0,
-        "margin_max": float(fm.max()) if n_flips else None,
+        "margin_max": float(margin[flipped].max()) if n_flips else None,
         "margin_ulps_max": float(margin_ulps[flipped].max()) if n_flips else None,
         "logit_max_abs_diff": float(np.abs(lt - li).max()) if len(seq) else 0.0,
         "weight_max_abs_diff": weight_diff,
@@ -228,7 +121,7 @@ def compare_layer(
         "replay_share": None,
     }
     forced = np.full((*train.present.shape, rule_infer.top_k), -1, dtype=np.int64)
-    forced[seq[flipped], pos[flipped]] = ids_i[flipped]
+    forced[seq[flipped], pos[flipped]] = di.ids[flipped]
     return stats, forced
 
 
@@ -239,9 +132,11 @@ def flipped_tokens(forced: Mapping[int, np.ndarray]) -> np.ndarray | None:
 
 
 def classify_layer(
-    stats: dict[str, Any], contracts: dict[str, Any] | None, causes: list[Cause]
+    stats: dict[str, Any], contracts: dict[str, Any] | None, causes: list[Cause], rules: tuple[Rule, Rule] | None = None
 ) -> tuple[str | None, str | None, list[str]]:
-    """(class, kind, evidence) of one layer's routing differences; (None, None, []) when there are none."""
+    """(class, kind, evidence) of one layer's routing differences; (None, None, []) when there are none.
+
+    ``rules``: both sides' rules, named in the evidence where a router setting differs."""
     contracts = contracts or {}
     n, boundary = stats["layer"], stats["boundary"]
     flips, wdiff = stats["flips"], stats["weight_max_abs_diff"]
@@ -255,6 +150,9 @@ def classify_layer(
         evidence = [seen]
         evidence += [f"router setting differs: {k} = {contracts['train'][k]!r} (train) vs "
                      f"{contracts['infer'][k]!r} (infer)" for k in keys]  # fmt: skip
+        if keys and rules is not None and rules[0] != rules[1]:
+            evidence.append(f"the routing rules differ: train routes {rules[0].describe()}; "
+                            f"infer routes {rules[1].describe()}")  # fmt: skip
         evidence += [f"router weight differs: {w}" for w in weights]
         return "framework_difference", "weights" if weights else "moe_routing", evidence  # the layer's own first
     local = next((c for c in causes if c.boundary == boundary and c.class_ == "framework_difference"), None)
@@ -269,11 +167,14 @@ def classify_layer(
         return "framework_difference", "upstream_difference", [
             seen, f"the router computes the same function on both sides; its inputs already differ "
             f"because of a framework difference upstream ({names})"]  # fmt: skip
+    at_group = stats.get("group_flips") or 0
+    decisions = (f"{at_group} at the group choice, {flips - at_group} at the expert choice" if at_group
+                 else "all at the expert choice")  # fmt: skip
     return "operator_path", "near_tie_flip", [
         seen,
         f"no router setting or weight differs; every flip is at a margin of at most {stats['margin_max']:.3g} "
-        f"({stats['margin_ulps_max']:.3g} units of the logits' spacing): numeric differences moved the router "
-        "logits across a near-tie",
+        f"({stats['margin_ulps_max']:.3g} units of the logits' spacing) on the decision that flipped "
+        f"({decisions}): numeric differences moved the router logits across a near-tie",
     ]
 
 
@@ -299,7 +200,7 @@ def analyze(
             continue
         pair = tuple((biases.get(role) or {}).get(t.layer) for role in ("train", "infer"))
         stats, ids = compare_layer(t, i, rule_train, rule_infer, pair)
-        cls, kind, evidence = classify_layer(stats, contracts, causes or [])
+        cls, kind, evidence = classify_layer(stats, contracts, causes or [], (rule_train, rule_infer))
         here = (ids >= 0).all(-1)
         if earlier is not None and cls == "operator_path" and (here & earlier).any():
             evidence.append(f"{int((here & earlier).sum())} of these tokens flipped at an earlier router already: "

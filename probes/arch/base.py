@@ -39,7 +39,7 @@ DOCS = "docs/architectures.md"
 
 #: family modules under probes/arch/, imported in this order on the first lookup
 FAMILIES = ("qwen3", "llama", "qwen3_moe", "qwen2", "mistral", "llama3", "mixtral", "phi3", "gemma2", "gemma3",
-            "glm4_moe", "deepseek_v2")
+            "glm4_moe", "deepseek_v2", "gpt_oss")
 
 _ADAPTERS: dict[str, ArchAdapter] = {}
 _DEMOS: dict[str, Demo] = {}
@@ -60,6 +60,21 @@ class ArchAdapter:
     def contract_keys(self, boundary: str, kind: str) -> tuple[list[str], list[str]]:
         """(contract keys, weight names) that the op at ``boundary`` reads."""
         raise NotImplementedError
+
+    def configured(self, config: Any) -> ArchAdapter:
+        """This adapter for one model's config (a dict or an HF config): where a contract key is read
+        first can depend on the layout (``key_boundary``: the first MoE layer). Default: nothing to configure."""
+        return self
+
+
+def first_router_layer(adapter: ArchAdapter, config: Any, default: int) -> int:
+    """The first layer holding a router in ``config``'s layout (the adapter's correspondence), else ``default``."""
+    config = config.to_dict() if hasattr(config, "to_dict") else config
+    try:
+        boundaries = adapter.correspondence(config).boundaries
+    except (AttributeError, KeyError, TypeError, ValueError):  # not a whole model config: the default layout
+        return default
+    return next((b.layer for b in boundaries if b.kind == "router" and b.layer is not None), default)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
 
-from logdiff.probes.arch.base import ArchAdapter
+from logdiff.probes.arch.base import ArchAdapter, first_router_layer
+from logdiff.probes.contracts import expert_groups
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
 
 _L = r"model\.layers\.{N}"
@@ -153,6 +154,10 @@ def vllm_routing_rule(block: Any) -> dict[str, Any]:
     if router is not runner:
         scale *= float(getattr(runner, "routed_scaling_factor", 1.0))
     groups, topk_groups = getattr(router, "num_expert_group", None), getattr(router, "topk_group", None)
+    if not getattr(router, "use_grouped_topk", True):
+        groups = topk_groups = 1  # a plain top-k router (its group settings unused)
+    if groups is not None and topk_groups is not None:
+        groups, topk_groups = expert_groups(groups, topk_groups)  # keeping every group is greedy top-k
     return {
         "scoring_func": str(getattr(router, "scoring_func", None)),
         "n_group": None if groups is None else int(groups),
@@ -212,6 +217,7 @@ class DecoderAdapter(ArchAdapter):
     sliding_window_flag: str | None = "use_sliding_window"  # None: config.sliding_window alone switches it on
     moe_block: str = "mlp"  # the MoE block's name in checkpoints and in vLLM (HF's module is always ``mlp``)
     router_renormalizes: bool | None = None  # HF router without ``norm_topk_prob``: whether it renormalizes
+    first_moe_layer: int = 0  # where routing keys are read first (``configured``: mlp_only_layers, sparse step)
 
     # ---- identity -----------------------------------------------------------------------------
 
@@ -303,7 +309,14 @@ class DecoderAdapter(ArchAdapter):
 
     @property
     def key_boundary(self) -> dict[str, tuple[str, str]]:
-        return dict(KEY_BOUNDARY)
+        keys = dict(KEY_BOUNDARY)
+        router = (f"model.layers.{self.first_moe_layer}.mlp.gate", "router")
+        return {k: router if kind == "router" else (b, kind) for k, (b, kind) in keys.items()}
+
+    def configured(self, config: Any) -> DecoderAdapter:
+        if not self.moe:
+            return self
+        return replace(self, first_moe_layer=first_router_layer(self, config, self.first_moe_layer))
 
     def weight_boundary(self, name: str) -> tuple[str, str]:
         """(boundary, kind) of the op that reads weight ``name``."""
@@ -362,6 +375,11 @@ class DecoderAdapter(ArchAdapter):
     def moe_params(self) -> dict[str, str]:
         return dict(MOE_PARAMS)
 
+    def moe_to_hf(self, param: str, tensor: Any) -> Any:
+        """vLLM's plain expert tensor ``param`` (``w13_weight [E, 2I, H]``, ``w2_weight [E, H, I]``) in HF's
+        in-memory layout; the same here (gpt-oss keeps its experts transposed)."""
+        return tensor
+
     def hf_name(self, name: str) -> str:
         """The HF in-memory name of a checkpoint or vLLM parameter name (the MoE block renamed)."""
         if self.moe_block == "mlp":
@@ -404,6 +422,8 @@ class DecoderAdapter(ArchAdapter):
     mlp_parts = ("gate_proj", "up_proj", "down_proj", "act_fn")
     #: attribute names of a fused-experts module: gate_up, down
     experts_parts = ("gate_up_proj", "down_proj")
+    #: the experts' activation: ``silu`` (gated SiLU, ``moe_experts``) or ``swiglu_oai`` (gpt-oss, ``moe_experts_oai``)
+    experts_activation = "silu"
     #: attribute of an MoE block holding a shared expert (consistent mode covers a plain gated MLP there)
     shared_expert = "shared_expert"
     #: attribute of an MoE block gating its shared expert (Qwen2-MoE's sigmoid gate: not covered)

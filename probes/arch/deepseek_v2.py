@@ -52,11 +52,23 @@ vLLM's attention scale sits on the MLA op (``mla_attn.mla_attn.impl.scale``);
 ``q_a_layernorm``'s eps (HF builds both with the default 1e-6 whatever
 ``rms_norm_eps`` says, vLLM with ``rms_norm_eps``).
 
+Routing rule (contract keys ``norm_topk_prob``, ``scoring_func``, ``n_group``,
+``topk_group``, ``routed_scaling_factor``), each engine's as its code applies
+it: HF's ``DeepseekV2TopkRouter`` ranks softmax scores over every expert under
+``topk_method: greedy`` (``n_group`` unused) and within the best ``topk_group``
+groups under ``group_limited_greedy``, never renormalizes, and scales by
+``routed_scaling_factor``; vLLM's block always routes grouped on ``n_group`` and
+``topk_group`` and renormalizes by ``norm_topk_prob``. So ``greedy`` with
+``n_group > 1`` is a routing difference between the two (``moe_routing``);
+groups that are all kept read as one (``expert_groups``). Routing keys a
+preflight alone finds are blamed on the first MoE layer of the model's layout
+(``configured``: ``first_k_dense_replace``, ``moe_layer_freq``).
+
 The CPU vLLM refuses MLA head sizes other than the real ones (``Head dimension
 48 is not supported by MLA``), so the demo keeps ``kv_lora_rank`` 512,
 ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, and
 sets ``n_group``/``topk_group`` 1 (vLLM always routes grouped and asserts
-they are set; one group is plain top-k, HF's ``greedy``).
+they are set; one group is plain top-k, as HF's ``greedy``).
 
 Consistent mode (docs/kernels.md, ``latent_attention``): both engines run
 ``kv_b_proj``'s up-projection of every cached latent on the ``linear`` kernel,
@@ -78,7 +90,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from logdiff.probes.arch.base import Demo, register
+from logdiff.probes.arch.base import Demo, first_router_layer, register
+from logdiff.probes.contracts import expert_groups
 from logdiff.probes.arch.decoder import (
     KEY_BOUNDARY,
     ROUTING_KEYS,
@@ -271,9 +284,12 @@ def _layer_boundaries(n: int, q_lora: bool, sparse: bool) -> list[Boundary]:
 class DeepseekV2Adapter(DecoderAdapter):
     """``DecoderAdapter`` with MLA attention and a shared-experts MoE after ``first_k_dense_replace`` layers."""
 
-    #: the first MoE layer, where routing keys are labelled (config-free: DeepSeek-V2's and the demos'
-    #: ``first_k_dense_replace``; V3 checkpoints have 3)
+    #: the first MoE layer, where routing keys are read first (``key_boundary``): ``configured`` sets it from
+    #: the model's ``first_k_dense_replace`` and ``moe_layer_freq`` (1 unconfigured: DeepSeek-V2's and the demos')
     first_moe_layer: int = 1
+
+    def configured(self, config: Any) -> DeepseekV2Adapter:
+        return replace(self, first_moe_layer=first_router_layer(self, config, self.first_moe_layer))
 
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         n_layers = int(config["num_hidden_layers"])
@@ -363,12 +379,16 @@ class DeepseekV2Adapter(DecoderAdapter):
         return "gptj"
 
     def _hf_rule(self, gate: Any) -> dict[str, Any]:
-        """V2's router: softmax; groups only for ``group_limited_greedy`` (``greedy`` is one group)."""
+        """V2's router as ``DeepseekV2TopkRouter.forward`` applies it: softmax scores; groups only under
+        ``group_limited_greedy`` (``greedy`` ranks every expert, whatever ``n_group`` says); the top-k
+        weights never renormalized (the router drops ``norm_topk_prob``), times ``routed_scaling_factor``."""
         grouped = getattr(gate, "topk_method", None) == "group_limited_greedy"
+        n_group, topk_group = expert_groups(gate.num_group, gate.topk_group) if grouped else (1, 1)
         return {
+            "norm_topk_prob": False,
             "scoring_func": "softmax",
-            "n_group": int(gate.num_group) if grouped else 1,
-            "topk_group": int(gate.topk_group) if grouped else 1,
+            "n_group": n_group,
+            "topk_group": topk_group,
             "routed_scaling_factor": float(gate.routed_scaling_factor),
         }
 
@@ -394,6 +414,12 @@ class DeepseekV2Adapter(DecoderAdapter):
             if rope.get("rope_type", "default") not in ("default", "yarn"):
                 kind = rope["rope_type"]
                 return f"MLA attention with rope_type {kind!r} has no consistent kernel (covered: default, yarn)"
+        if hasattr(module, "topk_method") and self.correction_bias(module) is None:  # V2's softmax router
+            rule = self._hf_rule(module)
+            if rule["n_group"] != 1 or rule["routed_scaling_factor"] != 1.0:
+                return (f"DeepSeek-V2 routing with {module.topk_method}, {rule['n_group']} groups and "
+                        f"routed_scaling_factor {rule['routed_scaling_factor']} has no consistent kernel "
+                        "(covered: greedy top-k, unscaled)")
         return None
 
     def is_attention(self, module: Any) -> bool:
@@ -476,10 +502,11 @@ class DeepseekV3Adapter(DeepseekV2Adapter):
         return "gptj" if getattr(config, "rope_interleave", True) else "neox"
 
     def _hf_rule(self, gate: Any) -> dict[str, Any]:
+        n_group, topk_group = expert_groups(gate.num_group, gate.topk_group)
         return {
             "scoring_func": "sigmoid",  # DeepseekV3TopkRouter: scores = router_logits.sigmoid()
-            "n_group": int(gate.num_group),
-            "topk_group": int(gate.topk_group),
+            "n_group": n_group,
+            "topk_group": topk_group,
             "routed_scaling_factor": float(gate.routed_scaling_factor),
         }
 

@@ -19,7 +19,9 @@ What differs from Qwen3-MoE, and how the adapter covers it:
   best ``topk_group`` of ``n_group`` groups (a group scores the sum of its top
   two), weights from the unbiased scores, renormalized (``norm_topk_prob``)
   and scaled by ``routed_scaling_factor``. The rule's settings are contract
-  keys read from both engines' routers (``contract_extras``); the per-layer
+  keys read from both engines' routers (``contract_extras``; groups that are
+  all kept read as one, greedy top-k); routing keys a preflight alone finds are
+  blamed on the first MoE layer (``configured``: ``first_k_dense_replace``); the per-layer
   bias is a weight (``mlp.gate.e_score_correction_bias``, read by the router)
   and the routing diagnostics read it from each engine (``router_bias``,
   ``routing_rule_of``: ``DecoderAdapter``'s, for every router with a correction bias).
@@ -35,10 +37,10 @@ scaling of 2.5 (as GLM-4.5).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from logdiff.probes.arch.base import Demo, register
+from logdiff.probes.arch.base import Demo, first_router_layer, register
 from logdiff.probes.arch.decoder import (
     FUNCTION_BOUNDARIES,
     HF_TAPS,
@@ -51,6 +53,7 @@ from logdiff.probes.arch.decoder import (
     _layer_boundaries,
     vllm_routing_rule,
 )
+from logdiff.probes.contracts import expert_groups
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
 
 ROTARY_KEYS = ("rotary_dim",)
@@ -84,7 +87,12 @@ def _with_shared_expert(layer: list[Boundary], n: int) -> list[Boundary]:
 class Glm4MoeAdapter(DecoderAdapter):
     """GLM-4.5 MoE: ``DecoderAdapter`` plus dense first layers, a shared expert, sigmoid grouped routing."""
 
-    first_moe_layer: int = 1  # the default first_k_dense_replace, for key_boundary (config-free)
+    #: the first MoE layer, where routing keys are read first (``key_boundary``): ``configured`` sets it from
+    #: the model's ``first_k_dense_replace`` (1 unconfigured: its default)
+    first_moe_layer: int = 1
+
+    def configured(self, config: Any) -> Glm4MoeAdapter:
+        return replace(self, first_moe_layer=first_router_layer(self, config, self.first_moe_layer))
 
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         n_layers = int(config["num_hidden_layers"])
@@ -151,8 +159,7 @@ class Glm4MoeAdapter(DecoderAdapter):
             gate = block.gate
             return out | {
                 "scoring_func": "sigmoid",  # Glm4MoeTopkRouter: scores = router_logits.sigmoid()
-                "n_group": int(gate.num_group),
-                "topk_group": int(gate.topk_group),
+                **dict(zip(("n_group", "topk_group"), expert_groups(gate.num_group, gate.topk_group))),
                 "routed_scaling_factor": float(gate.routed_scaling_factor),
             }
         return out | vllm_routing_rule(block)

@@ -36,6 +36,17 @@ def test_full_prefill_equals_chunked_prefill_equals_decode_steps(gen, dtype):
     assert torch.equal(full, decode)
 
 
+@pytest.mark.parametrize("d", [4, 8, 15])
+def test_narrow_heads_prefill_equals_every_decode_step(gen, d):
+    """Head dims whose value GEMM would be narrower than 16 columns: padded (``VALUE_WIDTH_MIN``), every step
+    of a decode gives the prefill's bits (unpadded, D = 8 failed at steps 5, 9, 11, ... on an AVX2 CPU)."""
+    q, k, v = _qkv(gen, s=40, d=d)
+    pos = torch.arange(40)
+    full = attention(q, k, v, pos, d**-0.5)
+    for i in range(40):
+        assert torch.equal(attention(q[i : i + 1], k[: i + 1], v[: i + 1], pos[i : i + 1], d**-0.5), full[i : i + 1]), i
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_against_a_longer_cache_buffer_with_kv_len(gen, dtype):
     q, k, v = _qkv(gen, dtype=dtype)

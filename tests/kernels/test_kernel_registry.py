@@ -22,6 +22,7 @@ def test_catalogue_names_the_api_and_resolves_references():
         "moe_combine",
         "gemma_rms_norm",
         "gelu_tanh_and_mul",
+        "swiglu_oai_and_mul",
         "softcap",
     ]
     for info in kernels.consistent_kernels():

@@ -253,3 +253,16 @@ def layered(sample_json):
 def demo_result() -> dict:
     """A real demo-style scan (data/demo_scan_result.json), written before ``cause_groups`` existed."""
     return json.loads((DATA / "demo_scan_result.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture
+def write_page():
+    """``write_page(result, path)``: the rendered report at ``path`` (the CLI writes it through ``logdiff.outputs``)."""
+    from logdiff.reports.html import render_html
+
+    def write(result: dict, path: Path) -> Path:
+        path.write_text(render_html(result), encoding="utf-8")
+        return path
+
+    return write
+

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import re
 
-from logdiff.reports.html import render_html, write_html
+from logdiff.reports.html import render_html
 
 
 def _severe(driver) -> list[dict]:
     return [e for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
 
 
-def test_sample_report_in_chromium(browser, check_report_page, save_screenshots, sample_result, tmp_path):
-    page = write_html(sample_result, tmp_path / "report.html")
+def test_sample_report_in_chromium(browser, write_page, check_report_page, save_screenshots, sample_result, tmp_path):
+    page = write_page(sample_result, tmp_path / "report.html")
     facts = check_report_page(browser, page, "mixed")
     assert facts["drawn"] == "drawn"
     assert facts["canvas"]["painted"] > 1000 and facts["canvas"]["colours"] > 20, facts["canvas"]
@@ -28,8 +28,8 @@ def test_sample_report_in_chromium(browser, check_report_page, save_screenshots,
     print(f"\nscreenshots: {top} {full}")
 
 
-def test_heatmap_hover_shows_boundary_position_value_and_first_divergence(browser, sample_result, tmp_path):
-    page = write_html(sample_result, tmp_path / "report.html")
+def test_heatmap_hover_shows_boundary_position_value_and_first_divergence(browser, write_page, sample_result, tmp_path):
+    page = write_page(sample_result, tmp_path / "report.html")
     browser.get_log("browser")
     browser.get(page.resolve().as_uri())
     tip = browser.execute_script("""
@@ -53,9 +53,9 @@ def test_heatmap_hover_shows_boundary_position_value_and_first_divergence(browse
     assert not _severe(browser), _severe(browser)
 
 
-def test_injected_markup_stays_inert(browser, check_report_page, save_screenshots, injected_result, injected,
+def test_injected_markup_stays_inert(browser, write_page, check_report_page, save_screenshots, injected_result, injected,
                                      tmp_path):
-    page = write_html(injected_result, tmp_path / "report.html")
+    page = write_page(injected_result, tmp_path / "report.html")
     facts = check_report_page(browser, page, "mixed")
     assert facts["model"] == injected["model"]                    # shown as text, exactly
     assert facts["drawn"] == "drawn"                              # the </script> label did not break the data
@@ -78,8 +78,8 @@ def test_negative_control_unescaped_markup_would_run(browser, sample_result, tmp
     assert pwned == "number" and imgs >= 1                      # the model is shown in the header and the run section
 
 
-def test_logprobs_depth_page_has_no_errors(browser, check_report_page, logprobs_depth_result, tmp_path):
-    page = write_html(logprobs_depth_result, tmp_path / "report.html")
+def test_logprobs_depth_page_has_no_errors(browser, write_page, check_report_page, logprobs_depth_result, tmp_path):
+    page = write_page(logprobs_depth_result, tmp_path / "report.html")
     facts = check_report_page(browser, page, "divergent")
     assert facts["drawn"] is None and "canvas" not in facts and facts["causes"] == 0
     assert not _severe(browser), _severe(browser)

@@ -12,7 +12,6 @@ import json
 
 import pytest
 
-from logdiff.reports.html import write_html
 
 FOLD_JS = """
     const c = document.getElementById('heatmap');
@@ -46,9 +45,9 @@ def _hover(driver, row: int, col: int) -> str:
 
 
 @pytest.mark.parametrize("layers", [24, 36])
-def test_deep_model_report(browser, check_report_page, save_screenshots, layered, tmp_path, layers):
+def test_deep_model_report(browser, write_page, check_report_page, save_screenshots, layered, tmp_path, layers):
     result = layered(layers)
-    page = write_html(result, tmp_path / "report.html")
+    page = write_page(result, tmp_path / "report.html")
     browser.set_window_size(1360, 900)
     facts = check_report_page(browser, page, "operator_path")
     assert facts["drawn"] == "drawn" and facts["causes"] == 3
@@ -80,9 +79,9 @@ def test_deep_model_report(browser, check_report_page, save_screenshots, layered
     assert not [e for e in browser.get_log("browser") if e.get("level") == "SEVERE"]
 
 
-def test_a_few_layers_start_unfolded(browser, check_report_page, sample_result, tmp_path):
+def test_a_few_layers_start_unfolded(browser, write_page, check_report_page, sample_result, tmp_path):
     """Negative control: the 4-layer sample shows every boundary; nothing is folded."""
-    page = write_html(sample_result, tmp_path / "report.html")
+    page = write_page(sample_result, tmp_path / "report.html")
     check_report_page(browser, page, "mixed")
     layout = browser.execute_script(FOLD_JS)
     assert layout["collapsed"] == 0 and layout["rows"] == len(sample_result["divergence_table"]["boundaries"])

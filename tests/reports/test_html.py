@@ -9,7 +9,7 @@ import re
 import pytest
 
 from logdiff.reports.charts import heatmap_data
-from logdiff.reports.html import csp_hash, embed_json, render_html, write_html
+from logdiff.reports.html import csp_hash, embed_json, render_html
 
 
 def _data_block(html: str) -> dict:
@@ -173,11 +173,6 @@ def test_pooling_keeps_nan_and_ignores_missing():
     assert hm["cols"] == [[p, p] for p in range(200)]                 # 200 columns fit: no pooling
     row = hm["values"][0]
     assert row[0] is None and row[150] == 0.001 and row[199] == "NaN"
-
-
-def test_write_html(tmp_path, sample_result):
-    out = write_html(sample_result, tmp_path / "sub" / "report.html")
-    assert out.exists() and out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
 
 
 def test_reports_package_does_not_import_torch_or_logdiff_core():

@@ -61,7 +61,20 @@ def default_attention(config: Any) -> str:
     """
     from logdiff.engines.hf.contract import HF_DROPS
 
+    if not supports_sdpa(config):
+        return "eager"
     return "eager" if any(getattr(config, k, None) is not None for k in HF_DROPS["sdpa"]) else "sdpa"
+
+
+def supports_sdpa(config: Any) -> bool:
+    """Whether transformers' model class for ``config`` runs sdpa attention (gpt-oss's sinks do not)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError):
+        return True  # remote code or an unknown class: let from_pretrained decide
+    return bool(getattr(cls, "_supports_sdpa", True))
 
 
 def apply_override(config: Any, key: str, value: Any) -> None:

@@ -37,6 +37,8 @@ MoE router (``*TopKRouter``)          instance ``forward`` (fp32 weights)    ``m
 MoE router with a correction bias     instance ``forward`` (fp32 logits,     ``moe_route_grouped``
 (``*TopkRouter``: GLM-4.5, DS-V3)     the adapter's ``routing_rule_of``)
 MoE experts (``*Experts``, 3-D)       instance ``forward``                   ``moe_experts``
+gpt-oss experts (transposed, biased,  instance ``forward``                   ``moe_experts_oai``
+interleaved gate/up, clamped SwiGLU)
 shared expert (a gated MLP)           as any gated MLP; the block adds it    ``silu_and_mul``
                                       to the routed sum in the model dtype
 ====================================  =====================================  ====================
@@ -60,7 +62,8 @@ within the window) for every real query, and every key a query sees must be in
 the cache; anything else (packed sequences, bidirectional masks) raises
 ``NotImplementedError``. An untagged mask is compacted instead (visible keys to
 the front, a causal prefix required, no window). Soft-capped scores (Gemma 2's
-``softcap``) go to the kernel's ``softcap``. The layout is computed once per
+``softcap``) go to the kernel's ``softcap``, attention sinks (gpt-oss's ``s_aux``) to its ``sinks``.
+The layout is computed once per
 mask object (layers of one type share it).
 
 Logprobs: consistent mode covers the model up to the logits. Engines compute
@@ -274,11 +277,16 @@ def _plan(model: Any) -> _Plan:
             plan.routers.append((name, module, bool(renormalize), arch.routing_rule_of(module)))
         elif cls.endswith("Experts") and hasattr(module, arch.experts_parts[0]):
             flags = (getattr(module, "is_transposed", False), getattr(module, "has_bias", False))
+            if arch.experts_activation == "swiglu_oai":  # gpt-oss: transposed, biased, gate/up interleaved
+                if not all(hasattr(module, a) for a in _OAI_EXPERTS):
+                    raise NotImplementedError(f"consistent_hf: experts layout of {name} ({cls})")
+                plan.experts.append((name, module, _oai_experts_forward(module)))
+                continue
             if flags != (False, False) or not getattr(module, "is_concatenated", True):
                 raise NotImplementedError(f"consistent_hf: experts layout of {name} ({cls})")
             if config.hidden_act not in _SILU:
                 raise NotImplementedError(f"consistent_hf: experts activation {config.hidden_act!r}")
-            plan.experts.append((name, module, arch.experts_parts))
+            plan.experts.append((name, module, _experts_forward(module, arch.experts_parts)))
         elif all(hasattr(module, a) for a in arch.mlp_parts):
             activation = arch.mlp_activation(config)
             if activation not in _GATED:
@@ -414,7 +422,7 @@ def _router_forward(
     def forward(hidden_states: Any) -> tuple[Any, Any, Any]:
         rows = hidden_states.reshape(-1, module.weight.shape[1])
         if rule is None:
-            router_logits = kernels.linear(rows, module.weight)
+            router_logits = kernels.linear(rows, module.weight, getattr(module, "bias", None))  # gpt-oss: biased
             weights, ids = kernels.moe_route(router_logits, int(module.top_k), renormalize)
             return router_logits, weights, ids
         router_logits = kernels.linear(rows.float(), module.weight)  # fp32 GEMM (the kernel casts the weight)
@@ -432,6 +440,26 @@ def _experts_forward(module: Any, parts: tuple[str, ...]) -> Callable:
 
     def forward(hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
         return kernels.moe_experts(hidden_states, top_k_weights, top_k_index, getattr(module, gate_up), getattr(module, down))
+
+    return forward
+
+
+#: a gpt-oss experts module's parameters and constants
+_OAI_EXPERTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias", "alpha", "limit")
+
+
+def _oai_experts_forward(module: Any) -> Callable:
+    """gpt-oss's experts (``gate_up_proj [E, H, 2I]``, gate/up interleaved, biased, clamped SwiGLU) through
+    ``moe_experts_oai``, which takes vLLM's ``[E, 2I, H]`` layout: HF's tensors transposed, read at each call
+    (training may move them)."""
+    from logdiff import kernels
+
+    def forward(hidden_states: Any, router_indices: Any, routing_weights: Any) -> Any:
+        m = module
+        return kernels.moe_experts_oai(
+            hidden_states, routing_weights, router_indices, m.gate_up_proj.transpose(1, 2), m.gate_up_proj_bias,
+            m.down_proj.transpose(1, 2), m.down_proj_bias, float(m.alpha), float(m.limit),
+        )
 
     return forward
 
@@ -496,8 +524,6 @@ def _attention_function() -> Callable:
     ) -> tuple[Any, None]:
         if dropout:
             raise NotImplementedError("consistent attention: dropout (call model.eval())")
-        if kwargs.get("s_aux") is not None:
-            raise NotImplementedError("consistent attention: attention sinks")
         b, _, t, d = query.shape
         s = key.shape[2]
         window = int(sliding_window) if sliding_window else None
@@ -516,7 +542,7 @@ def _attention_function() -> Callable:
         scale = d**-0.5 if scaling is None else float(scaling)
         out = kernels.attention_batched(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), q_pos, scale, kv_lens,
-            kwargs.get("softcap"), window,
+            kwargs.get("softcap"), window, kwargs.get("s_aux"),
         )
         return out, None
 
@@ -673,8 +699,8 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
         for name, module, renormalize, rule in plan.routers if want("moe") else []:
             patches.set(module, "forward", _router_forward(module, renormalize, rule, plan.correction_bias))
             report.add("moe_route", name)
-        for name, module, parts in plan.experts if want("moe") else []:
-            patches.set(module, "forward", _experts_forward(module, parts))
+        for name, module, forward in plan.experts if want("moe") else []:
+            patches.set(module, "forward", forward)
             report.add("moe_combine", name)
         if want("attention"):
             for interface, value in (

@@ -23,7 +23,8 @@ subclasses, DeepSeek's
 ``LogitsProcessor`` with    ``forward`` (its ``_get_logits``, then the  ``softcap``
 a ``soft_cap`` (Gemma 2)    kernel's cap)
 ``Attention.impl``          ``forward`` (v1/attention/backends/         ``attention``
-(CPUAttentionBackendImpl)   cpu_attn.py); the cache write is kept
+(CPUAttentionBackendImpl)   cpu_attn.py); the cache write is kept;
+                            its ``sinks`` (gpt-oss) go to the kernel
 ``MLAAttention``            ``forward_impl`` (layers/attention/         ``latent_attention``
 (DeepSeek, CPU MLA)         mla_attention.py): every request from the
                             paged latent cache (``kv_cache.
@@ -34,7 +35,8 @@ a ``soft_cap`` (Gemma 2)    kernel's cap)
 ``MoERunner``               ``forward`` (fused_moe/runner/moe_runner;   ``moe_route`` or
                             gate GEMM, router and fused experts; a      ``moe_route_grouped``,
                             shared expert through its own patched       ``moe_experts``
-                            linears and ``SiluAndMul``, added last)
+                            linears and ``SiluAndMul``, added last;     (gpt-oss:
+                            gpt-oss's biased ``swigluoai`` experts)     ``moe_experts_oai``)
 ``model_runner.sampler``    ``compute_logprobs`` (v1/sample/sampler.py; ``log_softmax``
                             also the prompt-logprobs path)
 ==========================  ==========================================  ==================
@@ -235,6 +237,8 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
             elif module.soft_cap is not None:
                 plan.append(("linear", module, "forward", ops.softcapped_logits_forward(module)))
                 summary.add("linear", name)
+        elif _holds_only_its_sinks(module):  # gpt-oss's OAIAttention: the sinks its attention kernel reads
+            pass
         elif isinstance(module, (CustomOp, PluggableLayer)) or next(module.parameters(recurse=False), None) is not None:
             unsupported.append(f"{name} ({type(module).__name__})")
     for name, moe_runner in moe_runners:
@@ -244,6 +248,13 @@ def _plan(llm: Any, model: Any, runner: Any) -> tuple[list[tuple[str, Any, str, 
     plan.append(("log_softmax", runner.sampler, "compute_logprobs", ops.log_softmax()))
     summary.add("log_softmax", "sampler.compute_logprobs")
     return plan, summary
+
+
+def _holds_only_its_sinks(module: Any) -> bool:
+    """A module whose only own parameter is ``sinks``, the very tensor its attention backend reads (gpt-oss)."""
+    own = dict(module.named_parameters(recurse=False))
+    impl = getattr(getattr(module, "attn", None), "impl", None)
+    return list(own) == ["sinks"] and getattr(impl, "sinks", None) is own["sinks"]
 
 
 def _attention_problem(layer: Any) -> str | None:
@@ -259,8 +270,6 @@ def _attention_problem(layer: Any) -> str | None:
         return f"{impl.attn_type} attention"
     if impl.alibi_slopes is not None:
         return "ALiBi attention"
-    if impl.sinks is not None:
-        return "attention sinks"
     if impl.kv_cache_dtype != "auto" or impl.kv_sharing_target_layer_name is not None:
         return f"KV cache dtype {impl.kv_cache_dtype} or shared KV cache"
     return None
@@ -342,10 +351,14 @@ def _moe_problem(runner: Any) -> str | None:
         return "MoE shared expert with a gate"
     if runner.routed_input_transform or runner.routed_output_transform:
         return "MoE routed transforms"
-    if runner.moe_config.has_bias or experts.expert_map is not None:
+    activation = str(getattr(experts.activation, "value", experts.activation))
+    oai = activation == "swigluoai" and hasattr(experts, "w13_bias") and hasattr(experts, "w2_bias")
+    if (runner.moe_config.has_bias and not oai) or experts.expert_map is not None:
         return "MoE expert bias or expert parallelism"
-    if str(getattr(experts.activation, "value", experts.activation)) != "silu":
+    if activation not in ("silu", "swigluoai") or (activation == "swigluoai" and not oai):
         return f"MoE activation {experts.activation}"
+    if getattr(experts.quant_method.moe_kernel.fused_experts, "_use_zentorch", False):
+        return "MoE experts on zentorch"
     if runner.gate is not None and "cpu_linear" not in vars(runner.gate):
         return "MoE gate without a CPU GEMM"
     return None
@@ -357,4 +370,7 @@ def _moe_replacement(runner: Any) -> Any:
 
     w13, w2 = moe_runner_weights(runner)
     gate_weight = dense_weight(runner.gate) if runner.gate is not None else None
+    experts = runner.routed_experts
+    if str(getattr(experts.activation, "value", experts.activation)) == "swigluoai":  # gpt-oss: biased experts
+        return ops.moe_forward(runner, gate_weight, w13, w2, (experts.w13_bias.data, experts.w2_bias.data))
     return ops.moe_forward(runner, gate_weight, w13, w2)

@@ -240,6 +240,7 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
     scale = float(impl.scale)
     softcap = float(impl.logits_soft_cap) if impl.logits_soft_cap else None  # 0: none
     window = int(impl.sliding_window) if impl.sliding_window != -1 else None  # -1: none
+    sinks = impl.sinks  # gpt-oss: one logit per query head in the softmax's denominator, or None
 
     def forward(
         layer: Any,
@@ -278,7 +279,7 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
             if window:  # keys before the first query's window: hidden, and their blocks may be freed (garbage)
                 hidden = max(0, seq_len - (stop - start) - window + 1)
                 k[i, :hidden], v[i, :hidden] = 0, 0
-        out = kernels.attention_batched(q, k, v, positions, scale, kv_lens, softcap, window)
+        out = kernels.attention_batched(q, k, v, positions, scale, kv_lens, softcap, window, sinks)
         for i, (_, start, stop, _) in enumerate(requests):
             output[start:stop] = out[i, : stop - start]
         return output
@@ -363,13 +364,18 @@ def mla_forward_impl(layer: Any, kv_b_weight: Any) -> Callable[..., Any]:
     return forward_impl
 
 
-def moe_forward(runner: Any, gate_weight: Any, w13: Any, w2: Any) -> Callable[..., Any]:
+def moe_forward(runner: Any, gate_weight: Any, w13: Any, w2: Any, biases: Any = None) -> Callable[..., Any]:
     """``MoERunner.forward`` replacement: the router GEMM where the runner owns it, ``moe_route`` (plain
     softmax top-k: Qwen3-MoE, Mixtral) or ``moe_route_grouped`` (sigmoid or grouped, a correction bias,
     the routed scaling folded into the fp32 weights: GLM-4.5, DeepSeek-V3), ``moe_experts``, and a
     shared expert (its linears and ``SiluAndMul`` already patched) added to the routed sum last, in
-    the model dtype, as HF's block does."""
+    the model dtype, as HF's block does. ``biases`` (``w13_bias``, ``w2_bias``): gpt-oss's biased experts with
+    vLLM's ``swigluoai`` activation (``moe_experts_oai``, with that activation's fixed constants)."""
     kernels = _kernels()
+    if biases is not None:
+        from logdiff.probes.arch.gpt_oss import vllm_swiglu_constants
+
+        alpha, limit = vllm_swiglu_constants()
     router = runner.router
     top_k, renormalize = int(router.top_k), bool(router.renormalize)
     rule = routing_rule(runner)
@@ -385,7 +391,10 @@ def moe_forward(runner: Any, gate_weight: Any, w13: Any, w2: Any) -> Callable[..
             weights, ids = kernels.moe_route(router_logits, top_k, renormalize)
         else:
             weights, ids = kernels.moe_route_grouped(router_logits, top_k, renormalize, **rule)
-        routed = kernels.moe_experts(hidden_states, weights, ids, w13, w2)
+        if biases is None:
+            routed = kernels.moe_experts(hidden_states, weights, ids, w13, w2)
+        else:
+            routed = kernels.moe_experts_oai(hidden_states, weights, ids, w13, biases[0], w2, biases[1], alpha, limit)
         if shared is None:
             return routed
         return routed + shared(hidden_states if shared_experts_input is None else shared_experts_input)

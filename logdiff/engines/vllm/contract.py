@@ -79,7 +79,9 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
             # FusedMoE at the experts' HF position, or a MoERunner there holding routed_experts.
             runner_name = prefix if short == "routed_experts" else owner
             hf_name = f"{runner_name}.{moe_params[leaf]}"
-            out[hf_name] = _recovered(lambda: moe_runner_weights(modules[runner_name])[leaf == "w2_weight"])
+            out[hf_name] = _recovered(
+                lambda: arch.moe_to_hf(leaf, moe_runner_weights(modules[runner_name])[leaf == "w2_weight"])
+            )
             continue
         if leaf == "weight" and param.numel() == 0 and hasattr(layer, "cpu_linear"):
             recovered = _recovered(lambda: dense_weight(layer), raw=True)
