@@ -31,7 +31,7 @@ from . import shares
 from .groups import cause_groups, kind_label
 from .format import (cost_text, current_names, fmt_fraction, fmt_lens, fmt_num, fmt_value, is_number, pair_label,
                      verdict_text)
-from .metric_groups import REST, group_metrics
+from .metric_groups import metrics_view
 
 TEMPLATE_DIR = Path(__file__).with_name("templates")
 
@@ -130,7 +130,7 @@ def build_view(result: dict) -> dict:
         "settings": _settings_rows(settings, r.get("sequences")),
         "environment": [(k, fmt_value(v)) for k, v in _dict(r.get("environment")).items()],
         "paths": _paths(r.get("paths")),
-        "metrics": _metrics_view(pairs, r.get("logprobs")),
+        "metrics": metrics_view(pairs, r.get("logprobs")),
         "is_threshold": fmt_num(settings.get("is_threshold")) if is_number(settings.get("is_threshold")) else None,
         "pairs": [_pair_view(p) for p in pairs],
         "first_divergence": _first_divergence(r.get("first_divergence")),
@@ -256,28 +256,6 @@ def _paths(paths: Any) -> list[dict]:
         out.append({"name": _text(p.get("name")), "role": _text(p.get("role")),
                     "engine": _text(p.get("engine")), "mode": _text(p.get("mode")),
                     "version": _text(p.get("version")), "settings": settings or "—"})
-    return out
-
-
-#: at most this many pairs side by side in one metrics table; more are stacked in tables of equal size
-MAX_PAIR_COLUMNS = 8
-
-
-def _metrics_view(pairs: list[dict], logprobs: Any) -> list[dict]:
-    """The metrics groups (``metric_groups``), each as one table per block of pairs (``MAX_PAIR_COLUMNS``
-    at most side by side): rows of label, verl name or key, meaning and one value per pair."""
-    columns = [current_names(_dict(p.get("metrics"))) for p in pairs] or [current_names(_dict(logprobs))]
-    heads = [(_text(p.get("train"), "?"), _text(p.get("infer"), "?")) for p in pairs] or [("primary", "")]
-    n_blocks = -(-len(columns) // MAX_PAIR_COLUMNS)
-    size = -(-len(columns) // n_blocks)
-    blocks = [range(start, min(start + size, len(columns))) for start in range(0, len(columns), size)]
-    out = []
-    for group, rows in group_metrics(columns):
-        tables = [{"heads": [heads[i] for i in block],
-                   "rows": [{"key": row.key, "label": row.label, "verl": row.verl, "meaning": row.meaning,
-                             "cells": [row.values[i] for i in block]} for row in rows]} for block in blocks]
-        out.append({"id": group.id, "title": group.title, "question": group.question, "folded": group is REST,
-                    "count": len(rows), "tables": tables})
     return out
 
 

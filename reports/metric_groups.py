@@ -11,14 +11,16 @@ which metrics a reader needs first and in what order:
 
 A named group lists its keys in reading order. Every other key falls into the rest, in catalogue
 order and then by name, so a metric added to the catalogue, or a key only a newer logdiff writes,
-still shows up without an edit here.
+still shows up without an edit here. ``metrics_view`` lays the groups out for the HTML page: up
+to ``MAX_PAIR_COLUMNS`` pairs side by side, more stacked in blocks of equal size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from .format import METRICS, fmt_metric
+from .format import METRICS, current_names, fmt_metric
 
 
 @dataclass(frozen=True)
@@ -82,4 +84,31 @@ def group_metrics(columns: list[dict]) -> list[tuple[MetricGroup, list[MetricRow
                                   tuple(fmt_metric(key, m[key]) if key in m else "—" for m in columns)))
         if rows:
             out.append((group, rows))
+    return out
+
+
+#: at most this many pairs side by side in one metrics table; more are stacked in tables of equal size
+MAX_PAIR_COLUMNS = 8
+
+
+def metrics_view(pairs: list[dict], logprobs: Any) -> list[dict]:
+    """The report's metrics: each group as one table per block of pairs (``MAX_PAIR_COLUMNS`` at most side by
+    side), rows of label, verl name or key, meaning and one value per pair (``logprobs``: the one column when
+    there are no pairs)."""
+
+    def metrics(value: Any) -> dict:
+        return current_names(value if isinstance(value, dict) else {})
+
+    columns = [metrics(p.get("metrics")) for p in pairs] or [metrics(logprobs)]
+    heads = [(str(p.get("train") or "?"), str(p.get("infer") or "?")) for p in pairs] or [("primary", "")]
+    n_blocks = -(-len(columns) // MAX_PAIR_COLUMNS)
+    size = -(-len(columns) // n_blocks)
+    blocks = [range(start, min(start + size, len(columns))) for start in range(0, len(columns), size)]
+    out = []
+    for group, rows in group_metrics(columns):
+        tables = [{"heads": [heads[i] for i in block],
+                   "rows": [{"key": row.key, "label": row.label, "verl": row.verl, "meaning": row.meaning,
+                             "cells": [row.values[i] for i in block]} for row in rows]} for block in blocks]
+        out.append({"id": group.id, "title": group.title, "question": group.question, "folded": group is REST,
+                    "count": len(rows), "tables": tables})
     return out
