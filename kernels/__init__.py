@@ -21,6 +21,7 @@ and ``rope`` are both a function and a submodule, and only an eager
 from .activation import gelu_tanh_and_mul, gelu_tanh_and_mul_reference, silu_and_mul, silu_and_mul_reference
 from .activation import swiglu_oai_and_mul, swiglu_oai_and_mul_reference
 from .caches import KernelCaches, kernel_caches
+from .collective import chunked_linear, row_parallel_linear
 from .attention import KV_BLOCK, Q_TILE, attention, attention_batched, attention_heads_first, attention_reference
 from .fixed_order import exp, halving_sum, log, pairwise_sum, tanh
 from .logsoftmax import log_softmax, log_softmax_reference, token_log_probs
@@ -65,6 +66,7 @@ __all__ = [
     "attention_batched",
     "attention_heads_first",
     "attention_reference",
+    "chunked_linear",
     "consistent_kernels",
     "exp",
     "fp32_weight_cache",
@@ -100,6 +102,7 @@ __all__ = [
     "rope_params",
     "rope_reference",
     "rope_table_reference",
+    "row_parallel_linear",
     "self_test",
     "silu_and_mul",
     "silu_and_mul_reference",
