@@ -17,6 +17,7 @@ compare``) and the vLLM worker plugin are not built yet (docs/capture.md).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,9 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
     from logdiff.probes.capture import Capture
 
     layout = layout if layout is not None else layout_of_model(model)
-    meta: dict[str, Any] = {"logdiff": __version__, "architecture": type(model).__name__,
-                            "model_type": getattr(model.config, "model_type", None)}
+    meta: dict[str, Any] = {"logdiff": __version__, "architecture": (getattr(model.config, "architectures", None) or [type(model).__name__])[0],
+                            "model_type": getattr(model.config, "model_type", None),
+                            "config": json.loads(model.config.to_json_string())}
     try:
         from logdiff.engines.hf.contract import hf_contract
 

@@ -177,6 +177,7 @@ class Bundle:
 
     @property
     def num_steps(self) -> int:
+        """The steps every rank has (data-parallel ranks may have more: ``sequences`` reads each rank's all)."""
         return min(len(r.steps) for r in self.ranks)
 
     def names(self, step: int) -> list[str]:
@@ -190,6 +191,27 @@ class Bundle:
             key = part.layout.group("tp")
             if key not in out:
                 out[key] = part.load(step, [n for n in RESERVED if n in part.names(step)])
+        return out
+
+    def sequences(self) -> list[list[int]]:
+        """Every captured sequence's token ids in position order: each ``tp`` group's (its ranks see the same
+        rows) one group after the other in rank order, each in the order its steps saw them."""
+        out: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for part in self.ranks:
+            group = part.layout.group("tp")
+            if group in seen:
+                continue
+            seen.add(group)
+            for step in range(len(part.steps)):  # data-parallel groups may run different numbers of steps
+                table = part.load(step, [n for n in RESERVED if n in part.names(step)])
+                if "sequences" not in table:
+                    raise InputError(f"{self.root}: step {step} has no sequence ids (not written by a capture)")
+                valid = table["valid"].astype(bool)
+                seq, pos, tok = table["sequences"][valid], table["positions"][valid], table["tokens"][valid]
+                for s in np.unique(seq):
+                    mine = seq == s
+                    out.append(tok[mine][np.argsort(pos[mine], kind="stable")].tolist())
         return out
 
     def record_rows(self, step: int, name: str) -> np.ndarray | None:

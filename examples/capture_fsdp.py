@@ -1,0 +1,78 @@
+"""Score given sequences in an FSDP2-wrapped HF model on every rank, and capture them, as an RL step would.
+
+    torchrun --nproc-per-node 2 examples/capture_fsdp.py MODEL --sequences SEQS --out DIR
+
+``SEQS`` is any sequences file ``logdiff scan`` reads (JSONL of ``prompt_ids`` and
+``response_ids``) or a capture bundle (its captured sequences, e.g. a rollout
+engine's). The sequences are dealt to the ranks round robin (data parallel, as
+an actor's ``compute_log_prob`` sees its shard of the batch); each rank scores
+its share in right-padded batches inside ``logdiff.capture`` and writes its part
+of the bundle at ``DIR``. gloo on CPU, NCCL on CUDA. Each rank prints one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def load_sequences(path: Path) -> list[list[int]]:
+    """Token ids per sequence (prompt + response) from a sequences file or a capture bundle."""
+    if path.is_dir():
+        from logdiff.probes.bundle import Bundle
+
+        return Bundle(path).sequences()
+    from logdiff.sequences import load_jsonl
+
+    return [s.prompt_ids + s.response_ids for s in load_jsonl(path)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--sequences", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per forward on each rank")
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    import logdiff
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    try:
+        every = load_sequences(args.sequences)
+        seqs = every[rank::world]
+        # FSDP2 gathers weights in every forward, so every rank runs as many forwards as the busiest one
+        forwards = max(-(-len(every[r::world]) // args.batch) for r in range(world))
+        model = AutoModelForCausalLM.from_pretrained(args.model).to(device).eval()
+        mesh = init_device_mesh(device, (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with logdiff.capture(model, args.out, role="train"), torch.no_grad():
+            for start in range(0, len(seqs), args.batch):
+                batch = seqs[start : start + args.batch]
+                width = max(len(s) for s in batch)
+                ids = torch.tensor([s + [0] * (width - len(s)) for s in batch], device=device)
+                mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in batch], device=device)
+                model(input_ids=ids, attention_mask=mask)
+        with torch.no_grad():  # after the capture, so not recorded: keeps the ranks' collectives in step
+            for _ in range(forwards - -(-len(seqs) // args.batch)):
+                model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+        print(f"rank {rank}/{world}: captured {len(seqs)} sequences into {args.out}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
