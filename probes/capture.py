@@ -98,7 +98,7 @@ class Capture:
         self.sequences: list[Any] = []
         self.modules = dict(model.named_modules())
         self._placements: dict[str, Placement] = {}
-        self._rows: dict[tuple[int, int], int] = {}
+        self._keys = self._order = np.zeros(0, dtype=np.int64)  # the step's rows by (sequence, position)
         self._recorder: Any = None
         self._hook: Any = None
 
@@ -138,11 +138,12 @@ class Capture:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             return
+        ids = ids.detach().cpu()  # token ids only: the step's row table lives on the host
         batch, length = ids.shape
         pos = kwargs.get("position_ids")
-        pos = torch.arange(length)[None].expand(batch, -1) if pos is None else pos.expand(batch, -1)
+        pos = torch.arange(length)[None].expand(batch, -1) if pos is None else pos.detach().cpu().expand(batch, -1)
         mask = kwargs.get("attention_mask")
-        valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask[:, -length:].bool()
+        valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask[:, -length:].detach().cpu().bool()
         first = len(self.sequences)
         for row in range(batch):  # the ids each position of the row was fed (-1: none), for the recorder's check
             p, t = pos[row][valid[row]], ids[row][valid[row]]
@@ -151,13 +152,14 @@ class Capture:
             self.sequences.append(_Sequence(known.tolist()))
         seq = torch.arange(first, first + batch)[:, None].expand(batch, length)
         self.writer.begin_step(ids.reshape(-1), pos.reshape(-1), seq.reshape(-1), valid.reshape(-1))
-        keys = (seq.reshape(-1) * (1 << 32) + pos.reshape(-1)).tolist()
-        self._rows = {k: i for i, k in enumerate(keys)}
+        keys = _row_keys(seq.reshape(-1).numpy(), pos.reshape(-1).numpy())
+        self._order = np.argsort(keys, kind="stable")
+        self._keys = keys[self._order]
         self._placements = {}
         self._recorder.begin_pass(PATH, list(range(first, first + batch)))
 
     def _record(self, name: str, rows: Any, seq: np.ndarray, pos: np.ndarray, placement: Placement | None) -> None:
-        index = np.array([self._rows[int(s) * (1 << 32) + int(p)] for s, p in zip(seq, pos)], dtype=np.int64)
+        index = self._order[np.searchsorted(self._keys, _row_keys(seq, pos))]  # each row's place in the step
         placement = placement or self._placement(name, rows.shape[-1])
         self._placements[name] = placement
         self.writer.record(name, rows, placement, rows=index)
@@ -173,3 +175,9 @@ class Capture:
             if source in self._placements:
                 return self._placements[source]
         return REPLICATE
+
+
+def _row_keys(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """One int64 key per (sequence, position) row."""
+    return np.asarray(seq, dtype=np.int64) * (1 << 32) + np.asarray(pos, dtype=np.int64)
+
