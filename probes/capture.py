@@ -127,8 +127,10 @@ class Capture:
             self.writer.close()
 
     def logprobs(self, logits: Any) -> Any:
-        """``log_softmax`` in float32, recorded as the ``log_softmax`` boundary (route the trainer's through it)."""
-        return self.view._logprobs(logits)
+        """``log_softmax`` in float32 of the model's last logits ``[..., V]``, recorded as the ``log_softmax``
+        boundary (route the trainer's through it). The recorder takes it as rows of those logits."""
+        rows = logits.reshape(-1, logits.shape[-1])  # a view of the logits' rows, as the engines pass them
+        return self.view._logprobs(rows).reshape(*logits.shape[:-1], -1)
 
     # ---- steps ----------------------------------------------------------------------------------
 

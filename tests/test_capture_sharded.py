@@ -185,3 +185,19 @@ def test_fsdp2_ranks_equal_the_unsharded_model_on_their_batches_bitwise(unsharde
             assert np.array_equal(logical.value, _single(reference, name)), f"rank {rank}: {name}"
         assert bundle.rows(0)[(rank,)]["tokens"].tolist() == RANK_IDS[rank][0]
     assert [part.layout.group("dp") for part in bundle.ranks] == [(0, 1), (0, 1)]
+
+
+def test_logprobs_routed_through_the_capture_are_recorded(unsharded, tmp_path: Path) -> None:
+    import torch
+
+    import logdiff
+    from logdiff.probes.bundle import Bundle
+
+    model_dir, both, _ = unsharded
+    model = _load(str(model_dir))
+    with logdiff.capture(model, tmp_path / "lp", "train") as cap, torch.no_grad():
+        logprobs = cap.logprobs(model(torch.tensor(IDS)).logits)
+    bundle = Bundle(tmp_path / "lp")
+    assert set(bundle.names(0)) == set(both.names(0)) | {"log_softmax"}
+    recorded = _single(bundle, "log_softmax")
+    assert np.array_equal(recorded, logprobs.reshape(-1, logprobs.shape[-1]).numpy())
