@@ -6,13 +6,15 @@ bits is a property of the machine's kernels (on AVX2, torch's bf16 GEMM already
 accumulates in fp32, so an fp32 split-K rounds to the same bits), so every plant
 here rounds partial sums to the output dtype, and is checked on the module's own
 device before it is used: where it changes nothing, the test is skipped with
-the ISA and device named.
+the ISA and device named. ``stale_checkpoint`` plants a framework difference
+instead: one tensor of the weights changed, for one side to load.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +84,16 @@ def batch_dependent(module: torch.nn.Module) -> Iterator[list[int]]:
         yield batch_sizes
     finally:
         del module.forward
+
+
+def stale_checkpoint(model: Path, out_dir: Path, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> Path:
+    """MODEL's weights with tensor ``name`` replaced by ``change(it)`` (in fp32, stored back in its dtype), saved
+    as one ``.safetensors`` file in ``out_dir``: a stale weight sync for ``--infer-ckpt``."""
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(model / "model.safetensors"))
+    sd[name] = change(sd[name].float()).to(sd[name].dtype).contiguous()
+    ckpt = out_dir / "stale.safetensors"
+    save_file(sd, str(ckpt))
+    return ckpt
+

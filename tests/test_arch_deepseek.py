@@ -19,20 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plants import stale_checkpoint
 
 import logdiff
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
-
-
-def _stale(model: Path, tmp_path: Path, name: str, scale: float) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    sd = load_file(str(model / "model.safetensors"))
-    sd[name] = (sd[name].float() * scale).to(sd[name].dtype)
-    ckpt = tmp_path / "stale.safetensors"
-    save_file(sd, str(ckpt))
-    return ckpt
 
 
 @pytest.mark.vllm
@@ -66,7 +57,7 @@ def test_kv_b_proj_fault_is_blamed_on_the_latent_attention(demo_model: Callable[
     """vLLM absorbs kv_b_proj into its MLA op: a stale up-projection is found at the attention that reads it."""
     model = demo_model("deepseek-v2")
     name = "model.layers.1.self_attn.kv_b_proj.weight"
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=_stale(model, tmp_path, name, 1.5), **SMALL)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, lambda w: w * 1.5), **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = [c for c in r["causes"] if c["class"] == "framework_difference" and c["kind"] == "weights"]
     assert [c["boundary"] for c in blamed] == ["model.layers.1.self_attn.latent_attn"], blamed
@@ -78,7 +69,7 @@ def test_shared_expert_fault_is_blamed_on_its_projection(demo_model: Callable[[s
     """A stale shared-expert weight (vLLM packs gate/up) is named at the shared expert's own projection."""
     model = demo_model("deepseek-v2")
     name = "model.layers.2.mlp.shared_experts.up_proj.weight"
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=_stale(model, tmp_path, name, 1.5), **SMALL)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, lambda w: w * 1.5), **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = [c for c in r["causes"] if c["class"] == "framework_difference" and c["kind"] == "weights"]
     assert [c["boundary"] for c in blamed] == ["model.layers.2.mlp.shared_experts.up_proj"], blamed

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from plants import stale_checkpoint
 
 import logdiff
 from logdiff.diagnosis import routing
@@ -191,16 +192,6 @@ def test_a_gated_shared_expert_is_refused_in_one_line(tiny_glm: routing.Any) -> 
 # ---------------------------------------------------------------------------- planted faults on the real CPU vLLM
 
 
-def _stale(model: Path, tmp_path: Path, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    sd = load_file(str(model / "model.safetensors"))
-    sd[name] = change(sd[name].float()).to(sd[name].dtype)
-    ckpt = tmp_path / "stale.safetensors"
-    save_file(sd, str(ckpt))
-    return ckpt
-
-
 @pytest.mark.vllm
 def test_vllm_bias_fault_is_a_routing_weights_difference(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
     """vLLM loads a stale correction bias for layer 2: its experts flip, and the routing names the bias."""
@@ -211,7 +202,7 @@ def test_vllm_bias_fault_is_a_routing_weights_difference(demo_model: Callable[[s
         bias[6] += 1.0
         return bias
 
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=_stale(model, tmp_path, name, favour_expert_6), **SMALL)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, favour_expert_6), **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     layers = {s["layer"]: s for s in r["moe"]["layers"]}
     assert layers[2]["flips"] > 0, layers[2]
@@ -250,7 +241,7 @@ def test_consistent_vllm_patches_the_shared_expert_and_the_grouped_router(demo_m
 def test_vllm_shared_expert_fault_is_found_behind_the_packed_gate_up(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
     model = demo_model("glm4-moe")
     name = "model.layers.1.mlp.shared_experts.up_proj.weight"
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=_stale(model, tmp_path, name, lambda w: w + 0.05), **SMALL)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, lambda w: w + 0.05), **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = {c["boundary"]: c for c in r["causes"] if c["class"] == "framework_difference"}
     # the shared expert's own op, and the block whose HF replay reruns it: both for this weight

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plants import stale_checkpoint
 
 import logdiff
 from logdiff.probes.arch import adapter_for
@@ -155,16 +156,6 @@ def test_consistent_hf_covers_sinks_biased_router_and_clamped_experts(tiny_gpt_o
 # ---------------------------------------------------------------------------- planted faults on the real CPU vLLM
 
 
-def _stale(model: Path, tmp_path: Path, name: str, change: Callable[[torch.Tensor], torch.Tensor]) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    sd = load_file(str(model / "model.safetensors"))
-    sd[name] = change(sd[name].float()).to(sd[name].dtype)
-    ckpt = tmp_path / "stale.safetensors"
-    save_file(sd, str(ckpt))
-    return ckpt
-
-
 @pytest.mark.vllm
 def test_both_engines_read_the_windows_sinks_and_swiglu_alike(demo_model: Callable[[str], Path]) -> None:
     r = logdiff.scan(demo_model("gpt-oss"), infer=["vllm"], **SMALL)
@@ -183,7 +174,7 @@ def test_a_stale_sink_is_blamed_on_the_attention_core(demo_model: Callable[[str]
     """vLLM's attention kernel reads a sink 1.0 higher for layer 1: found there, as a weight, nowhere earlier."""
     model = demo_model("gpt-oss")
     name = "model.layers.1.self_attn.sinks"
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=_stale(model, tmp_path, name, lambda s: s + 1.0), **SMALL)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, lambda s: s + 1.0), **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = [c for c in r["causes"] if c["class"] == "framework_difference"]
     assert [c["boundary"] for c in blamed] == ["model.layers.1.self_attn.attn_core"], blamed
@@ -201,7 +192,7 @@ def test_a_stale_router_bias_flips_experts_and_is_blamed_on_the_router(
         bias[5] += 4.0
         return bias
 
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=_stale(model, tmp_path, name, favour_expert_5), **SMALL)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, favour_expert_5), **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = {c["boundary"]: c for c in r["causes"] if c["class"] == "framework_difference"}
     assert "model.layers.2.mlp.router" in blamed, blamed

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
+from plants import stale_checkpoint
 
 import logdiff
 from logdiff.diagnosis import routing
@@ -111,14 +112,7 @@ def stale_router(model: Path, tmp: Path, layer: int) -> Path:
 
     Every token's expert set changes (no top-k subset of the experts is invariant under the roll).
     """
-    from safetensors.torch import load_file, save_file
-
-    sd = load_file(str(model / "model.safetensors"))
-    name = f"model.layers.{layer}.mlp.gate.weight"
-    sd[name] = sd[name].roll(1, dims=0).contiguous()
-    out = tmp / "stale_router.safetensors"
-    save_file(sd, str(out))
-    return out
+    return stale_checkpoint(model, tmp, f"model.layers.{layer}.mlp.gate.weight", lambda w: w.roll(1, dims=0))
 
 
 @pytest.fixture(scope="module")

@@ -208,10 +208,10 @@ def _qkv(t: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(t, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV)]
 
 
-def _attention_grads(q, k, v, q_positions, kv_lens, dy) -> list[torch.Tensor]:
+def _attention_grads(q, k, v, q_positions, kv_lens, dy, softcap=None, window=None) -> list[torch.Tensor]:
     """Grads of ``attention_batched`` (the entry point consistent mode calls) w.r.t. q, k, v."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = K.attention_batched(*leaves, q_positions, 0.3, kv_lens)
+    out = K.attention_batched(*leaves, q_positions, 0.3, kv_lens, softcap, window)
     return list(torch.autograd.grad(out, leaves, dy.to(out.dtype)))
 
 
@@ -237,7 +237,8 @@ def test_attention_gradients_agree_with_fp64_autograd_of_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attention_gradients_of_a_sequence_do_not_depend_on_the_batch(dtype):
+@pytest.mark.parametrize("softcap, window", [(None, None), (1.5, 6)], ids=["plain", "softcap-window"])  # Gemma's
+def test_attention_gradients_of_a_sequence_do_not_depend_on_the_batch(dtype, softcap, window):
     """Sequence 0 (11 tokens) alone vs right-padded beside a 37-token sequence, twice: q, k and v grads bitwise."""
     short, long = _qkv(11, dtype), _qkv(37, dtype, seed=1)
     dy = torch.randn(2, 37, HQ, D, generator=torch.Generator().manual_seed(2))
@@ -246,9 +247,10 @@ def test_attention_gradients_of_a_sequence_do_not_depend_on_the_batch(dtype):
     for padded, a, b in zip(batch, short, long, strict=True):
         padded[0, :11], padded[1] = a, b
     positions = torch.stack([torch.where(torch.arange(37) < 11, torch.arange(37), -1), torch.arange(37)])
-    together = _attention_grads(*batch, positions, torch.tensor([11, 37]), dy)
-    again = _attention_grads(*batch, positions, torch.tensor([11, 37]), dy)
-    alone = _attention_grads(*(t[None] for t in short), torch.arange(11)[None], torch.tensor([11]), dy[:1, :11])
+    kw = {"softcap": softcap, "window": window}
+    together = _attention_grads(*batch, positions, torch.tensor([11, 37]), dy, **kw)
+    again = _attention_grads(*batch, positions, torch.tensor([11, 37]), dy, **kw)
+    alone = _attention_grads(*(t[None] for t in short), torch.arange(11)[None], torch.tensor([11]), dy[:1, :11], **kw)
     for a, b, c in zip(alone, together, again, strict=True):
         assert torch.equal(b, c)
         assert torch.equal(a[0], b[0, :11]) and not b[0, 11:].any()
