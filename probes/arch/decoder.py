@@ -204,6 +204,19 @@ def _layer_boundaries(n: int, qk_norm: bool, moe: bool) -> list[Boundary]:
     return out
 
 
+def model_boundaries(n_layers: int, layer: Callable[[int], list[Boundary]]) -> list[Boundary]:
+    """A decoder's boundaries in semantic order: the embeddings, ``layer(n)`` for each layer, the final norm,
+    the logits and the log-softmax (every family's frame; only the layers differ)."""
+    boundaries = [Boundary("model.embed_tokens", "embed", None)]
+    for n in range(n_layers):
+        boundaries += layer(n)
+    return boundaries + [
+        Boundary("model.norm", "norm", None, (f"model.layers.{n_layers - 1}.residual_mlp",)),
+        Boundary("logits", "logits", None, ("model.norm",)),
+        Boundary("log_softmax", "log_softmax", None, ("logits",)),
+    ]
+
+
 @dataclass(frozen=True)
 class DecoderAdapter(ArchAdapter):
     """A Llama-like decoder family. ``hf_prefix`` names its transformers classes (``Qwen3`` ->
@@ -235,16 +248,10 @@ class DecoderAdapter(ArchAdapter):
         n_layers = int(config["num_hidden_layers"])
         dense_layers = set(config.get("mlp_only_layers") or []) if self.moe else set()
         step = int(config.get("decoder_sparse_step", 1) or 1) if self.moe else 1
-        boundaries = [Boundary("model.embed_tokens", "embed", None)]
-        for n in range(n_layers):
-            sparse = self.moe and n not in dense_layers and (n + 1) % step == 0
-            boundaries += _layer_boundaries(n, self.qk_norm, sparse)
-        last = f"model.layers.{n_layers - 1}.residual_mlp"
-        boundaries += [
-            Boundary("model.norm", "norm", None, (last,)),
-            Boundary("logits", "logits", None, ("model.norm",)),
-            Boundary("log_softmax", "log_softmax", None, ("logits",)),
-        ]
+        boundaries = model_boundaries(
+            n_layers,
+            lambda n: _layer_boundaries(n, self.qk_norm, self.moe and n not in dense_layers and (n + 1) % step == 0),
+        )
         taps = {"hf": list(HF_TAPS), "vllm": list(self.vllm_taps)}
         return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
 

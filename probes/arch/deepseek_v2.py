@@ -98,6 +98,7 @@ from logdiff.probes.arch.decoder import (
     SHARED_EXPERT_HF_TAPS,
     SHARED_EXPERT_VLLM_TAPS,
     DecoderAdapter,
+    model_boundaries,
     vllm_routing_rule,
 )
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
@@ -296,15 +297,11 @@ class DeepseekV2Adapter(DecoderAdapter):
         q_lora = config.get("q_lora_rank") is not None
         dense = int(config.get("first_k_dense_replace", 0) or 0)
         freq = int(config.get("moe_layer_freq", 1) or 1)
-        boundaries = [Boundary("model.embed_tokens", "embed", None)]
-        for n in range(n_layers):
-            sparse = bool(config.get("n_routed_experts")) and n >= dense and n % freq == 0
-            boundaries += _layer_boundaries(n, q_lora, sparse)
-        boundaries += [
-            Boundary("model.norm", "norm", None, (f"model.layers.{n_layers - 1}.residual_mlp",)),
-            Boundary("logits", "logits", None, ("model.norm",)),
-            Boundary("log_softmax", "log_softmax", None, ("logits",)),
-        ]
+
+        def layer(n: int) -> list[Boundary]:
+            return _layer_boundaries(n, q_lora, bool(config.get("n_routed_experts")) and n >= dense and n % freq == 0)
+
+        boundaries = model_boundaries(n_layers, layer)
         taps = {"hf": list(HF_TAPS), "vllm": list(VLLM_TAPS)}
         return CorrespondenceMap(
             self.architecture,

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from logdiff.probes.arch.base import Demo, register
-from logdiff.probes.arch.decoder import FUNCTION_BOUNDARIES, KEY_BOUNDARY, DecoderAdapter
+from logdiff.probes.arch.decoder import FUNCTION_BOUNDARIES, KEY_BOUNDARY, DecoderAdapter, model_boundaries
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
 
 _L = r"model\.layers\.{N}"
@@ -128,14 +128,7 @@ class Gemma2Adapter(DecoderAdapter):
 
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         n_layers = int(config["num_hidden_layers"])
-        boundaries = [Boundary("model.embed_tokens", "embed", None)]
-        for n in range(n_layers):
-            boundaries += _layer_boundaries(n)
-        boundaries += [
-            Boundary("model.norm", "norm", None, (f"model.layers.{n_layers - 1}.residual_mlp",)),
-            Boundary("logits", "logits", None, ("model.norm",)),
-            Boundary("log_softmax", "log_softmax", None, ("logits",)),
-        ]
+        boundaries = model_boundaries(n_layers, _layer_boundaries)
         taps = {"hf": list(HF_TAPS), "vllm": list(VLLM_TAPS)}
         return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
 

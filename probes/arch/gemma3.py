@@ -36,7 +36,7 @@ from types import MappingProxyType
 from typing import Any
 
 from logdiff.probes.arch.base import Demo, register
-from logdiff.probes.arch.decoder import FUNCTION_BOUNDARIES
+from logdiff.probes.arch.decoder import FUNCTION_BOUNDARIES, model_boundaries
 from logdiff.probes.arch.gemma2 import HF_TAPS as GEMMA2_HF_TAPS
 from logdiff.probes.arch.gemma2 import VLLM_TAPS as GEMMA2_VLLM_TAPS
 from logdiff.probes.arch.gemma2 import Gemma2Adapter, _layer_boundaries
@@ -96,14 +96,7 @@ class Gemma3Adapter(Gemma2Adapter):
 
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         n_layers = int(config["num_hidden_layers"])
-        boundaries = [Boundary("model.embed_tokens", "embed", None)]
-        for n in range(n_layers):
-            boundaries += _with_qk_norms(_layer_boundaries(n), n)
-        boundaries += [
-            Boundary("model.norm", "norm", None, (f"model.layers.{n_layers - 1}.residual_mlp",)),
-            Boundary("logits", "logits", None, ("model.norm",)),
-            Boundary("log_softmax", "log_softmax", None, ("logits",)),
-        ]
+        boundaries = model_boundaries(n_layers, lambda n: _with_qk_norms(_layer_boundaries(n), n))
         hf_taps = list(GEMMA2_HF_TAPS) + list(_QK_NORM_TAPS["hf"])
         if not config.get("final_logit_softcapping"):  # no cap: the logits are lm_head's output (replayable)
             hf_taps = [t for t in hf_taps if t.select != "logits_field"] + [_HF_LOGITS_FROM_LM_HEAD]

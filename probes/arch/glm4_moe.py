@@ -51,6 +51,7 @@ from logdiff.probes.arch.decoder import (
     VLLM_TAPS,
     DecoderAdapter,
     _layer_boundaries,
+    model_boundaries,
     vllm_routing_rule,
 )
 from logdiff.probes.contracts import expert_groups
@@ -98,17 +99,13 @@ class Glm4MoeAdapter(DecoderAdapter):
         n_layers = int(config["num_hidden_layers"])
         dense = int(config.get("first_k_dense_replace", 1) or 0)
         qk_norm = bool(config.get("use_qk_norm", False))
-        boundaries = [Boundary("model.embed_tokens", "embed", None)]
-        for n in range(n_layers):
+
+        def layer(n: int) -> list[Boundary]:
             sparse = n >= dense
-            layer = _layer_boundaries(n, qk_norm, sparse)
-            boundaries += _with_shared_expert(layer, n) if sparse and config.get("n_shared_experts") else layer
-        last = f"model.layers.{n_layers - 1}.residual_mlp"
-        boundaries += [
-            Boundary("model.norm", "norm", None, (last,)),
-            Boundary("logits", "logits", None, ("model.norm",)),
-            Boundary("log_softmax", "log_softmax", None, ("logits",)),
-        ]
+            out = _layer_boundaries(n, qk_norm, sparse)
+            return _with_shared_expert(out, n) if sparse and config.get("n_shared_experts") else out
+
+        boundaries = model_boundaries(n_layers, layer)
         taps = {"hf": [*HF_TAPS, *SHARED_EXPERT_HF_TAPS], "vllm": list(self.vllm_taps)}
         return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
 

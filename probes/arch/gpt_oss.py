@@ -47,7 +47,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from logdiff.probes.arch.base import Demo, register
-from logdiff.probes.arch.decoder import FUNCTION_BOUNDARIES, HF_TAPS, KEY_BOUNDARY, DecoderAdapter, _layer_boundaries
+from logdiff.probes.arch.decoder import (
+    FUNCTION_BOUNDARIES,
+    HF_TAPS,
+    KEY_BOUNDARY,
+    DecoderAdapter,
+    _layer_boundaries,
+    model_boundaries,
+)
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
 
 _L = r"model\.layers\.{N}"
@@ -110,14 +117,7 @@ class GptOssAdapter(DecoderAdapter):
 
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         n_layers = int(config["num_hidden_layers"])
-        boundaries = [Boundary("model.embed_tokens", "embed", None)]
-        for n in range(n_layers):
-            boundaries += _layer(n)
-        boundaries += [
-            Boundary("model.norm", "norm", None, (f"model.layers.{n_layers - 1}.residual_mlp",)),
-            Boundary("logits", "logits", None, ("model.norm",)),
-            Boundary("log_softmax", "log_softmax", None, ("logits",)),
-        ]
+        boundaries = model_boundaries(n_layers, _layer)
         taps = {"hf": list(GPT_OSS_HF_TAPS), "vllm": list(GPT_OSS_VLLM_TAPS)}
         return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
 
