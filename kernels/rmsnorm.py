@@ -39,7 +39,7 @@ def rms_norm(
         summed = x + residual
         return rms_norm(summed, weight, eps), summed
     if needs_grad(x, weight):
-        return _RMSNorm.apply(x, weight, eps)
+        return _RMSNorm.apply(x, weight, eps, False)
     return _rms_norm(x, weight, eps)
 
 
@@ -55,13 +55,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class _RMSNorm(torch.autograd.Function):
-    """``rms_norm`` with a row-local backward for x and a fixed-order (pairwise over rows) sum for the weight."""
+    """``rms_norm`` (``offset`` False) or ``gemma_rms_norm`` (True) with a row-local backward for x and a
+    fixed-order (pairwise over rows) sum for the weight. Gemma's ``(1 + w)`` is in fp32 and its normalised
+    row ``u`` is never rounded; the plain norm rounds ``u`` to ``x.dtype`` before the weight, as its forward."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weight, eps, offset):  # noqa: ANN001, ANN205
         ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return _rms_norm(x, weight, eps)
+        ctx.eps, ctx.offset = eps, offset
+        return _gemma_rms_norm(x, weight, eps) if offset else _rms_norm(x, weight, eps)
 
     @staticmethod
     def backward(ctx, dy):  # noqa: ANN001, ANN205
@@ -71,13 +73,13 @@ class _RMSNorm(torch.autograd.Function):
         u = x32 / rms  # the forward's normalised row, before its rounding
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dn = dy.float() * weight.float()
+            dn = dy.float() * (weight.float() + 1.0 if ctx.offset else weight.float())
             dot = halving_sum(dn * u, -1).div_(x.shape[-1]).unsqueeze(-1)
             dx = ((dn - u * dot) / rms).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            rows = (dy.float() * u.to(x.dtype).float()).reshape(-1, x.shape[-1])
+            rows = (dy.float() * (u if ctx.offset else u.to(x.dtype).float())).reshape(-1, x.shape[-1])
             dw = pairwise_sum(rows, 0).to(weight.dtype)
-        return dx, dw, None
+        return dx, dw, None, None
 
 
 def gemma_rms_norm(
@@ -91,38 +93,13 @@ def gemma_rms_norm(
         summed = x + residual
         return gemma_rms_norm(summed, weight, eps), summed
     if needs_grad(x, weight):
-        return _GemmaRMSNorm.apply(x, weight, eps)
+        return _RMSNorm.apply(x, weight, eps, True)
     return _gemma_rms_norm(x, weight, eps)
 
 
 def _gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     return (x32 / _rms(x32, eps)).mul_(weight.float() + 1.0).to(x.dtype)
-
-
-class _GemmaRMSNorm(torch.autograd.Function):
-    """``gemma_rms_norm``'s backward, as ``_RMSNorm``'s with ``(1 + w)`` in fp32 and no rounding of ``u``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps):  # noqa: ANN001, ANN205
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return _gemma_rms_norm(x, weight, eps)
-
-    @staticmethod
-    def backward(ctx, dy):  # noqa: ANN001, ANN205
-        x, weight = ctx.saved_tensors
-        x32 = x.float()
-        rms = _rms(x32, ctx.eps)
-        u = x32 / rms  # the forward's normalised row (fp32, never rounded in this variant)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dn = dy.float() * (weight.float() + 1.0)
-            dot = halving_sum(dn * u, -1).div_(x.shape[-1]).unsqueeze(-1)
-            dx = ((dn - u * dot) / rms).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = pairwise_sum((dy.float() * u).reshape(-1, x.shape[-1]), 0).to(weight.dtype)
-        return dx, dw, None
 
 
 def gemma_rms_norm_reference(
