@@ -43,6 +43,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     import logdiff
+    from logdiff.probes.arch import adapter_of
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
@@ -56,7 +57,7 @@ def main() -> None:
         forwards = max(-(-len(every[r::world]) // args.batch) for r in range(world))
         model = AutoModelForCausalLM.from_pretrained(args.model).to(device).eval()
         mesh = init_device_mesh(device, (world,))
-        for layer in model.model.layers:
+        for layer in adapter_of(model).layers(model):  # the architecture adapter knows where the layers are
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         with logdiff.capture(model, args.out, role="train"), torch.no_grad():

@@ -37,13 +37,13 @@ def scan(model: str | Path, ckpt: str | Path | None = None, **options: Any) -> d
 
 def __getattr__(name: str) -> Any:
     """``logdiff.consistent_training`` and ``logdiff.sync_vllm_weights`` (logdiff/training.py) and
-    ``logdiff.capture`` (logdiff/capturing.py), loaded on use."""
+    ``logdiff.capture`` (logdiff/engines/hf/capture.py), loaded on use."""
     if name in ("consistent_training", "sync_vllm_weights"):
         from logdiff import training
 
         return getattr(training, name)
     if name == "capture":
-        from logdiff.capturing import capture
+        from logdiff.engines.hf.capture import capture
 
         return capture
     raise AttributeError(f"module 'logdiff' has no attribute {name!r}")

@@ -104,12 +104,19 @@ def unsharded(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPa
     """The demo model's directory and its captures, unsharded: of both sequences, and of each alone."""
     from logdiff.probes.bundle import Bundle
 
+    import torch
+
     model_dir = demo_model("qwen3")
     model = _load(str(model_dir))
     root = tmp_path_factory.mktemp("unsharded")
-    _capture(model, root / "both", [IDS])
-    for rank, ids in RANK_IDS.items():
-        _capture(model, root / f"rank{rank}", [ids])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run: a GEMM's bits may depend on its thread count
+    try:
+        _capture(model, root / "both", [IDS])
+        for rank, ids in RANK_IDS.items():
+            _capture(model, root / f"rank{rank}", [ids])
+    finally:
+        torch.set_num_threads(threads)
     return model_dir, Bundle(root / "both"), {r: Bundle(root / f"rank{r}") for r in RANK_IDS}
 
 

@@ -1,9 +1,9 @@
-"""``logdiff.capture``: record one side of the user's own run, on any rank, into a bundle.
+"""``logdiff.capture``: the HF engine's capture of the user's own model, on any rank, into a bundle.
 
 The public face of ``logdiff.probes.capture.Capture`` (see there for what is
-recorded and how each record's placement is read). This layer adds what needs
-logdiff's engines: the parallel layout read from the model itself, and the
-effective contract (``engines/hf/contract.py``) in the bundle's metadata::
+recorded and how each record's placement is read). What the HF engine adds: the
+parallel layout read from the model itself, and the model's effective contract
+(``contract.py``, as a scan reads it) in the bundle's metadata::
 
     with logdiff.capture(model, "bundles/train", role="train"):
         logits = model(input_ids).logits
