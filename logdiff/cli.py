@@ -112,15 +112,21 @@ def _build_config(**kw: Any) -> Any:
 
 def _run_scan(cfg: Any, quiet: bool, tables: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Run the scan, with a progress row per phase on stderr unless quiet or stderr is not a terminal."""
-    from logdiff.phases import Phases
     from logdiff.pipeline import scan as run
+
+    return _with_progress(lambda progress: run(cfg, progress=progress, tables=tables), quiet)
+
+
+def _with_progress(run: Callable[[Any], Any], quiet: bool) -> dict[str, Any]:
+    """``run(progress)``'s result as a dict, with a progress row per phase on stderr when it is a terminal."""
+    from logdiff.phases import Phases, silent
     from logdiff.reports import PhaseProgress
 
     console = _stderr()
     if quiet or not console.is_terminal:
-        return run(cfg, tables=tables).to_dict()
+        return run(silent).to_dict()
     with PhaseProgress(console) as shown:
-        return run(cfg, progress=Phases(shown), tables=tables).to_dict()
+        return run(Phases(shown)).to_dict()
 
 
 def _say(console: Console, text: str, **kwargs: Any) -> None:
@@ -390,6 +396,42 @@ def _load_valid_result(path: Path) -> dict[str, Any]:
     if not structure_checked():
         _say(_stderr(), "note: jsonschema is not installed, so only part of the result's structure was checked")
     return result
+
+
+@app.command("compare")
+@handle_errors
+def compare_bundles(
+    train_bundle: Path = typer.Argument(..., help="The training side's capture bundle (logdiff.capture, role train)."),
+    infer_bundle: Path = typer.Argument(
+        ..., help="The inference side's capture bundle (LOGDIFF_CAPTURE in vLLM, or logdiff.capture, role infer)."
+    ),
+    model: Optional[Path] = typer.Option(
+        None, help="The HF model directory both sides ran: with its weights each op that introduces error is "
+        "measured against its exact function (the conformance check).",
+    ),  # fmt: skip
+    is_threshold: float = typer.Option(2.0, metavar="T", help="T of the rollout_is_* and k1 rollout_rs_* metrics."),
+    out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
+) -> None:
+    """Compare two capture bundles offline, as scan compares its paths: un-shard, align by token ids, locate, classify.
+
+    No engine is imported; what needs the live engines (reference rerun, attribution) is named in the warnings.
+    """
+    from logdiff import outputs
+    from logdiff.errors import InputError
+    from logdiff.offline import compare_bundles as run
+    from logdiff.reports import print_summary
+
+    if isinstance(is_threshold, bool) or not 1.0 < is_threshold < float("inf"):
+        raise InputError(f"--is-threshold must be a finite number > 1 (bounds [1/T, T]), not {is_threshold!r}")
+    outputs.prepare(out, json_path)
+    tables: dict[str, Any] = {}
+    result = _with_progress(
+        lambda progress: run(train_bundle, infer_bundle, model=model, is_threshold=is_threshold, progress=progress,
+                             tables=tables), quiet)  # fmt: skip
+    outputs.write_result(result, out, json_path, tables)
+    print_summary(result, Console(), quiet=quiet)
 
 
 @app.command()

@@ -79,6 +79,17 @@ class ScanConfig:
             raise InputError("--drill needs --depth ops (it names the module whose aten ops are traced)")
         if self.consistent_kernels is not None and not self.consistent:
             raise InputError("--consistent-kernels needs --consistent")
+        tp = self.infer_set.get("tensor_parallel_size", 1)
+        if "vllm" in self.infer and isinstance(tp, int) and tp > 1 and (self.depth != "logprobs" or self.consistent):
+            raise InputError(
+                f"--set infer.tensor_parallel_size={tp}: vLLM then runs the model in worker processes, which a scan "
+                "cannot hook or patch; use --depth logprobs without --consistent, or capture the workers "
+                "(LOGDIFF_CAPTURE=DIR) and compare offline with logdiff compare (docs/capture.md)"
+            )
+        if self.consistent and "vllm" in self.infer and self.train_set.get("tensor_parallel_size", 1) != 1:
+            raise InputError("--consistent with --set train.tensor_parallel_size: vLLM's consistent mode has no "
+                             "fixed-order row-parallel reduction yet, so it cannot match a tensor-parallel training "
+                             "path bitwise; compare with --infer hf")
         from logdiff.options import validate_side
 
         validate_side("train", [self.train], self.train_set)

@@ -92,6 +92,10 @@ def _input_evidence(pair: Any, name: str, order: list[str], tolerance: float) ->
     return equal, worst, missing
 
 
+#: boundaries named in the warning about unresolved ones (all of them are in the divergence table)
+UNRESOLVED_NAMED = 8
+
+
 def locate(pair: Any, tolerance: float = 0.0) -> Localization:
     """First divergence, introducing ops and the divergence table of one pair."""
     summaries, local = pair.comparer.summaries, pair.comparer.local
@@ -153,10 +157,10 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
             }
         )
     if unresolved:
-        warnings.append(
-            "could not separate introduced from propagated error (inputs differ, op not replayable) at: "
-            + ", ".join(unresolved)
-        )
+        shown = ", ".join(unresolved[:UNRESOLVED_NAMED]) + (f" and {len(unresolved) - UNRESOLVED_NAMED} more"
+                                                          if len(unresolved) > UNRESOLVED_NAMED else "")
+        warnings.append(f"could not separate introduced from propagated error (inputs differ, op not replayable) "
+                        f"at {len(unresolved)} boundaries: {shown}")
     for n, why in pair.comparer.replay_skipped.items():
         warnings.append(f"{n}: replay skipped ({why})")
 

@@ -59,6 +59,8 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "enable_prefix_caching": _bool,
     "logprobs_mode": _one_of(*LOGPROBS_MODES),
     "grad": _bool,
+    "tensor_parallel_size": _count,
+    "fsdp_size": _count,
 }
 
 

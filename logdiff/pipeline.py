@@ -192,8 +192,11 @@ def _run(
 
     with contextlib.ExitStack() as stack:
         if cfg.consistent:
-            for engine in dict.fromkeys([train, *infers]):
-                stack.enter_context(engine.consistent(cfg.consistent_kernels))
+            engines = list(dict.fromkeys([train, *infers]))
+            # a tensor-parallel side sums its row-parallel products in fixed K-chunks: every side then does
+            rows = any(e.tensor_parallel_size > 1 for e in engines)
+            for engine in engines:
+                stack.enter_context(engine.consistent(cfg.consistent_kernels, fixed_order_rows=rows))
         if not all(s.response_ids for s in seqs):
             sampler = _sampler(infers)
             progress(f"sampling {cfg.response_len} response tokens per sequence with {sampler.name}{rec}", phase="sample")
@@ -208,11 +211,9 @@ def _run(
             if engine in owners.values():
                 continue
             progress(f"scoring with {engine.name}{rec}", phase=f"score:{engine.name}")
-            with recording(engine, "infer"):
-                add(engine, engine.score(seqs))
+            add(engine, _score(engine, "infer", seqs, recording, probes))
         progress(f"scoring with {train.name} (training path){rec}", phase=f"score:{train.name}")
-        with recording(train, "train"):
-            train_scores = train.score(seqs)[0]
+        train_scores = _score(train, "train", seqs, recording, probes)[0]
         batch_invariance = None
         if cfg.batch_sizes:
             from logdiff import batch_probe
@@ -227,12 +228,33 @@ def _run(
                    batch_invariance)  # fmt: skip
 
 
+def _score(engine: Engine, role: str, seqs: list[sequences.Sequence], recording: Callable[[Engine, str], Any],
+           probes: Any) -> list[PathScores]:
+    """``engine``'s scores as ``role``'s paths, recorded live in this process; or, where the engine scores
+    elsewhere (a sharded path on ranks of its own), captured there and fed from its bundle into the same probes."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="logdiff-capture-") as tmp:
+        bundle = engine.score_captured(seqs, Path(tmp) / "bundle")
+        if bundle is None:
+            with recording(engine, role):
+                return engine.score(seqs)
+        from logdiff.offline import scores_of_capture
+        from logdiff.probes.bundle import Bundle
+
+        return [scores_of_capture(Bundle(bundle), seqs, probes, role, engine.name, live=engine)]
+
+
 def _path_info(engine: Engine | None, scores: PathScores, role: str) -> PathInfo:
     info = engine.info() if engine is not None else {"engine": "recorded", "version": None, "settings": {}}
     return PathInfo.of(scores.path, role, scores.mode, info)
 
 
-def _pair(train: PathScores, infer: PathScores, seqs: list[sequences.Sequence], tok: Any, is_threshold: float) -> Pair:
+def compare_pair(
+    train: PathScores, infer: PathScores, seqs: list[sequences.Sequence], tok: Any, is_threshold: float
+) -> Pair:
+    """The logprob comparison of one (train, infer) pair of paths over the scored response tokens."""
     masks = [s.response_mask for s in seqs]  # masked tokens were replayed; they are not scored
     w = compare.worst(train.logprobs, infer.logprobs, masks)
     w["token_id"] = int(seqs[w["sequence"]].response_ids[w["position"]])
@@ -285,7 +307,7 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _localize(pairs: list[Pair], probes: Any, progress: Progress, tables: dict[str, Any]) -> Located:
+def localize(pairs: list[Pair], probes: Any, progress: Progress, tables: dict[str, Any]) -> Located:
     """Run ``locate`` on every probed pair (onto the pair); the primary pair's findings are returned."""
     from logdiff import locate
 
@@ -348,13 +370,13 @@ def measure(
     seqs, train, infers = run.sequences, run.train, run.infers
     progress("comparing the logprobs", phase="compare")
     tok = _tokenizer(cfg)
-    pairs = [_pair(train, p, seqs, tok, cfg.is_threshold) for p in infers]
+    pairs = [compare_pair(train, p, seqs, tok, cfg.is_threshold) for p in infers]
     source, _, layout = run.source.partition(":")  # dump:<layout> -> dump, <layout>
     layout = layout or ("logdiff" if source == "jsonl" else None)
     located = Located()
     if run.probes is not None:
         try:
-            located = _localize(pairs, run.probes, progress, tables if tables is not None else {})
+            located = localize(pairs, run.probes, progress, tables if tables is not None else {})
         finally:
             if not diagnosing:
                 run.probes.close()

@@ -42,7 +42,7 @@ RESERVED = ("tokens", "positions", "sequences", "valid")
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks share bundle.json: each its own temporary
     tmp.write_text(json.dumps(data, indent=1))  # insertion order: records stay in the order they were recorded
     os.replace(tmp, path)
 
@@ -128,6 +128,15 @@ class BundleWriter:
         _write_json(self.dir / "manifest.json", self.manifest)
 
 
+def _meta_ids(meta: dict[str, Any], seq: int) -> list[int] | None:
+    """The whole ids the rank's metadata gives for its sequence ``seq``, if any."""
+    listed = meta.get("sequences")
+    if not isinstance(listed, list) or not 0 <= seq < len(listed) or not isinstance(listed[seq], dict):
+        return None
+    ids = listed[seq].get("ids")
+    return [int(t) for t in ids] if isinstance(ids, list) else None
+
+
 @dataclass
 class RankPart:
     layout: ParallelLayout
@@ -193,41 +202,65 @@ class Bundle:
                 out[key] = part.load(step, [n for n in RESERVED if n in part.names(step)])
         return out
 
-    def sequences(self) -> list[list[int]]:
-        """Every captured sequence's token ids in position order: each ``tp`` group's (its ranks see the same
-        rows) one group after the other in rank order, each in the order its steps saw them."""
-        out: list[list[int]] = []
-        seen: set[tuple[int, ...]] = set()
-        for part in self.ranks:
-            group = part.layout.group("tp")
-            if group in seen:
-                continue
-            seen.add(group)
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The first rank's metadata (every rank of a capture writes the same model facts)."""
+        return self.ranks[0].meta
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """The ``tp`` groups, in rank order: each holds its own sequences."""
+        return list(dict.fromkeys(part.layout.group("tp") for part in self.ranks))
+
+    def part_of(self, group: tuple[int, ...]) -> RankPart:
+        """The first rank of ``group`` (its ranks see the same rows)."""
+        return next(part for part in self.ranks if part.layout.group("tp") == group)
+
+    def sequence_table(self) -> dict[tuple[tuple[int, ...], int], list[int]]:
+        """Every captured sequence's token ids by position (-1 where no row fed one), keyed by its ``tp`` group
+        and its sequence id there (ranks number their own sequences), groups in rank order, each in the
+        order its steps first saw them. Where a rank's metadata lists a sequence's whole ids (``sequences[i].ids``:
+        the vLLM plugin's, with the last sampled token that no step fed), those are taken."""
+        out: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for group in self.groups():
+            part = self.part_of(group)
             for step in range(len(part.steps)):  # data-parallel groups may run different numbers of steps
                 table = part.load(step, [n for n in RESERVED if n in part.names(step)])
                 if "sequences" not in table:
                     raise InputError(f"{self.root}: step {step} has no sequence ids (not written by a capture)")
-                valid = table["valid"].astype(bool)
+                valid = table["valid"].astype(bool) if "valid" in table else np.ones(len(table["tokens"]), bool)
                 seq, pos, tok = table["sequences"][valid], table["positions"][valid], table["tokens"][valid]
-                for s in np.unique(seq):
+                for s in dict.fromkeys(seq.tolist()):
                     mine = seq == s
-                    out.append(tok[mine][np.argsort(pos[mine], kind="stable")].tolist())
+                    ids = out.setdefault((group, int(s)), [])
+                    for p, t in zip(pos[mine].tolist(), tok[mine].tolist()):
+                        ids.extend([-1] * (p + 1 - len(ids)))
+                        ids[p] = t
+            for (g, s), ids in out.items():  # ids a rank knows beyond what it fed (vLLM's last sampled token)
+                known = _meta_ids(part.meta, s) if g == group else None
+                if known and len(known) > len(ids) and all(a in (-1, b) for a, b in zip(ids, known)):
+                    out[(g, s)] = known
         return out
 
-    def record_rows(self, step: int, name: str) -> np.ndarray | None:
+    def sequences(self) -> list[list[int]]:
+        """Every captured sequence's token ids in position order (``sequence_table``'s, unfed positions left out)."""
+        return [[t for t in ids if t >= 0] for ids in self.sequence_table().values()]
+
+    def record_rows(self, step: int, name: str, group: tuple[int, ...] | None = None) -> np.ndarray | None:
         """The index into the step's rows of each row of record ``name`` (None: one row per step row)."""
-        part = self.ranks[0]
+        part = self.ranks[0] if group is None else self.part_of(group)
         key = f"{name}#rows"
         return part.load(step, [key])[key] if key in part.names(step) else None
 
-    def logical(self, step: int, name: str) -> dict[tuple[int, ...], Logical]:
-        """Record ``name`` of ``step`` rebuilt into logical tensors (``unshard``), one per ``tp`` group."""
-        entries = [part.steps[step]["records"].get(name) for part in self.ranks]
+    def logical(self, step: int, name: str, group: tuple[int, ...] | None = None) -> dict[tuple[int, ...], Logical]:
+        """Record ``name`` of ``step`` rebuilt into logical tensors (``unshard``), one per ``tp`` group (only
+        ``group``'s, if given: data-parallel groups may have run different numbers of steps)."""
+        ranks = [part for part in self.ranks if group is None or part.layout.group("tp") == group]
+        entries = [part.steps[step]["records"].get(name) if step < len(part.steps) else None for part in ranks]
         if any(e is None for e in entries):
             raise InputError(f"{self.root}: step {step} has no record {name!r} on every rank")
         placements = {json.dumps(e["placement"], sort_keys=True) for e in entries}
         dtypes = {e["dtype"] for e in entries}
         if len(placements) > 1 or len(dtypes) > 1:
             raise InputError(f"{self.root}: ranks disagree on how {name!r} is placed or typed")
-        pieces = [(part.layout, part.load(step, [name])[name]) for part in self.ranks]
+        pieces = [(part.layout, part.load(step, [name])[name]) for part in ranks]
         return unshard(name, pieces, Placement.from_json(entries[0]["placement"]), entries[0]["dtype"])

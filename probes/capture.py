@@ -23,8 +23,9 @@ a ``BundleSink`` instead of a store or a comparer:
   data: each rank is its own ``tp`` group of one. A record that arrives as a
   DTensor (a row-parallel layer's input) states its own placement.
 
-Only one mesh dimension is read (the ``tp`` one); 2-D meshes (FSDP + TP) are not
-handled yet. Nothing here gathers an activation while the model runs.
+Placements are read across the ``tp`` group only: on a 2-D mesh (FSDP2 x TP) the
+FSDP2 dimension gathers weights before each forward, so records are whole along it
+and its ranks differ by data. Nothing here gathers an activation while the model runs.
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class Capture:
             self._recorder.__exit__(*exc)
         finally:
             self._hook.remove()
-            self.writer.meta_update({"warnings": list(self._recorder.warnings)})
+            self.writer.meta_update({"warnings": list(self._recorder.warnings), "owners": dict(self._recorder.owners)})
             self.writer.close()
 
     def logprobs(self, logits: Any) -> Any:
@@ -154,14 +155,14 @@ class Capture:
             self.sequences.append(_Sequence(known.tolist()))
         seq = torch.arange(first, first + batch)[:, None].expand(batch, length)
         self.writer.begin_step(ids.reshape(-1), pos.reshape(-1), seq.reshape(-1), valid.reshape(-1))
-        keys = _row_keys(seq.reshape(-1).numpy(), pos.reshape(-1).numpy())
+        keys = row_keys(seq.reshape(-1).numpy(), pos.reshape(-1).numpy())
         self._order = np.argsort(keys, kind="stable")
         self._keys = keys[self._order]
         self._placements = {}
         self._recorder.begin_pass(PATH, list(range(first, first + batch)))
 
     def _record(self, name: str, rows: Any, seq: np.ndarray, pos: np.ndarray, placement: Placement | None) -> None:
-        index = self._order[np.searchsorted(self._keys, _row_keys(seq, pos))]  # each row's place in the step
+        index = self._order[np.searchsorted(self._keys, row_keys(seq, pos))]  # each row's place in the step
         placement = placement or self._placement(name, rows.shape[-1])
         self._placements[name] = placement
         self.writer.record(name, rows, placement, rows=index)
@@ -179,7 +180,7 @@ class Capture:
         return REPLICATE
 
 
-def _row_keys(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+def row_keys(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """One int64 key per (sequence, position) row."""
     return np.asarray(seq, dtype=np.int64) * (1 << 32) + np.asarray(pos, dtype=np.int64)
 

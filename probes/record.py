@@ -14,7 +14,8 @@ How a value becomes a boundary record:
    it runs and, for vLLM, the request counter. Passes of paths nobody asked
    for are ignored.
 2. When the model's forward starts, ``align`` builds the pass's ``RowMap``
-   (row -> sequence, position). The fed token ids are checked against the
+   (row -> sequence, position), or the caller's ``rows`` does (a capture in a
+   vLLM worker numbers requests as it first sees them). The fed token ids are checked against the
    sequences; a row that does not match is dropped and counted as misaligned.
 3. Module hooks keep a call stack of names (so vLLM's one shared
    ``rotary_emb`` is told apart per layer) and fire the taps of the
@@ -82,8 +83,10 @@ class Recorder:
         seqs: list[Any],
         response_len: int,
         tracer: OpTracer | None = None,
+        rows: Callable[[tuple, dict], RowMap] | None = None,
     ):
         self.engine = engine
+        self.rows = rows  # a caller's row map of each forward (a capture that numbers sequences as it sees them)
         self.family = family_of(engine)
         self.cmap = cmap
         self.sinks_for = sinks_for
@@ -180,21 +183,10 @@ class Recorder:
         self._last_hidden = self._last_logits = None
         self._recent_logits = []
         try:
-            if self.family == "hf":
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                pos = kwargs.get("position_ids")
-                mask = kwargs.get("attention_mask")
-                if pos is None:
-                    import torch
-
-                    pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
-                rmap = align.hf_rows(p.sequences, pos, mask, p.lengths)
-            else:
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
-                qsl, req_ids = self._vllm_batch()
-                self._last_qsl = qsl
-                rmap = align.vllm_rows(pos, qsl, req_ids, p.sequences, p.request_base or 0, p.lengths)
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is None:
+                raise ValueError("the forward got no input_ids")
+            rmap = self._row_map(p, args, kwargs)
         except Exception as e:  # noqa: BLE001 - a pass we cannot align is reported, not fatal
             self._warn(f"{p.path}: could not align a forward pass to token positions ({type(e).__name__}: {e})")
             self._rmap = None
@@ -217,23 +209,26 @@ class Recorder:
                 q = self._last_qsl
                 self.tracer.step = "prefill" if q is not None and len(q) > 1 and int(np.diff(q).max()) > 1 else "decode"
 
-    def _vllm_batch(self) -> tuple[np.ndarray, list[str]]:
-        from vllm.forward_context import get_forward_context
+    def _row_map(self, p: _Pass, args: tuple, kwargs: dict) -> RowMap:
+        """Row -> (sequence, position) of the forward starting now: from the pass's sequences and, for vLLM,
+        its request ids, or from the caller's ``rows`` (which sees the same ``args``/``kwargs``)."""
+        if self.family == "hf":
+            if self.rows is not None:
+                return self.rows(args, kwargs)
+            pos = kwargs.get("position_ids")
+            mask = kwargs.get("attention_mask")
+            if pos is None:
+                import torch
 
-        md = get_forward_context().attn_metadata
-        items = md.values() if isinstance(md, dict) else (md if isinstance(md, list) else [md])
-        qsl = None
-        for m in items:
-            if isinstance(m, dict):
-                m = next(iter(m.values()), None)
-            qsl = getattr(m, "query_start_loc", None)
-            if qsl is not None:
-                break
-        if qsl is None:
-            raise RuntimeError("vLLM attention metadata has no query_start_loc")
-        qsl = np.asarray(qsl.detach().cpu().numpy() if hasattr(qsl, "detach") else qsl, dtype=np.int64)
-        req_ids = list(self.engine.runner().input_batch.req_ids)[: len(qsl) - 1]
-        return qsl, req_ids
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+            return align.hf_rows(p.sequences, pos, mask, p.lengths)
+        qsl, req_ids = vllm_batch(self.engine.runner())
+        self._last_qsl = qsl
+        if self.rows is not None:
+            return self.rows(args, kwargs)
+        pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        return align.vllm_rows(pos, qsl, req_ids, p.sequences, p.request_base or 0, p.lengths)
 
     def _end_step(self, output: Any) -> None:
         if self.family == "vllm":
@@ -591,6 +586,26 @@ class Recorder:
             lookup.setdefault(r.contiguous().view(torch.uint8).numpy().tobytes(), i)
         found = [lookup.get(r.contiguous().view(torch.uint8).numpy().tobytes()) for r in hidden]
         return None if any(f is None for f in found) else np.asarray(found, dtype=np.int64)
+
+
+def vllm_batch(runner: Any) -> tuple[np.ndarray, list[str]]:
+    """The running vLLM forward's ``query_start_loc`` (request r's rows are ``qsl[r]:qsl[r + 1]``) and the
+    request ids of those rows, in batch order (``runner.input_batch.req_ids``)."""
+    from vllm.forward_context import get_forward_context
+
+    md = get_forward_context().attn_metadata
+    items = md.values() if isinstance(md, dict) else (md if isinstance(md, list) else [md])
+    qsl = None
+    for m in items:
+        if isinstance(m, dict):
+            m = next(iter(m.values()), None)
+        qsl = getattr(m, "query_start_loc", None)
+        if qsl is not None:
+            break
+    if qsl is None:
+        raise RuntimeError("vLLM attention metadata has no query_start_loc")
+    qsl = np.asarray(qsl.detach().cpu().numpy() if hasattr(qsl, "detach") else qsl, dtype=np.int64)
+    return qsl, list(runner.input_batch.req_ids)[: len(qsl) - 1]
 
 
 def _qkv_sizes(attn: Any) -> tuple[int | None, int | None]:

@@ -64,6 +64,8 @@ class PairRecord:
     seqs: list[Any] = field(default_factory=list)
     #: the training path's own rows (the first ``conformance_sequences`` sequences), for conformance
     train_store: PathStore | None = None
+    #: per side, the boundaries it summed across ranks and over how many (``feed.reductions``; bundles only)
+    reductions: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class ProbeSession:
@@ -112,6 +114,10 @@ class ProbeSession:
         #: MoE router logits per (role, path), in memory (``routing.RouterSink``); empty for dense models
         self.routers: dict[tuple[str, str], RouterSink] = {}
         self._has_routers = bool(router_boundaries(cmap))
+        #: per role, the boundaries a captured side summed across ranks (``feed.reductions``)
+        self.reductions: dict[str, dict[str, int]] = {}
+        #: every row of a training path, kept for an offline replay's check (``keep_rows``)
+        self.kept: dict[str, StoreSink] = {}
 
     @property
     def max_len(self) -> int:
@@ -131,35 +137,10 @@ class ProbeSession:
         """Record ``engine``'s passes: ``infer`` stores them, ``train`` compares against the stores."""
         if role not in ("infer", "train"):
             raise ValueError(role)
-        max_len = self.max_len
 
         def sinks_for(path: str) -> list[Any]:
-            if role == "infer" and path in self.stores and self.owners.get(path) is not rec.owners:
-                # a later run of the same path replaces an earlier one: the pipeline reports
-                # the last run's scores (an HF engine samples, then scores in a separate pass)
-                self.stores.pop(path).close()
-                self.tracers.pop((role, path), None)
-                self.routers.pop((role, path), None)
+            sinks = self.sinks(role, path, rec.owners)
             rec.use_tracer(self._tracer_for(role, path))
-            extra = [self._router_sink(role, path)] if self._has_routers else []
-            if role == "infer":
-                if path not in self.stores:
-                    self.stores[path] = self._new_store(path, max_len)
-                    self.owners[path] = rec.owners
-                return [self.stores[path], *extra]
-            sinks = extra
-            if self.conformance_sequences:
-                if path in self.train_stores and self.owners.get(f"train:{path}") is not rec.owners:
-                    self.train_stores.pop(path).close()  # a later run of the same path replaces it
-                if path not in self.train_stores:
-                    self.train_stores[path] = self._new_store(path, max_len, self.conformance_sequences)
-                sinks.append(self.train_stores[path])
-            for infer_path, store in self.stores.items():
-                key = (path, infer_path)
-                if key not in self.comparers:
-                    self.comparers[key] = PathComparer(store, max_len)
-                sinks.append(self.comparers[key])
-            self.owners[f"train:{path}"] = rec.owners
             return sinks
 
         rec = Recorder(engine, self.cmap, sinks_for, self.seqs, self.response_len)
@@ -169,6 +150,50 @@ class ProbeSession:
         for w in rec.warnings:
             if w not in self.warnings:
                 self.warnings.append(w)
+
+    def sinks(self, role: str, path: str, owners: dict[str, str]) -> list[Any]:
+        """Where ``path``'s records on ``role``'s side go: ``infer`` to its store, ``train`` to a comparer per
+        stored path (and its own store of the conformance sequences), MoE router rows to a router sink.
+
+        ``owners`` (boundary -> producing module) is one run's: a later run of the same path (another
+        recorder, another bundle) replaces the earlier one's records. A live recording (``record``) and a
+        capture bundle (``feed.feed``) reach the comparison through here alike.
+        """
+        if role not in ("infer", "train"):
+            raise ValueError(role)
+        if role == "infer" and path in self.stores and self.owners.get(path) is not owners:
+            # a later run of the same path replaces an earlier one: the pipeline reports
+            # the last run's scores (an HF engine samples, then scores in a separate pass)
+            self.stores.pop(path).close()
+            self.tracers.pop((role, path), None)
+            self.routers.pop((role, path), None)
+        extra = [self._router_sink(role, path)] if self._has_routers else []
+        if role == "infer":
+            if path not in self.stores:
+                self.stores[path] = self._new_store(path, self.max_len)
+                self.owners[path] = owners
+            return [self.stores[path], *extra]
+        sinks = extra
+        if self.conformance_sequences:
+            if path in self.train_stores and self.owners.get(f"train:{path}") is not owners:
+                self.train_stores.pop(path).close()  # a later run of the same path replaces it
+            if path not in self.train_stores:
+                self.train_stores[path] = self._new_store(path, self.max_len, self.conformance_sequences)
+            sinks.append(self.train_stores[path])
+        for infer_path, store in self.stores.items():
+            key = (path, infer_path)
+            if key not in self.comparers:
+                self.comparers[key] = PathComparer(store, self.max_len)
+            sinks.append(self.comparers[key])
+        self.owners[f"train:{path}"] = owners
+        return sinks
+
+    def keep_rows(self, path: str) -> StoreSink:
+        """A store of every row of training path ``path`` (an offline comparison checks its live replay model
+        against it: ``feed.ReplaySink``); one per path, deleted with the session."""
+        if path not in self.kept:
+            self.kept[path] = self._new_store(path, self.max_len)
+        return self.kept[path]
 
     def _new_store(self, path: str, max_len: int, sequences: int | None = None) -> StoreSink:
         """A store for ``path`` in the next numbered directory of the session (of its first ``sequences`` only)."""
@@ -198,6 +223,7 @@ class ProbeSession:
                     list(self.warnings),
                     self.seqs,
                     self.train_stores.get(train),
+                    dict(self.reductions),
                 )
             )
         return out
@@ -206,6 +232,6 @@ class ProbeSession:
         return next((p for p in self.pairs() if p.train == train and p.infer == infer), None)
 
     def close(self) -> None:
-        for s in [*self.stores.values(), *self.train_stores.values()]:
+        for s in [*self.stores.values(), *self.train_stores.values(), *self.kept.values()]:
             s.close()
         shutil.rmtree(self.root, ignore_errors=True)

@@ -182,7 +182,7 @@ def test_valid_rollout_logprobs_pass_negative_control(tmp_path: Path) -> None:
     (["train.batch_size=x"], "train.batch_size='x': must be an integer >= 1"),
     (["train.batch_size=0"], "must be an integer >= 1"),
     (["infer.attn_implementation=flash_attention_9"], "must be one of sdpa, eager"),
-    (["infer.max_model_len=4"], "max_model_len is an option of vllm, not used by hf-decode"),
+    (["infer.max_model_len=4"], "max_model_len is an option of vllm, vllm-ascend, not used by hf-decode"),
     (["infer.rms_norm_eps=NaN"], "not a finite number"),
 ])  # fmt: skip
 def test_bad_engine_options_exit_2_before_loading(tmp_path: Path, sets: list[str], fragment: str) -> None:

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.slow
 
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+ROWWISE_NAMES = {m.rsplit(".", 1)[-1] for m in ROWWISE}
 IDS = [[5, 17, 3, 9, 42, 7, 11, 2], [8, 1, 30, 4, 6, 19, 23, 13]]
 RANK_IDS = {0: [IDS[0]], 1: [IDS[1]]}  # FSDP2: each rank its own batch
 PLANTED = "model.layers.0.mlp.up_proj"
@@ -62,8 +63,18 @@ def _rank(rank: int, world: int, model_dir: str, out: str, store: str, mode: str
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,))
         model = _load(model_dir)
+        if mode == "2d":  # torchtitan's layout: TP inside each of 2 FSDP2 groups, each its own sequence
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+            _parallelize(model, mesh["tp"])
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            _capture(model, Path(out), [RANK_IDS[mesh.get_local_rank("dp")]])
+            return
+        mesh = init_device_mesh("cpu", (world,))
         if mode == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
@@ -72,13 +83,7 @@ def _rank(rank: int, world: int, model_dir: str, out: str, store: str, mode: str
             fully_shard(model, mesh=mesh)
             _capture(model, Path(out), [RANK_IDS[rank]])  # data parallel: each rank its own tp group of one
             return
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        plan = {}
-        for i in range(model.config.num_hidden_layers):
-            plan.update({f"model.layers.{i}.{m}": ColwiseParallel() for m in COLWISE})
-            plan.update({f"model.layers.{i}.{m}": RowwiseParallel() for m in ROWWISE})
-        parallelize_module(model, mesh, plan)
+        _parallelize(model, mesh)
         if mode == "planted" and rank == 1:
             with torch.no_grad():
                 dict(model.named_modules())[PLANTED].weight.to_local()[0] += 0.25
@@ -87,15 +92,26 @@ def _rank(rank: int, world: int, model_dir: str, out: str, store: str, mode: str
         dist.destroy_process_group()
 
 
-def _run(model_dir: Path, tmp_path: Path, mode: str):
+def _parallelize(model, mesh) -> None:
+    """DTensor tensor parallel over ``mesh``: q/k/v, gate, up column-wise; o, down row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for i in range(model.config.num_hidden_layers):
+        plan.update({f"model.layers.{i}.{m}": ColwiseParallel() for m in COLWISE})
+        plan.update({f"model.layers.{i}.{m}": RowwiseParallel() for m in ROWWISE})
+    parallelize_module(model, mesh, plan)
+
+
+def _run(model_dir: Path, tmp_path: Path, mode: str, world: int = 2):
     import torch.multiprocessing as mp
 
     from logdiff.probes.bundle import Bundle
 
     out = tmp_path / mode
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_rank, args=(2, str(model_dir), str(out), str(tmp_path / f"store-{mode}"), mode),
-                       nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_rank, args=(world, str(model_dir), str(out), str(tmp_path / f"store-{mode}"), mode),
+                       nprocs=world, join=True, start_method="spawn")
     return Bundle(out)
 
 
@@ -113,11 +129,24 @@ def unsharded(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPa
     torch.set_num_threads(1)  # as the ranks run: a GEMM's bits may depend on its thread count
     try:
         _capture(model, root / "both", [IDS])
+        _capture(model, root / "steps", [[ids] for ids in IDS])  # one sequence per step, as FSDP2's ranks run them
         for rank, ids in RANK_IDS.items():
             _capture(model, root / f"rank{rank}", [ids])
     finally:
         torch.set_num_threads(threads)
     return model_dir, Bundle(root / "both"), {r: Bundle(root / f"rank{r}") for r in RANK_IDS}
+
+
+@pytest.fixture(scope="module")
+def tp2(unsharded, tmp_path_factory: pytest.TempPathFactory):
+    """The TP=2 capture of both sequences."""
+    return _run(unsharded[0], tmp_path_factory.mktemp("tp2"), "tp")
+
+
+@pytest.fixture(scope="module")
+def fsdp2(unsharded, tmp_path_factory: pytest.TempPathFactory):
+    """The FSDP2 capture: each rank its own sequence."""
+    return _run(unsharded[0], tmp_path_factory.mktemp("fsdp2"), "fsdp")
 
 
 def _single(bundle, name: str) -> np.ndarray:
@@ -145,9 +174,9 @@ def test_unsharded_capture_records_every_boundary_the_adapter_knows(unsharded) -
     assert (both.world_size, both.ranks[0].layout.group("tp")) == (1, (0,))
 
 
-def test_tp2_capture_unshards_to_the_unsharded_capture(unsharded, tmp_path: Path) -> None:
+def test_tp2_capture_unshards_to_the_unsharded_capture(unsharded, tp2) -> None:
     model_dir, both, _ = unsharded
-    bundle = _run(model_dir, tmp_path, "tp")
+    bundle = tp2
     assert bundle.world_size == 2 and bundle.names(0) == both.names(0)
     assert [part.meta["warnings"] for part in bundle.ranks] == [[], []]
     assert [part.layout.group("tp") for part in bundle.ranks] == [(0, 1), (0, 1)]
@@ -182,9 +211,9 @@ def test_a_shard_planted_on_rank_1_is_the_first_record_to_differ(unsharded, tmp_
     assert per_column[:half].max() <= 1e-5 and per_column[half] > 0  # rank 0's columns untouched
 
 
-def test_fsdp2_ranks_equal_the_unsharded_model_on_their_batches_bitwise(unsharded, tmp_path: Path) -> None:
+def test_fsdp2_ranks_equal_the_unsharded_model_on_their_batches_bitwise(unsharded, fsdp2) -> None:
     model_dir, _, alone = unsharded
-    bundle = _run(model_dir, tmp_path, "fsdp")
+    bundle = fsdp2
     for rank, reference in alone.items():
         assert bundle.names(0) == reference.names(0)
         for name in reference.names(0):
@@ -208,3 +237,72 @@ def test_logprobs_routed_through_the_capture_are_recorded(unsharded, tmp_path: P
     assert set(bundle.names(0)) == set(both.names(0)) | {"log_softmax"}
     recorded = _single(bundle, "log_softmax")
     assert np.array_equal(recorded, logprobs.reshape(-1, logprobs.shape[-1]).numpy())
+
+
+# ---- logdiff compare of these bundles (logdiff/offline.py) ----------------------------------------------------------
+
+
+def _compare(train, infer, tmp_path: Path | None = None) -> dict:
+    from logdiff.offline import compare_bundles
+
+    return compare_bundles(train.root, infer.root).to_dict()
+
+
+def test_compare_tp2_against_unsharded_blames_the_row_parallel_sums(unsharded, tp2) -> None:
+    """Only the row-parallel outputs introduce error (their inputs equal bit for bit once un-sharded), and each
+    is ``collective_order``: the TP=2 side sums over 2 ranks, the unsharded one over 1."""
+    _, both, _ = unsharded
+    result = _compare(tp2, both)
+    first = result["first_divergence"]
+    assert first is not None and first["inputs_equal"], first
+    assert first["boundary"].rsplit(".", 1)[-1] in ROWWISE_NAMES, first
+    assert result["causes"], result["warnings"]
+    for cause in result["causes"]:
+        assert cause["boundary"].rsplit(".", 1)[-1] in ROWWISE_NAMES, cause
+        assert (cause["class"], cause["kind"]) == ("operator_path", "collective_order"), cause
+    assert result["sequences"]["count"] == 2 and result["settings"]["sequence_source"] == "bundle"
+    assert result["paths"][0]["settings"]["tensor_parallel_size"] == 2
+    weights = result["contracts"]["weights"]  # the sharded weights, gathered on entry, hash as the whole ones
+    assert weights["differs"] == [] and weights["unverified"] == [] and weights["verified"] > 0
+
+
+def test_compare_fsdp2_against_unsharded_is_bitwise_consistent(unsharded, fsdp2, tmp_path: Path) -> None:
+    """Two data-parallel ranks, each its own sequence, joined by token ids against the unsharded capture of the
+    same sequences: equal everywhere. The negative control is the TP=2 comparison above, and a planted weight."""
+    import torch
+
+    _, _, _ = unsharded
+    steps = unsharded[1].root.parent / "steps"
+    from logdiff.probes.bundle import Bundle
+
+    result = _compare(fsdp2, Bundle(steps))
+    assert result["verdict"] == "consistent", result["warnings"]
+    assert result["logprobs"]["abs_diff_max"] == 0.0 and result["first_divergence"] is None
+    assert result["sequences"]["count"] == 2
+    # a planted stale weight on the unsharded side is found, at its op, as a weight difference
+    model = _load(str(unsharded[0]))
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight.mul_(1.01)
+    torch.set_num_threads(1)
+    _capture(model, tmp_path / "stale", [[ids] for ids in IDS])
+    planted = _compare(fsdp2, Bundle(tmp_path / "stale"))
+    assert planted["first_divergence"]["boundary"] == "model.layers.1.post_attention_layernorm"
+    (cause,) = [c for c in planted["causes"] if c["boundary"] == "model.layers.1.post_attention_layernorm"]
+    assert (cause["class"], cause["kind"]) == ("framework_difference", "weights")
+    assert planted["contracts"]["weights"]["differs"] == ["model.layers.1.post_attention_layernorm.weight"]
+
+
+def test_compare_fsdp2_with_tp_on_a_2d_mesh(unsharded, tmp_path: Path) -> None:
+    """4 ranks: 2 FSDP2 groups x TP = 2. The layout is read from the 2-D mesh (each TP pair one ``tp`` group, one
+    sequence each); against the unsharded capture of those sequences, what differs is a row-parallel sum,
+    ``collective_order``, and the contracts and weights (gathered whole on entry) are the same."""
+    from logdiff.probes.bundle import Bundle
+
+    bundle = _run(unsharded[0], tmp_path, "2d", world=4)
+    assert [(p.layout.group("tp"), p.layout.group("dp")) for p in bundle.ranks] == [
+        ((0, 1), (0, 2)), ((0, 1), (1, 3)), ((2, 3), (0, 2)), ((2, 3), (1, 3))]  # fmt: skip
+    result = _compare(bundle, Bundle(unsharded[1].root.parent / "steps"))
+    assert result["sequences"]["count"] == 2 and result["first_divergence"]["inputs_equal"]
+    assert result["contracts"]["differs"] == [] and result["contracts"]["weights"]["differs"] == []
+    assert result["causes"] and all(
+        c["boundary"].rsplit(".", 1)[-1] in ROWWISE_NAMES and c["kind"] == "collective_order" for c in result["causes"])

@@ -301,7 +301,7 @@ def _switch_off_consistent_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     from logdiff.engines import hf, vllm
 
     for cls in (hf.HFEngine, vllm.VLLMEngine):
-        monkeypatch.setattr(cls, "consistent", lambda self, only=None: contextlib.nullcontext())
+        monkeypatch.setattr(cls, "consistent", lambda self, only=None, fixed_order_rows=False: contextlib.nullcontext())
 
 
 def _negative_control(qwen3: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:

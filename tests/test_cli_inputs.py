@@ -134,3 +134,31 @@ def test_explain_and_report_refuse_a_missing_or_invalid_result(tmp_path: Path) -
     bad.write_text(json.dumps({"schema_version": 1}))
     code, out = invoke("explain", bad)
     assert code == 2 and "not a valid logdiff result" in one_line_error(out)
+
+
+@pytest.mark.parametrize("extra", [["--depth", "modules"], ["--depth", "logprobs", "--consistent"]])
+def test_a_tensor_parallel_vllm_cannot_be_hooked_or_patched_and_says_where_to_go(qwen3: Path, extra: list[str]) -> None:
+    """vLLM's own tensor_parallel_size puts the model in worker processes: refused before anything loads, naming
+    the capture and logdiff compare (tests/test_rl_step_capture.py runs those)."""
+    code, out = invoke("scan", qwen3, "--set", "infer.tensor_parallel_size=2", *extra)
+    line = one_line_error(out)
+    assert code == 2 and "worker processes" in line and "logdiff compare" in line
+
+
+def test_a_training_tensor_parallel_size_that_does_not_divide_the_heads_is_one_line(qwen3: Path) -> None:
+    code, out = invoke("scan", qwen3, "--infer", "hf", "--set", "train.tensor_parallel_size=3", *FAST)
+    assert code == 2 and "tensor_parallel_size" in one_line_error(out)
+
+
+def test_consistent_vllm_against_a_tensor_parallel_training_path_is_refused_before_loading(qwen3: Path) -> None:
+    code, out = invoke("scan", qwen3, "--consistent", "--set", "train.tensor_parallel_size=2", *FAST)
+    assert code == 2 and "fixed-order row-parallel" in one_line_error(out)
+
+
+@pytest.mark.vllm
+def test_a_scan_refuses_to_run_its_vllm_under_the_capture_plugin(qwen3: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    monkeypatch.setenv("LOGDIFF_CAPTURE", str(tmp_path / "bundle"))
+    code, out = invoke("scan", qwen3, *FAST)
+    assert code == 2 and "LOGDIFF_CAPTURE" in one_line_error(out)
+    assert not (tmp_path / "bundle").exists()

@@ -52,6 +52,8 @@ FIX = {
     "neither, rounding the residual at the same point (logdiff.kernels.rms_norm with residual)",
     "intermediate_precision": "align the precision of the op's internal steps on both sides (e.g. fp32 "
     "cos/sin and rotation, fp32 silu*up rounded once: logdiff.kernels.rope / silu_and_mul)",
+    "collective_order": "sum the row-parallel partial results in one fixed order whatever the world size "
+    "(logdiff.kernels.collective.row_parallel_linear), or score at the same tensor-parallel size on both sides",
 }
 
 SEMANTIC_FIX = ("make the {side} side compute the function its contract names at this op: check its implementation "
@@ -71,6 +73,8 @@ class OpEvidence:
     vanished_under_reference: bool | None
     conformance: Conformance | None = None
     paths: dict[str, str] | None = None  # side -> path name ({"train": "hf", "infer": "vllm"})
+    #: side -> over how many ranks that side summed the op's reduction (captured sharded sides; absent: 1)
+    reduction_ranks: dict[str, int] | None = None
 
 
 def adapter_or_default(adapter: ArchAdapter | None) -> ArchAdapter:
@@ -97,6 +101,26 @@ def _framework_kind(keys: list[str], weights: list[str]) -> str:
     if "sliding_window" in keys:
         return "mask"
     return "config_contract"
+
+
+def _split_reduction(ev: OpEvidence) -> str | None:
+    """Evidence that the two sides split the op's reduction over different numbers of ranks, or None."""
+    ranks = {side: (ev.reduction_ranks or {}).get(side, 1) for side in ("train", "infer")}
+    if ranks["train"] == ranks["infer"]:
+        return None
+    return ("the train side sums this op over {train} rank(s), the infer side over {infer}: each rank reduces its "
+            "slice of the input and an all-reduce adds the partial sums, so the same sum is taken in another "
+            "order").format(**ranks)
+
+
+def _path_kind(ev: OpEvidence, fused_add_norm: bool, evidence: list[str]) -> str:
+    """The operator-path kind of an op: ``collective_order`` where the sides split its sum over different
+    numbers of ranks (its evidence appended), else by what the op is."""
+    split = _split_reduction(ev)
+    if split is not None:
+        evidence.append(split)
+        return "collective_order"
+    return _operator_kind(ev.kind, fused_add_norm)
 
 
 def _operator_kind(kind: str, fused_add_norm: bool) -> str:
@@ -176,7 +200,7 @@ def classify_op(
                           sides=sides)  # fmt: skip
         evidence.append("both sides are within their rounding bounds of the exact function: the same function, "
                         "computed in a different order or precision")  # fmt: skip
-        kind = _operator_kind(ev.kind, fused_add_norm)
+        kind = _path_kind(ev, fused_add_norm, evidence)
         return _cause(ev, "operator_path", kind, evidence, FIX[kind])
     above_noise = ev.ulps is not None and ev.ulps > NOISE_ULPS
     if ev.vanished_under_reference is None:
@@ -195,7 +219,7 @@ def classify_op(
             return _unverified_weights(ev, evidence, unverified)
         fix = "compare this op's implementation on both sides: it computes a different function although its visible contract matches"
         return _cause(ev, "framework_difference", "hidden_difference", evidence, fix)
-    kind = _operator_kind(ev.kind, fused_add_norm)
+    kind = _path_kind(ev, fused_add_norm, evidence)
     return _cause(ev, "operator_path", kind, evidence, FIX[kind])
 
 

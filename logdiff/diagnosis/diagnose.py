@@ -137,6 +137,7 @@ def diagnose(
             vanished_under_reference=vanished,
             conformance=conformance[op["boundary"]],
             paths=paths,
+            reduction_ranks=_reduction_ranks(record, op["boundary"]),
         )
         causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
     # a boundary locate could not judge (inputs differ, no replay) is an introducing op after all when a
@@ -193,6 +194,13 @@ def _conformance(ops: list[dict[str, Any]], check: ConformanceCheck | None) -> d
         except Exception as e:  # noqa: BLE001 - an op the check cannot read is classified by the rerun
             out[op["boundary"]] = Conformance(unchecked=f"{type(e).__name__}: {e}")
     return out
+
+
+def _reduction_ranks(record: Any, boundary: str) -> dict[str, int] | None:
+    """Over how many ranks each side summed ``boundary`` (a captured sharded side's row-parallel op), or None."""
+    reductions = getattr(record, "reductions", None) or {}
+    found = {side: r[boundary] for side, r in reductions.items() if boundary in r}
+    return found or None
 
 
 def _reads_a_difference(op: dict[str, Any], contracts: dict[str, Any], arch: Any) -> bool:

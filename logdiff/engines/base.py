@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -95,6 +96,12 @@ class Engine(ABC):
     def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
         """Teacher-forced logprobs of each sequence's response tokens, per path."""
 
+    def score_captured(self, seqs: list[TokenSequence], out_dir: Path) -> Path | None:
+        """Score ``seqs`` outside this process and capture them into a bundle at ``out_dir`` (returned), as a
+        sharded training path does on ranks of its own; None when the engine scores in this process, where
+        probes record it live (``score``). A scan compares a captured path through the same sinks."""
+        return None
+
     @property
     def replays_as_sampled(self) -> bool:
         """Whether ``score`` of given tokens reports the logprobs ``sample`` would have reported for them."""
@@ -108,9 +115,17 @@ class Engine(ABC):
     def info(self) -> dict[str, Any]:
         """Version and effective settings, for the report."""
 
+    #: over how many ranks the engine splits the model's row-parallel products (1: it does not)
+    tensor_parallel_size: int = 1
+
     @contextlib.contextmanager
-    def consistent(self, only: tuple[str, ...] | None = None) -> Iterator[None]:
-        """Install the reference consistent kernels (``only`` these op families) inside the block."""
+    def consistent(self, only: tuple[str, ...] | None = None, fixed_order_rows: bool = False) -> Iterator[None]:
+        """Install the reference consistent kernels (``only`` these op families) inside the block.
+
+        ``fixed_order_rows``: the row-parallel linears (attention output, MLP down) sum their reduction in
+        the fixed K-chunk order of ``kernels.collective``, the order a tensor-parallel side computes at any
+        size; a scan asks it of every side when one is tensor parallel.
+        """
         raise InputError(f"engine {self.name!r} has no consistent mode")
         yield  # pragma: no cover
 
@@ -192,7 +207,7 @@ def register(cls: type[Engine]) -> type[Engine]:
 
 
 def _load_builtin() -> None:
-    from logdiff.engines import hf, vllm  # noqa: F401 - registration side effect
+    from logdiff.engines import hf, vllm, vllm_ascend  # noqa: F401 - registration side effect
 
 
 def get_engine(name: str) -> type[Engine]:

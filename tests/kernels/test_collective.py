@@ -50,6 +50,25 @@ def test_any_split_of_the_chunks_sums_to_the_same_bits() -> None:
     assert not torch.equal(reordered, whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 4])
+def test_column_parallel_slices_are_the_whole_products_columns_bitwise(dtype: torch.dtype, world: int) -> None:
+    """A column-parallel rank's ``linear`` on its rows of the weight: the unsharded product's columns, bitwise,
+    also where a slice is narrower than a column tile (N / world = 64, 32 here: padded into a tile at other
+    positions than in the whole weight's), with a bias. What consistent TP's column-parallel GEMMs rely on."""
+    from logdiff.kernels import linear
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(40, K, generator=gen).to(dtype)
+    for n in (128, 384):  # a slice narrower than N_TILE, and one of whole tiles (at 2 ranks)
+        w = (torch.randn(n, K, generator=gen) / 16).to(dtype)
+        b = torch.randn(n, generator=gen).to(dtype)
+        whole, step = linear(x, w, b), n // world
+        for r in range(world):
+            cols = slice(r * step, (r + 1) * step)
+            assert torch.equal(linear(x, w[cols], b[cols]), whole[:, cols]), (n, r)
+
+
 def test_a_slice_that_is_not_whole_chunks_is_refused() -> None:
     x, w, _ = _case()
     with pytest.raises(ValueError, match="not a whole number of chunks"):

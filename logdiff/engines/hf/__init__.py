@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,6 +99,7 @@ class HFEngine(Engine):
         super().__init__(spec)
         self.model = load_model(spec)
         self._consistent = False
+        self._consistent_mode: tuple[tuple[str, ...] | None] | None = None  # (only,) while consistent
 
     @property
     def pad_id(self) -> int:
@@ -130,7 +132,7 @@ class HFEngine(Engine):
             yield range(start, min(n, start + size))
 
     @contextlib.contextmanager
-    def consistent(self, only: tuple[str, ...] | None = None) -> Iterator[None]:
+    def consistent(self, only: tuple[str, ...] | None = None, fixed_order_rows: bool = False) -> Iterator[None]:
         from logdiff.engines.hf.consistent import consistent_hf
 
         installer = consistent_hf(self.model, only)
@@ -138,12 +140,19 @@ class HFEngine(Engine):
             from logdiff.engines.hf.training import consistent_training  # refuses active dropout
 
             installer = consistent_training(self.model)
-        with unsupported_as_input_error(), installer:
+        rows = contextlib.nullcontext()
+        if fixed_order_rows and (only is None or "linear" in only):
+            from logdiff.engines.hf.tensor_parallel import consistent_tp, fixed_order_plan
+
+            rows = consistent_tp(self.model, fixed_order_plan(self.model, 1))
+        with unsupported_as_input_error(), installer, rows:
             self._consistent = only is None or "log_softmax" in only
+            self._consistent_mode = (only,)  # what a path scored on ranks of its own installs there
             try:
                 yield
             finally:
                 self._consistent = False
+                self._consistent_mode = None
 
     def module(self) -> Any:
         return self.model
@@ -253,10 +262,33 @@ class HFForward(HFEngine):
 
     name = "hf"
     mode = "forward"
-    options = HFEngine.options | {"grad"}
+    #: tensor_parallel_size / fsdp_size: the ranks of the sharded training path (``sharded.score_sharded``)
+    options = HFEngine.options | {"grad", "tensor_parallel_size", "fsdp_size"}
+
+    def __init__(self, spec: EngineSpec):
+        self.tensor_parallel_size = int(spec.option("tensor_parallel_size", 1))
+        self.fsdp_size = int(spec.option("fsdp_size", 1))
+        if self.tensor_parallel_size > 1 or self.fsdp_size > 1:  # refused before the model loads, in one line
+            from logdiff.engines.hf.sharded import check_sizes
+
+            check_sizes(spec, self.tensor_parallel_size, self.fsdp_size)
+        super().__init__(spec)
+
+    def score_captured(self, seqs: list[TokenSequence], out_dir: Path) -> Path | None:
+        """On ``tensor_parallel_size`` or ``fsdp_size`` ranks of its own (``sharded.score_sharded``), in the consistent
+        mode this engine is in, captured into ``out_dir``; None when both sizes are 1."""
+        if self.tensor_parallel_size == self.fsdp_size == 1:
+            return None
+        from logdiff.engines.hf.sharded import score_sharded
+
+        mode = self._consistent_mode
+        return score_sharded(self.spec, seqs, out_dir, tensor_parallel_size=self.tensor_parallel_size,
+                             fsdp_size=self.fsdp_size, consistent=mode is not None,
+                             consistent_kernels=mode[0] if mode is not None else None)
 
     def effective_options(self) -> dict[str, Any]:
-        return {**super().effective_options(), "grad": bool(self.spec.option("grad", False))}
+        return {**super().effective_options(), "grad": bool(self.spec.option("grad", False)),
+                "tensor_parallel_size": self.tensor_parallel_size, "fsdp_size": self.fsdp_size}
 
     @contextlib.contextmanager
     def _step_mode(self) -> Iterator[bool]:

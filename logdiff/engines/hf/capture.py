@@ -3,7 +3,8 @@
 The public face of ``logdiff.probes.capture.Capture`` (see there for what is
 recorded and how each record's placement is read). What the HF engine adds: the
 parallel layout read from the model itself, and the model's effective contract
-(``contract.py``, as a scan reads it) in the bundle's metadata::
+(``contract.py``, as a scan reads it) and the fingerprints of the logical weights a scan compares
+(a sharded model's gathered one at a time on entry), in the bundle's metadata::
 
     with logdiff.capture(model, "bundles/train", role="train"):
         logits = model(input_ids).logits
@@ -11,8 +12,8 @@ parallel layout read from the model itself, and the model's effective contract
 It works on an HF model as it is, wrapped with FSDP2 (``fully_shard``: each rank
 is data parallel, its records whole) or with DTensor tensor parallel
 (``parallelize_module``: the ranks of the mesh are one ``tp`` group, each
-recording its shards). The offline comparison of two bundles (``logdiff
-compare``) and the vLLM worker plugin are not built yet (docs/capture.md).
+recording its shards). ``logdiff compare`` compares two bundles offline
+(``logdiff.offline``).
 """
 
 from __future__ import annotations
@@ -22,40 +23,76 @@ from pathlib import Path
 from typing import Any
 
 
-def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = None) -> Any:
-    """A context manager recording every forward of ``model`` into the bundle at ``out_dir`` (this rank's part)."""
+def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = None, fingerprints: bool = True) -> Any:
+    """A context manager recording every forward of ``model`` into the bundle at ``out_dir`` (this rank's part).
+
+    ``fingerprints``: hash the logical weights into the bundle (a sharded model's are gathered one at a time,
+    a collective every rank joins here); False skips it, and the comparison then names the weights unverified.
+    """
     from logdiff import __version__
     from logdiff.probes.capture import Capture
 
     layout = layout if layout is not None else layout_of_model(model)
-    meta: dict[str, Any] = {"logdiff": __version__, "architecture": (getattr(model.config, "architectures", None) or [type(model).__name__])[0],
-                            "model_type": getattr(model.config, "model_type", None),
-                            "config": json.loads(model.config.to_json_string())}
+    config = model.config
+    meta: dict[str, Any] = {"logdiff": __version__, "engine": "hf",
+                            "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
+                            "model_type": getattr(config, "model_type", None),
+                            "config": json.loads(config.to_json_string())}
     try:
         from logdiff.engines.hf.contract import hf_contract
 
         meta["contract"] = hf_contract(model, {})
     except Exception as e:  # noqa: BLE001 - a contract the reader cannot take from a wrapped model is noted, not fatal
         meta["contract_error"] = f"{type(e).__name__}: {e}"
+    if fingerprints:
+        meta["fingerprints"] = logical_fingerprints(model)
     return Capture(model, out_dir, role, layout, meta)
 
 
+def logical_fingerprints(model: Any) -> dict[str, str]:
+    """The weight fingerprints a scan compares (``hf_fingerprints``), of the logical weights: a DTensor
+    (FSDP2's shards, a tensor-parallel weight) is gathered whole, one at a time, to be hashed. That gather is a
+    collective, so every rank of the mesh must call this (``capture`` does, on entry)."""
+    from logdiff.engines.hf.contract import hf_fingerprints
+    from logdiff.probes.contracts import fingerprint, narrowest
+
+    if not any(hasattr(p, "device_mesh") for p in model.parameters()):
+        return hf_fingerprints(model)
+    dtype = next(model.parameters()).dtype
+    out = {}
+    for name, tensor in model.state_dict().items():
+        whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        out[name] = fingerprint(narrowest(whole, dtype))
+        del whole
+    return out
+
+
 def layout_of_model(model: Any) -> Any:
-    """This rank's ``ParallelLayout``: FSDP2 is data parallel (each rank its own ``tp`` group of one); a model with
-    DTensor parameters on a 1-D mesh is tensor parallel over it; anything else is one rank, or data parallel."""
+    """This rank's ``ParallelLayout``, read from the mesh of the model's DTensor parameters.
+
+    * FSDP2 alone (``fully_shard`` on a 1-D mesh): data parallel, each rank its own ``tp`` group of one;
+    * DTensor tensor parallel alone (``parallelize_module`` on a 1-D mesh): the mesh is the ``tp`` group;
+    * both (a 2-D mesh, torchtitan's ``dp_shard`` x ``tp``): the dimension named ``tp`` (else the inner one)
+      is the ``tp`` group, the other the ``dp`` group;
+    * no DTensor parameter: one rank, or each rank of a process group on its own data.
+    """
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
 
     from logdiff.probes.layout import ParallelLayout, layout_of_mesh
 
     if not (dist.is_available() and dist.is_initialized()):
         return ParallelLayout()
     rank, world = dist.get_rank(), dist.get_world_size()
-    from torch.distributed.fsdp import FSDPModule
-
-    if not isinstance(model, FSDPModule):
-        mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
-        if mesh is not None:
-            if mesh.ndim != 1:
-                raise NotImplementedError(f"logdiff.capture: a {mesh.ndim}-D device mesh (only 1-D is read yet)")
-            return layout_of_mesh(mesh)
-    return ParallelLayout(rank, world, {"tp": (rank,), "dp": tuple(range(world))})
+    meshes = [p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")]
+    mesh = max(meshes, key=lambda m: m.ndim, default=None)  # under FSDP2 + TP, weights outside the plan are 1-D
+    if mesh is None or (mesh.ndim == 1 and isinstance(model, FSDPModule)):
+        group = tuple(dist.get_process_group_ranks(mesh.get_group(0))) if mesh is not None else tuple(range(world))
+        return ParallelLayout(rank, world, {"tp": (rank,), "dp": group})
+    if mesh.ndim == 1:
+        return layout_of_mesh(mesh)
+    if mesh.ndim != 2:
+        raise NotImplementedError(f"logdiff.capture: a {mesh.ndim}-D device mesh (1-D and 2-D dp x tp are read)")
+    names = list(mesh.mesh_dim_names or ())
+    tp = names.index("tp") if "tp" in names else 1
+    return layout_of_mesh(mesh, {"tp": tp, "dp": 1 - tp})

@@ -648,6 +648,17 @@ class _PlacedKeys:
 # ----------------------------------------------------------------------------- the context manager
 
 
+def _aten_overrides_on_cuda(model: Any) -> Any:
+    """On CUDA, the aten GEMMs/log-softmax/mean no patch reaches go fixed-order too, as under the vLLM
+    ``cuda`` backend in the same process (``kernels.aten_overrides``; not yet run on a GPU). CPU: nothing."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cuda":
+        return contextlib.nullcontext()
+    from logdiff.kernels.aten_overrides import aten_overrides
+
+    return aten_overrides("CUDA")
+
+
 @contextlib.contextmanager
 def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[ConsistentHF]:
     """Install the consistent kernels into ``model`` for the duration of the block.
@@ -666,7 +677,7 @@ def consistent_hf(model: Any, only: Collection[str] | None = None) -> Iterator[C
     def want(family: str) -> bool:
         return only is None or family in only
 
-    with Patches() as patches, kernels.weight_cache():
+    with Patches() as patches, kernels.weight_cache(), _aten_overrides_on_cuda(model):
         for name, module in plan.linears if want("linear") else []:
             patches.set(module, "forward", _linear_forward(module))
             report.add("linear", name)

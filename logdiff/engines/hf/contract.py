@@ -32,7 +32,7 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         "rope_style": "neox",  # transformers' Llama/Qwen families rotate halves
         "attention_scale": float(attn.scaling),
         "sliding_window": arch.sliding_window(cfg),
-        "tie_word_embeddings": arch.lm_head(model).weight.data_ptr() == arch.embed(model).weight.data_ptr(),
+        "tie_word_embeddings": _shared(arch.lm_head(model).weight, arch.embed(model).weight),
         "num_experts_per_tok": getattr(cfg, "num_experts_per_tok", None),
         "norm_topk_prob": getattr(cfg, "norm_topk_prob", None),
         "temperature": float(options.get("temperature", 1.0)),  # logits / T before log_softmax
@@ -53,6 +53,15 @@ HF_DROPS = {
         "(set train.attn_implementation=eager to apply it)",
     },
 }
+
+
+def _shared(a: Any, b: Any) -> bool:
+    """Whether two weights are one tensor: the same parameter, or the same storage (a sharded weight's local
+    shards compared: FSDP2's DTensors have no storage of their own)."""
+    if a is b:
+        return True
+    a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+    return a.numel() > 0 and a.data_ptr() == b.data_ptr()
 
 
 def hf_fingerprints(model: Any) -> dict[str, str]:

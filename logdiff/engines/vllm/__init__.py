@@ -85,7 +85,7 @@ class VLLMEngine(Engine):
     probe_family = "vllm"
     options = frozenset(
         {"temperature", "top_k", "top_p", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "logprobs_mode",
-         "enable_prefix_caching"}
+         "enable_prefix_caching", "tensor_parallel_size"}
     )  # fmt: skip
 
     @classmethod
@@ -94,6 +94,9 @@ class VLLMEngine(Engine):
 
     def __init__(self, spec: EngineSpec):
         super().__init__(spec)
+        if os.environ.get("LOGDIFF_CAPTURE"):  # the worker plugin would record this engine beside the scan's probes
+            raise InputError("LOGDIFF_CAPTURE is set: it captures a vLLM engine you run yourself; unset it for a "
+                             "logdiff scan, which records its own engine")
         vllm = import_vllm()
         from logdiff.engines.vllm.forced import ForcedTokens
 
@@ -106,6 +109,13 @@ class VLLMEngine(Engine):
         for key in ("max_num_batched_tokens", "max_model_len"):
             if spec.option(key) is not None:
                 kwargs[key] = int(spec.option(key))
+        self.tensor_parallel_size = int(spec.option("tensor_parallel_size", 1))
+        if self.tensor_parallel_size > 1:  # vLLM's own: its workers run in processes of their own
+            kwargs["tensor_parallel_size"] = self.tensor_parallel_size
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():  # the CPU build binds one core per worker (../shared/notes/vllm-cpu.md)
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(self.tensor_parallel_size))))
         if spec.overrides:
             kwargs["hf_overrides"] = hf_overrides(spec)
         try:
@@ -128,6 +138,8 @@ class VLLMEngine(Engine):
             raise EngineUnavailable(f"vLLM could not start on {spec.model_dir}: {msg}") from None
         self._version = vllm.__version__
         self._consistent = False
+        #: the ops the last consistent mode left to the platform's own kernels (no bitwise claim for them)
+        self.left_to_platform: list[str] = []
 
     def _params(self, **kw: Any) -> Any:
         from vllm import SamplingParams
@@ -202,17 +214,22 @@ class VLLMEngine(Engine):
         return PathScores(self.name, self.mode, logprobs, top1)
 
     @contextlib.contextmanager
-    def consistent(self, only: tuple[str, ...] | None = None) -> Iterator[None]:
+    def consistent(self, only: tuple[str, ...] | None = None, fixed_order_rows: bool = False) -> Iterator[None]:
         from logdiff.engines.vllm.consistent import consistent_vllm
 
-        with unsupported_as_input_error(), consistent_vllm(self.llm, only):
-            self._consistent = True
+        self._in_process("consistent mode")
+        if fixed_order_rows:
+            raise InputError("vLLM's consistent mode has no fixed-order row-parallel reduction yet, so it cannot "
+                             "match a tensor-parallel training path bitwise; compare it with --infer hf")
+        with unsupported_as_input_error(), consistent_vllm(self.llm, only) as summary:
+            self._consistent, self.left_to_platform = True, list(summary.left)
             try:
                 yield
             finally:
                 self._consistent = False
 
     def module(self) -> Any:
+        self._in_process("its modules")
         holder: list[Any] = []
         self.llm.apply_model(holder.append)
         return holder[0]
@@ -220,7 +237,17 @@ class VLLMEngine(Engine):
     def runner(self) -> Any:
         """vLLM's model runner (in-process engine only): probes read the batch's request order
         (``input_batch.req_ids``) and wrap its sampler's log_softmax."""
+        self._in_process("its model runner")
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def _in_process(self, what: str) -> None:
+        """Refuse, in one line, what needs the model in this process when vLLM runs it in worker processes."""
+        if self.tensor_parallel_size > 1:
+            raise InputError(
+                f"with --set infer.tensor_parallel_size={self.tensor_parallel_size} vLLM runs the model in worker "
+                f"processes, so {what} cannot be reached from here: scan at --depth logprobs, or capture the "
+                "workers (LOGDIFF_CAPTURE=DIR) and compare offline with logdiff compare (docs/capture.md)"
+            )
 
     def contract(self) -> dict[str, Any]:
         from logdiff.engines.vllm.contract import vllm_contract
@@ -247,6 +274,7 @@ class VLLMEngine(Engine):
             "max_model_len": vc.model_config.max_model_len,
             "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
             "logprobs_mode": str(vc.model_config.logprobs_mode),
+            "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
         }
 
     def info(self) -> dict[str, Any]:
@@ -259,6 +287,7 @@ class VLLMEngine(Engine):
                 "dtype": self.spec.dtype,
                 "platform": str(getattr(current_platform, "device_name", current_platform.device_type)),
                 **dict(self.spec.options),
+                **({"consistent_left_to_platform": self.left_to_platform} if self.left_to_platform else {}),
             },
         }
 

@@ -22,7 +22,8 @@ implement:
 * ``softcapped_logits_forward``: ``LogitsProcessor.forward`` with a soft cap
   (Gemma 2): vLLM's own ``_get_logits`` (its lm_head GEMM is already the
   kernel's), then ``softcap``.
-* ``attention_forward``: ``CPUAttentionBackendImpl.forward``; reads each
+* ``attention_forward``: ``CPUAttentionBackendImpl.forward`` (and, with FlashAttention's
+  cache reader, ``FlashAttentionImpl.forward``: the ``cuda`` backend); reads each
   request's whole context back from the paged cache and runs the kernel with
   absolute query positions, all requests of the step in one padded batch
   (soft-capped scores where the layer has ``logits_soft_cap``; the layer's
@@ -232,15 +233,23 @@ def log_softmax() -> Callable[..., Any]:
     return compute_logprobs
 
 
-def attention_forward(impl: Any) -> Callable[..., Any]:
-    """``CPUAttentionBackendImpl.forward`` replacement over the paged KV cache."""
+def attention_forward(impl: Any, reader: Callable[..., Any] | None = None, window: Any = "impl") -> Callable[..., Any]:
+    """``CPUAttentionBackendImpl.forward`` replacement over the paged KV cache.
+
+    ``reader(impl, layer, kv_cache)`` gives the object whose ``read_batch`` gathers the
+    requests' K and V (the CPU's learnt layout by default; the CUDA backend passes
+    FlashAttention's); ``window`` overrides ``impl.sliding_window`` (another backend's
+    encoding of it: None for none).
+    """
     from logdiff.engines.vllm.kv_cache import PagedKVReader
 
     kernels = _kernels()
+    read = reader or PagedKVReader.discover
     scale = float(impl.scale)
     softcap = float(impl.logits_soft_cap) if impl.logits_soft_cap else None  # 0: none
-    window = int(impl.sliding_window) if impl.sliding_window != -1 else None  # -1: none
-    sinks = impl.sinks  # gpt-oss: one logit per query head in the softmax's denominator, or None
+    if window == "impl":
+        window = int(impl.sliding_window) if impl.sliding_window != -1 else None  # -1: none
+    sinks = getattr(impl, "sinks", None)  # gpt-oss: one logit per query head in the softmax's denominator, or None
 
     def forward(
         layer: Any,
@@ -257,9 +266,9 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
             raise NotImplementedError("consistent attention: fused output quantization")
         if attn_metadata is None:  # warm-up / profiling run
             return output
-        if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
+        if not attn_metadata.causal or getattr(attn_metadata, "dynamic_causal", None) is not None:
             raise NotImplementedError("consistent attention: only causal decoder attention")
-        reader = PagedKVReader.discover(impl, layer, kv_cache)
+        cache = read(impl, layer, kv_cache)
         starts = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()[: len(starts) - 1]
         requests = [(r, starts[r], starts[r + 1], n) for r, n in enumerate(seq_lens) if starts[r + 1] > starts[r]]
@@ -269,7 +278,7 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
         # on the other sequences, on padding, or on the key count beyond its position.
         rows = torch.tensor([r for r, *_ in requests])
         kv_lens = torch.tensor([n for *_, n in requests], dtype=torch.int64)
-        k, v = reader.read_batch(kv_cache, attn_metadata.block_table[rows], kv_lens)
+        k, v = cache.read_batch(kv_cache, attn_metadata.block_table[rows], kv_lens)
         longest_q = max(stop - start for _, start, stop, _ in requests)
         q = query.new_zeros(len(requests), longest_q, *query.shape[1:])
         positions = torch.full((len(requests), longest_q), -1, dtype=torch.int64)
@@ -279,6 +288,7 @@ def attention_forward(impl: Any) -> Callable[..., Any]:
             if window:  # keys before the first query's window: hidden, and their blocks may be freed (garbage)
                 hidden = max(0, seq_len - (stop - start) - window + 1)
                 k[i, :hidden], v[i, :hidden] = 0, 0
+        positions, kv_lens = positions.to(q.device), kv_lens.to(q.device)  # no-ops on CPU
         out = kernels.attention_batched(q, k, v, positions, scale, kv_lens, softcap, window, sinks)
         for i, (_, start, stop, _) in enumerate(requests):
             output[start:stop] = out[i, : stop - start]

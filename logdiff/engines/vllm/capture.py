@@ -1,0 +1,323 @@
+"""Capture inside vLLM's worker processes: a vLLM general plugin, switched on by ``LOGDIFF_CAPTURE=DIR``.
+
+logdiff registers ``register`` under vLLM's ``vllm.general_plugins`` entry point
+group, so vLLM calls it in every process it starts: the front end, the engine
+core and each worker. Without ``LOGDIFF_CAPTURE`` it returns at once (importing
+this module costs numpy and logdiff's bundle code: no torch, no vLLM). With it, it wraps the worker's ``load_model``: once a worker has loaded
+its model, a ``VllmCapture`` is installed on it, recording every forward of that
+worker into ``DIR`` (role ``infer``) as the worker's rank, until the worker shuts
+down. Nothing in the user's code changes: a verl or OpenRLHF rollout worker gets
+it from the environment variable alone, at any tensor-parallel size, in vLLM's
+multi-process engine or in-process.
+
+``VllmCapture`` is ``probes.capture.Capture`` (the same ``Recorder``, taps and
+``BundleSink``) with what a serving engine needs instead of a trainer's batch:
+
+* sequences are not known in advance: each new request id becomes the next
+  capture sequence, in order of first sight (every rank of a ``tp`` group sees
+  the same batches, so they number alike). A step's rows are the forward's
+  flattened tokens; each carries (sequence, position, token id), from vLLM's
+  ``query_start_loc``, the batch's request ids and the ``positions`` it was fed;
+* each record's placement comes from the producing layer's type
+  (``placements.py``); norms, RoPE, attention and the activation follow their
+  inputs; logits are trimmed to the real vocabulary;
+* the rank's layout is vLLM's parallel state: its world rank, and the ranks of its
+  ``tp``, ``pp``, ``dp`` and (for MoE) ``ep`` groups;
+* the metadata holds the architecture, the HF config, the contract and (unsharded)
+  the weight fingerprints the vLLM engine reads (``contract.py``), the vLLM version
+  and, per sequence, the request id, its prompt length and every id known of it (prompt and sampled output,
+  from the runner's request state). The last sampled token of a request is never
+  fed, so it is only there, not in the row tables (``Bundle.sequences``).
+
+Each step is written when vLLM has sampled from it (the model runner's
+``sample_tokens`` returns), so a killed run leaves a readable bundle; the capture
+closes (last manifest) when the worker shuts down, or at interpreter exit.
+Dummy forwards (memory profiling, warm-up) have no requests and are not recorded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from logdiff.probes.capture import PATH, BundleSink, Capture, row_keys
+from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement
+
+ENV = "LOGDIFF_CAPTURE"
+_INSTALLED = "_logdiff_capture"  # the worker's capture, as an attribute of the worker
+_IDLE = "idle"  # the recorder's path for forwards that are not recorded
+
+
+def register() -> None:
+    """vLLM's general-plugin entry point: patch the worker's model loading when ``LOGDIFF_CAPTURE`` is set."""
+    if not os.environ.get(ENV):
+        return
+    from vllm.v1.worker.gpu_worker import Worker  # the CUDA worker; vLLM's CPU worker derives from it
+
+    if getattr(Worker.load_model, "_logdiff", False):  # plugins may be loaded more than once
+        return
+    load_model, shutdown = Worker.load_model, Worker.shutdown
+
+    def load_model_and_capture(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = load_model(self, *args, **kwargs)
+        try:
+            install(self, os.environ[ENV])
+        except Exception as e:  # noqa: BLE001 - a capture that cannot start must not stop the engine
+            logging.getLogger("logdiff").warning("logdiff: no capture in this worker (%s: %s)", type(e).__name__, e)
+        return out
+
+    def shutdown_and_close(self: Any) -> Any:
+        capture = getattr(self, _INSTALLED, None)
+        if capture is not None:
+            capture.close()
+        return shutdown(self)
+
+    load_model_and_capture._logdiff = True  # type: ignore[attr-defined]
+    Worker.load_model, Worker.shutdown = load_model_and_capture, shutdown_and_close
+
+
+def install(worker: Any, out_dir: str | Path) -> VllmCapture:
+    """Start recording every forward of ``worker`` (a vLLM worker whose model is loaded) into ``out_dir``."""
+    runner = worker.model_runner
+    layout = vllm_layout()
+    meta = worker_meta(runner, len(layout.group("tp")))
+    capture = VllmCapture(runner, out_dir, layout, meta)
+    capture.__enter__()
+    setattr(worker, _INSTALLED, capture)
+    sample_tokens = runner.sample_tokens
+
+    def sample_and_flush(*args: Any, **kwargs: Any) -> Any:
+        out = sample_tokens(*args, **kwargs)
+        capture.flush()
+        return out
+
+    runner.sample_tokens = sample_and_flush  # the step's logits and log_softmax are recorded by now
+    atexit.register(capture.close)
+    return capture
+
+
+def vllm_layout() -> ParallelLayout:
+    """This worker's ``ParallelLayout`` from vLLM's parallel state (groups it has not set up are left out)."""
+    from vllm.distributed import parallel_state as ps
+
+    world = ps.get_world_group()
+    groups: dict[str, tuple[int, ...]] = {}
+    for name, getter in (("tp", ps.get_tp_group), ("pp", ps.get_pp_group), ("dp", ps.get_dp_group),
+                         ("ep", ps.get_ep_group)):  # fmt: skip
+        with contextlib.suppress(AssertionError, AttributeError):  # an MoE-only group of a dense model
+            ranks = tuple(int(r) for r in getter().ranks)
+            if world.rank in ranks:
+                groups[name] = ranks
+    return ParallelLayout(int(world.rank), int(world.world_size), groups)
+
+
+def worker_meta(runner: Any, tp_size: int) -> dict[str, Any]:
+    """The bundle metadata a worker knows: model, config, vLLM version, the contract the vLLM engine reads, and
+    (unsharded only: a rank holds slices) the weight fingerprints the vLLM engine reads."""
+    import vllm
+
+    from logdiff import __version__
+    from logdiff.engines.vllm import VLLMEngine
+
+    model, config = runner.get_model(), runner.model_config.hf_config
+    meta: dict[str, Any] = {"logdiff": __version__, "engine": VLLMEngine.name, "mode": VLLMEngine.mode,
+                            "version": vllm.__version__, "fuses_add_norm": VLLMEngine.fuses_add_norm,
+                            "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
+                            "model_type": getattr(config, "model_type", None),
+                            "config": json.loads(config.to_json_string()),
+                            "logprobs_mode": str(runner.model_config.logprobs_mode)}  # fmt: skip
+    from logdiff.engines.vllm.contract import vllm_contract, vllm_fingerprints
+
+    try:
+        meta["contract"] = vllm_contract(model, {"logprobs_mode": meta["logprobs_mode"]})
+    except Exception as e:  # noqa: BLE001 - a contract this worker cannot read is noted, not fatal
+        meta["contract_error"] = f"{type(e).__name__}: {e}"
+    if tp_size > 1:
+        meta["fingerprints_error"] = f"weights sharded over {tp_size} ranks: not hashed on one rank"
+        return meta
+    try:
+        meta["fingerprints"] = vllm_fingerprints(model, int(config.vocab_size))
+    except Exception as e:  # noqa: BLE001 - as above
+        meta["fingerprints_error"] = f"{type(e).__name__}: {e}"
+    return meta
+
+
+class _Sequence:
+    """One request as the recorder reads a sequence: the ids fed per position so far (-1 where none was)."""
+
+    def __init__(self, request_id: str, state: Any):
+        self.request_id, self.state = request_id, state  # the runner's CachedRequestState, kept after it ends
+        self.prompt_ids: list[int] = []
+        self.response_ids: list[int] = []
+
+    def feed(self, positions: np.ndarray, tokens: np.ndarray) -> None:
+        if len(positions) and int(positions.max()) >= len(self.prompt_ids):
+            self.prompt_ids.extend([-1] * (int(positions.max()) + 1 - len(self.prompt_ids)))
+        for p, t in zip(positions.tolist(), tokens.tolist()):
+            self.prompt_ids[p] = t
+
+    def meta(self) -> dict[str, Any]:
+        """Request id, prompt length and every id known of it: the prompt, then the sampled ids (the last one
+        never fed); where the runner kept no state, the fed ids."""
+        prompt = list(getattr(self.state, "prompt_token_ids", None) or [])
+        if not prompt:
+            return {"request_id": self.request_id, "prompt_len": None, "ids": list(self.prompt_ids)}
+        out = [int(t) for t in getattr(self.state, "output_token_ids", []) if t >= 0]  # -1: async placeholders
+        return {"request_id": self.request_id, "prompt_len": len(prompt), "ids": [int(t) for t in prompt] + out}
+
+
+class _WorkerView:
+    """What ``Recorder`` needs of an engine, for a vLLM worker: its module, its runner, the probe family."""
+
+    probe_family = "vllm"
+    listener: Any = None
+
+    def __init__(self, runner: Any):
+        self._runner = runner
+
+    def module(self) -> Any:
+        return self._runner.get_model()
+
+    def runner(self) -> Any:
+        return self._runner
+
+
+class VllmCapture(Capture):
+    """Records every forward of one vLLM worker's model into its part of a bundle (see the module docstring)."""
+
+    def __init__(self, runner: Any, out_dir: str | Path, layout: ParallelLayout, meta: dict[str, Any]):
+        super().__init__(runner.get_model(), out_dir, "infer", layout, meta)
+        self.runner = runner
+        self.view = _WorkerView(runner)
+        self.vocab = int(getattr(self.model.config, "vocab_size", 0)) or None
+        self._seq_of: dict[str, int] = {}
+        self._step_rows: Any = None
+        self._closed = False
+
+    def __enter__(self) -> VllmCapture:
+        from logdiff.probes.record import Recorder
+
+        self._hook = self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
+        self._recorder = Recorder(self.view, self.cmap, lambda path: [BundleSink(self)] if path == PATH else [],
+                                  self.sequences, response_len=0, rows=self._rows)
+        try:
+            self._recorder.__enter__()
+        except BaseException:
+            self._hook.remove()
+            raise
+        return self
+
+    def flush(self) -> None:
+        """Write the step recorded so far (vLLM has sampled from it) and the manifest; a step that cannot be
+        written is a warning (the engine runs on)."""
+        if self._closed:
+            return
+        try:
+            self.writer.meta_update(self._sequences_meta())
+            self.writer.end_step()
+        except Exception as e:  # noqa: BLE001 - a probe must never break the engine's own run
+            self._warn(f"a step could not be written ({type(e).__name__}: {e})")
+
+    def close(self) -> None:
+        """Stop recording and write the last manifest (idempotent: the worker's shutdown, then atexit)."""
+        if self._closed:
+            return
+        self.writer.meta_update(self._sequences_meta())
+        self._closed = True
+        self.__exit__(None, None, None)
+
+    def _sequences_meta(self) -> dict[str, Any]:
+        """Per sequence its request id, prompt length and known ids; the prompt lengths by sequence id too."""
+        sequences = [s.meta() for s in self.sequences]
+        return {"sequences": sequences,
+                "prompt_lens": {str(i): s["prompt_len"] for i, s in enumerate(sequences) if s["prompt_len"]}}
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def _begin_step(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Before each forward: number new requests, write the step's row table, announce the pass (a forward
+        the capture cannot read is a warning and goes unrecorded)."""
+        self._step_rows = None
+        try:
+            self._announce(args, kwargs)
+        except Exception as e:  # noqa: BLE001 - a probe must never break the engine's own run
+            self._warn(f"a forward was not recorded ({type(e).__name__}: {e})")
+            self._step_rows = None
+            self._recorder.begin_pass(_IDLE, [])
+
+    def _announce(self, args: tuple, kwargs: dict) -> None:
+        from logdiff.probes.align import RowMap
+        from logdiff.probes.record import vllm_batch
+
+        try:
+            qsl, req_ids = vllm_batch(self.runner)
+        except Exception:  # noqa: BLE001 - a dummy forward (profiling, warm-up) has no batch to read
+            req_ids = []
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        if self._closed or not req_ids or ids is None or pos is None:
+            self._recorder.begin_pass(_IDLE, [])
+            return
+        ids = ids.detach().cpu().numpy().reshape(-1).astype(np.int64)
+        pos = pos.detach().cpu().numpy().reshape(-1).astype(np.int64)
+        seq = np.full(len(ids), -1, dtype=np.int64)
+        for r, rid in enumerate(req_ids):
+            seq[qsl[r] : qsl[r + 1]] = self._sequence(rid)
+        valid = (seq >= 0) & (pos >= 0)
+        for s in np.unique(seq[valid]):
+            mine = valid & (seq == s)
+            self.sequences[s].feed(pos[mine], ids[mine])
+        self.writer.begin_step(ids, pos, seq, valid)
+        keys = row_keys(seq, pos)
+        self._order = np.argsort(keys, kind="stable")
+        self._keys = keys[self._order]
+        self._placements = {}
+        self._step_rows = RowMap(seq, pos, valid)
+        self._recorder.begin_pass(PATH, [int(s) for s in np.unique(seq[valid])])
+
+    def _warn(self, message: str) -> None:
+        if message not in self._recorder.warnings:
+            self._recorder.warnings.append(message)
+
+    def _rows(self, args: tuple, kwargs: dict) -> Any:
+        """The recorder's row map of the forward: the one ``_begin_step`` built (a copy: the recorder edits it)."""
+        from logdiff.probes.align import RowMap
+
+        rows = self._step_rows
+        if rows is None:
+            raise RuntimeError("a vLLM forward the capture did not announce")
+        return RowMap(rows.seq.copy(), rows.pos.copy(), rows.valid.copy())
+
+    def _sequence(self, request_id: str) -> int:
+        index = self._seq_of.get(request_id)
+        if index is None:
+            index = self._seq_of[request_id] = len(self.sequences)
+            self.sequences.append(_Sequence(request_id, self.runner.requests.get(request_id)))
+        return index
+
+    # ---- records -----------------------------------------------------------------------------
+
+    def _record(self, name: str, rows: Any, seq: np.ndarray, pos: np.ndarray, placement: Placement | None) -> None:
+        if name in ("logits", "log_softmax") and self.vocab and rows.shape[-1] > self.vocab:
+            rows = rows[..., : self.vocab]  # a vocabulary padded past the config's
+        super()._record(name, rows, seq, pos, placement)
+
+    def _placement(self, name: str, width: int) -> Placement:
+        from logdiff.engines.vllm.placements import vllm_placement
+
+        owner = self.modules.get(self._recorder.owners.get(name, name))
+        placement = vllm_placement(owner, name, width) if owner is not None else None
+        if placement is not None:
+            return placement
+        boundary = self.cmap.get(name)
+        for source in boundary.inputs if boundary is not None else ():
+            if source in self._placements:
+                return self._placements[source]
+        return REPLICATE

@@ -1,0 +1,344 @@
+"""``logdiff compare TRAIN_BUNDLE INFER_BUNDLE``: a scan's comparison and diagnosis of two capture bundles.
+
+The bundles were recorded apart (``logdiff.capture`` in a trainer, the vLLM
+worker plugin in a rollout engine; docs/capture.md), on any ranks, in any
+batching. Nothing here imports an engine: the bundles are read with numpy and
+safetensors, and the rest is the scan's own code on CPU tensors:
+
+1. both bundles must describe one model (architecture and shape-defining
+   config keys), else one line and exit 2;
+2. their sequences are joined by token ids (``probes.feed.match_sequences``);
+3. each bundle is un-sharded record by record and fed into a ``ProbeSession``'s
+   sinks, the inference side into stores, the training side into comparers
+   (``probes.feed.feed``): the same sinks a live scan's recorders feed;
+4. token logprobs come from each side's own ``log_softmax`` (or logits) rows;
+   the metrics, ``locate`` and ``diagnose`` are the scan's.
+
+What needs the live engines is said in the result's warnings rather than
+guessed: the reference-kernel rerun, attribution, the sampling-semantics and
+routing checks. The conformance check (each side against the exact function)
+needs the weights: ``--model MODEL`` loads them (transformers, on the CPU);
+without it, ops are classified by contract and the noise floor. Where a side
+summed an op across ranks (a row-parallel output) and the other did not sum
+it the same way, the error that op introduces is ``collective_order``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from logdiff.config import ScanConfig
+from logdiff.engines.base import PathScores
+from logdiff.errors import InputError
+from logdiff.phases import Phases, peak_rss_bytes, silent
+from logdiff.probes.bundle import Bundle
+from logdiff.result import PathInfo, ScanResult, ScanSettings, SequencesInfo
+from logdiff.sequences import Sequence
+
+Progress = Callable[..., None]
+
+#: config keys that fix the model's shapes: bundles that differ on one recorded different models
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "intermediate_size", "head_dim")
+#: what an offline comparison cannot do, said in every result it writes
+NEEDS_ENGINES = ("the reference-kernel rerun, attribution and the sampling-semantics and routing checks need the "
+                 "live engines: run `logdiff scan` for them")
+
+
+@dataclass
+class BundleSide:
+    """One side of the comparison as the diagnosis reads an engine: what its bundle says, nothing live."""
+
+    bundle: Bundle
+    role: str
+    model: Any = None  # the HF model whose weights the conformance check reads (``--model``), or None
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.bundle.meta
+
+    @property
+    def name(self) -> str:
+        return str(self.meta.get("engine") or ("hf" if self.role == "train" else "infer"))
+
+    @property
+    def fuses_add_norm(self) -> bool:
+        return bool(self.meta.get("fuses_add_norm", False))
+
+    @property
+    def tp_size(self) -> int:
+        return max(len(g) for g in self.bundle.groups())
+
+    def contract(self) -> dict[str, Any]:
+        return dict(self.meta.get("contract") or {})
+
+    def fingerprints(self) -> dict[str, str | None]:
+        return dict(self.meta.get("fingerprints") or {})
+
+    def loaded_config(self) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(**(self.meta.get("config") or {}))
+
+    def module(self) -> Any:
+        return self.model
+
+    def rope_params(self) -> dict[str | None, Any]:
+        if self.model is None:
+            return {}
+        from logdiff.engines.hf.consistent import rope_params_of
+
+        rotary = next((m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+        try:
+            return rope_params_of(rotary) if rotary is not None else {}
+        except (NotImplementedError, ValueError, AttributeError, KeyError):
+            return {}
+
+    def info(self) -> dict[str, Any]:
+        layout = {"ranks": self.bundle.world_size, "tensor_parallel_size": self.tp_size}
+        return {"engine": self.name, "version": self.meta.get("version"),
+                "settings": {**layout, "bundle": str(self.bundle.root)}}
+
+
+def open_bundles(train_dir: Path, infer_dir: Path) -> tuple[Bundle, Bundle]:
+    """Both bundles, recorded from one model. Their places say which side each is, whatever role they were
+    captured with (a TP=2 trainer against an unsharded one is two ``train`` captures); swapped roles are warned."""
+    train, infer = Bundle(train_dir), Bundle(infer_dir)
+    ct, ci = train.meta.get("config") or {}, infer.meta.get("config") or {}
+    differs = [k for k in SHAPE_KEYS if k in ct and k in ci and ct[k] != ci[k]]
+    if train.meta.get("architecture") != infer.meta.get("architecture"):
+        differs.insert(0, "architecture")
+        ct, ci = train.meta, infer.meta
+    if differs:
+        k = differs[0]
+        raise InputError(f"the bundles recorded different models: {k} = {ct.get(k)!r} (train) vs {ci.get(k)!r} "
+                         "(infer)")
+    return train, infer
+
+
+def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = None, is_threshold: float = 2.0,
+                    progress: Progress = silent, tables: dict[str, Any] | None = None) -> ScanResult:
+    """The scan result of two capture bundles (docs/result-schema.md), computed offline."""
+    from logdiff import pipeline
+    from logdiff.probes.feed import match_sequences
+    from logdiff.probes.session import ProbeSession
+
+    progress = Phases.of(progress)
+    progress("reading the bundles and matching their sequences by token ids", phase="stage")
+    tb, ib = open_bundles(train_dir, infer_dir)
+    matching = match_sequences(tb.sequence_table(), ib.sequence_table())
+    seqs = _sequences(matching.ids, _prompt_lens(ib, matching.infer) or _prompt_lens(tb, matching.train))
+    _check_vocabulary(tb, ib, matching.ids)
+    engine = _hf_engine(model, tb) if model is not None else None
+    train = BundleSide(tb, "train", engine.model if engine is not None else None)
+    infer = BundleSide(ib, "infer")
+    architecture, config = str(tb.meta.get("architecture")), dict(tb.meta.get("config") or {})
+    session = ProbeSession(seqs, 0, architecture, config,
+                           conformance_sequences=pipeline.CONFORMANCE_SEQUENCES if train.model is not None else 0)
+    try:
+        scores = {}
+        for side, common in ((infer, matching.infer), (train, matching.train)):  # stored first, then compared
+            progress(f"un-sharding and comparing the {side.role} bundle ({side.bundle.world_size} ranks)",
+                     phase=f"feed:{side.role}")
+            extra = (session.keep_rows(side.name),) if engine is not None and side is train else ()
+            scores[side.role], misaligned = _feed_side(side.bundle, common, matching.ids, session, side.role,
+                                                       side.name, extra)
+            if misaligned:
+                session.warnings.append(f"{side.role} bundle: {misaligned} rows held another token id than the "
+                                        "matched sequence at their position; they were left out")
+        if engine is not None:
+            progress("replaying the training side's ops on the inference side's inputs", phase="replay")
+            _replay(engine, session, train.name, seqs)
+        train_scores, infer_scores = _path_scores(train, infer, scores, seqs)
+        progress("comparing the logprobs", phase="compare")
+        pairs = [pipeline.compare_pair(train_scores, infer_scores, seqs, None, is_threshold)]
+        located = pipeline.localize(pairs, session, progress, tables if tables is not None else {})
+        cfg = ScanConfig(model=Path(model or train_dir), dtype=_dtype(tb), depth="modules", attribute=False,
+                         is_threshold=is_threshold)
+        result = ScanResult(
+            model=str(model) if model else str(tb.meta.get("model") or train_dir),
+            checkpoint=None,
+            infer_checkpoint=None,
+            architecture=architecture,
+            dtype=cfg.dtype,
+            settings=ScanSettings(0, "modules", False, {"train": {}, "infer": {}}, "bundle", False, is_threshold),
+            environment=pipeline.environment(),
+            paths=[PathInfo.of(train.name, "train", "forward", train.info()),
+                   PathInfo.of(infer.name, "infer", str(ib.meta.get("mode") or "forward"), infer.info())],
+            sequences=SequencesInfo(len(seqs), "bundle", None, [len(s.prompt_ids) for s in seqs],
+                                    [len(s.response_ids) for s in seqs]),
+            pairs=pairs,
+            located=located,
+            warnings=list(located.warnings),
+        )
+        _matching_warnings(result, matching.unmatched)
+        if (tb.role, ib.role) == ("infer", "train"):
+            result.warn("the first bundle was captured as the inference side and the second as the training side: "
+                        "logdiff compare takes TRAIN_BUNDLE first")
+        _diagnose(result, cfg, train, infer, session, progress)
+    finally:
+        session.close()
+    result.warn(NEEDS_ENGINES)
+    result.conclude()
+    result.timings, result.peak_rss_bytes = progress.close(), peak_rss_bytes()
+    return result
+
+
+def scores_of_capture(bundle: Bundle, seqs: list[Sequence], session: Any, role: str, path: str,
+                      live: Any = None) -> PathScores:
+    """A scan's path that ran elsewhere and was captured (a sharded training path on its own ranks): its
+    records fed into the scan's ``session`` (None at ``--depth logprobs``) as ``role``'s path ``path``, and its
+    logprobs of the scan's response tokens, read from its own ``log_softmax`` rows. ``live``: an engine of
+    the same path in this process, whose ops are replayed where they reproduce the capture (``_replay``)."""
+    from logdiff.probes.feed import match_sequences
+
+    ids = [s.ids for s in seqs]
+    matching = match_sequences(bundle.sequence_table(), {((-1,), i): x for i, x in enumerate(ids)})
+    scan_index = {c: key[1] for key, c in matching.infer.items()}
+    if matching.unmatched["infer"] or any(len(matching.ids[c]) != len(ids[scan_index[c]]) for c in scan_index):
+        raise RuntimeError(f"the capture of path {path} does not hold every sequence of the scan whole")
+    common = {key: scan_index[c] for key, c in matching.train.items()}
+    replay = session is not None and live is not None and role == "train"
+    scores, misaligned = _feed_side(bundle, common, ids, session, role, path,
+                                    (session.keep_rows(path),) if replay else ())
+    if misaligned:
+        raise RuntimeError(f"the capture of path {path} fed {misaligned} rows another token id than the scan's")
+    if replay:
+        _replay(live, session, path, seqs)
+    missing = [i for i, s in enumerate(seqs) if not scores.has[i][len(s.prompt_ids):].all()]
+    if missing:
+        raise RuntimeError(f"the capture of path {path} has no logprobs for sequences {missing[:5]}")
+    return PathScores(path, "forward", [scores.logprobs[i][len(s.prompt_ids):] for i, s in enumerate(seqs)],
+                      [scores.top1[i][len(s.prompt_ids):] for i, s in enumerate(seqs)])
+
+def _feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], session: Any, role: str,
+               path: str, extra: tuple[Any, ...] = ()) -> tuple[Any, int]:
+    """One side's bundle into the session's sinks for ``role``'s path ``path`` (none without a session) and
+    ``extra`` sinks: its token scores, and how many rows disagreed with their sequence's token ids."""
+    from logdiff.probes.feed import TokenScores, feed, reductions, score_source
+
+    scores = TokenScores(ids, score_source(bundle))
+    sinks = session.sinks(role, path, dict(bundle.meta.get("owners") or {})) if session is not None else []
+    misaligned = feed(bundle, common, ids, [*sinks, *extra, scores])
+    if session is not None:
+        session.reductions[role] = reductions(bundle, session.cmap)
+    return scores, misaligned
+
+def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: BundleSide, session: Any,
+              progress: Progress) -> None:
+    """``diagnose`` as a scan runs it, with a rescanner that cannot rescan (the reference rerun is then skipped,
+    with its reason in the warnings) and attribution off."""
+    from logdiff.diagnosis.diagnose import diagnose
+    from logdiff.diagnosis.rescan import Rescanner
+
+    def no_rescan(_cfg: Any) -> Any:
+        raise RuntimeError("an offline comparison has no engines to rerun")
+
+    result.classified = True
+    record = session.pair(result.primary.train, result.primary.infer)
+    found = diagnose(result, cfg, train, infer, Rescanner(no_rescan), progress, record)
+    found.warnings = [w for w in found.warnings if not w.startswith("reference-kernel rerun unavailable")]
+    if train.model is None:
+        found.warnings.append("conformance not checked: give --model MODEL (the checkpoint both sides ran) so each "
+                              "side's ops can be measured against their exact functions")
+    for side in (train, infer):
+        if not any(side.fingerprints().values()):
+            found.warnings.append(f"{side.role} weights unverified: its bundle holds no weight fingerprints (a "
+                                  "sharded capture cannot hash the logical weights on one rank)")
+    result.add(found)
+
+
+def _sequences(ids: list[list[int]], prompt_lens: list[int] | None) -> list[Sequence]:
+    """The common sequences, split into prompt and response where a bundle says; else every token after the
+    first is scored."""
+    out = []
+    for c, s in enumerate(ids):
+        n = prompt_lens[c] if prompt_lens and prompt_lens[c] else 1
+        n = min(max(n, 1), max(len(s) - 1, 1))
+        out.append(Sequence(list(s[:n]), list(s[n:])))
+    return out
+
+
+def _prompt_lens(bundle: Bundle, common: dict[Any, int]) -> list[int] | None:
+    """Each common sequence's prompt length as the bundle's ranks recorded it (``prompt_lens`` in their
+    metadata, keyed by their own sequence ids), or None when it has none."""
+    found: dict[int, int] = {}
+    for (group, seq), c in common.items():
+        lens = bundle.part_of(group).meta.get("prompt_lens") or {}
+        if str(seq) in lens:
+            found[c] = int(lens[str(seq)])
+    if not found:
+        return None
+    return [found.get(c, 0) for c in range(max(common.values()) + 1)]
+
+
+def _check_vocabulary(tb: Bundle, ib: Bundle, ids: list[list[int]]) -> None:
+    sizes = [int((b.meta.get("config") or {}).get("vocab_size") or 0) for b in (tb, ib)]
+    size = min((s for s in sizes if s), default=0)
+    top = max(max(s) for s in ids)
+    if size and top >= size:
+        raise InputError(f"token id {top} is outside the vocabulary of {size}: the bundles used another tokenizer")
+
+
+def _dtype(bundle: Bundle) -> str:
+    """The dtype the side computed in: the logits record's (vLLM returns float32 logits of bf16 models, so
+    the config's ``dtype`` first)."""
+    config = bundle.meta.get("config") or {}
+    dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    return dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+def _path_scores(train: BundleSide, infer: BundleSide, scores: dict[str, Any],
+                 seqs: list[Sequence]) -> tuple[PathScores, PathScores]:
+    """Each side's logprobs of the response tokens; a token is scored where both sides have one (the
+    response mask says which)."""
+    t, i = scores["train"], scores["infer"]
+    for c, s in enumerate(seqs):
+        n = len(s.prompt_ids)
+        s.response_mask = (t.has[c][n:] & i.has[c][n:]).astype(int).tolist()
+    if not any(any(s.response_mask) for s in seqs):
+        raise InputError("no token has a logprob on both sides: the bundles hold no common logits rows")
+
+    def path(side: BundleSide, sc: Any, mode: str) -> PathScores:
+        return PathScores(side.name, mode, [sc.logprobs[c][len(s.prompt_ids):] for c, s in enumerate(seqs)],
+                          [sc.top1[c][len(s.prompt_ids):] for c, s in enumerate(seqs)])
+
+    return path(train, t, "forward"), path(infer, i, str(infer.meta.get("mode") or "forward"))
+
+
+def _matching_warnings(result: ScanResult, unmatched: dict[str, int]) -> None:
+    for side, n in unmatched.items():
+        if n:
+            result.warn(f"{n} {side} sequence(s) have no partner with the same token ids in the other bundle; "
+                        "they were left out")
+
+
+def _hf_engine(model: Path, bundle: Bundle) -> Any:
+    """The HF path of ``model`` on the CPU, in the bundle's dtype: the weights the conformance check reads, and
+    the live ops the replay re-runs."""
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.hf import HFForward
+
+    if not (Path(model) / "config.json").is_file():
+        raise InputError(f"--model {model}: not a model directory (no config.json)")
+    return HFForward(EngineSpec(str(model), _dtype(bundle), (), (), 0, False, "cpu"))
+
+
+def _replay(engine: Any, session: Any, path: str, seqs: list[Sequence]) -> None:
+    """One live pass of ``engine`` over the common sequences that only replays (``feed.ReplaySink``): each op
+    re-run on the inference side's inputs where the live model reproduces the training bundle's values."""
+    from logdiff.probes.feed import ReplaySink
+    from logdiff.probes.record import Recorder
+
+    kept = session.keep_rows(path)
+    sinks = [ReplaySink(comparer, kept) for (train, _), comparer in session.comparers.items() if train == path]
+    with Recorder(engine, session.cmap, lambda _path: sinks, seqs, 0):
+        engine.score(seqs)
+    unfaithful = list(dict.fromkeys(n for sink in sinks for n in sink.unfaithful))
+    if unfaithful:
+        shown = ", ".join(unfaithful[:4]) + (f" and {len(unfaithful) - 4} more" if len(unfaithful) > 4 else "")
+        session.warnings.append(f"the {path} ops in this process do not reproduce the captured {path} path at "
+                                f"{len(unfaithful)} boundaries ({shown}), so those were not replayed")
