@@ -7,7 +7,9 @@
 engine's). The sequences are dealt to the ranks round robin (data parallel, as
 an actor's ``compute_log_prob`` sees its shard of the batch); each rank scores
 its share in right-padded batches inside ``logdiff.capture`` and writes its part
-of the bundle at ``DIR``. gloo on CPU, NCCL on CUDA. Each rank prints one line.
+of the bundle at ``DIR``: whole records for the first ``--window`` layers (2; ``all``
+for every layer), row sketches for the rest. gloo on CPU, NCCL on CUDA. Each rank
+prints one line.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main() -> None:
     parser.add_argument("--sequences", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch", type=int, default=4, help="sequences per forward on each rank")
+    parser.add_argument("--window", default="2", help="decoder layers whose records are kept whole (the rest as row "
+                        "sketches), or 'all' (default: 2)")
     args = parser.parse_args()
 
     import torch
@@ -60,7 +64,7 @@ def main() -> None:
         for layer in adapter_of(model).layers(model):  # the architecture adapter knows where the layers are
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        with logdiff.capture(model, args.out, role="train"), torch.no_grad():
+        with logdiff.capture(model, args.out, role="train", window=args.window), torch.no_grad():
             for start in range(0, len(seqs), args.batch):
                 batch = seqs[start : start + args.batch]
                 width = max(len(s) for s in batch)

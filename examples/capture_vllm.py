@@ -1,7 +1,7 @@
 """Sample rollouts in vLLM as an RL step would, captured inside vLLM's workers by logdiff's plugin.
 
     LOGDIFF_CAPTURE=DIR python examples/capture_vllm.py MODEL [--prompts N --prompt-len L --max-tokens T
-                                                               --seed S --tensor-parallel-size K]
+                                                               --seed S --tensor-parallel-size K --window W]
 
 The prompts are ``N`` random token-id sequences of length ``L`` (seeded); vLLM
 samples ``T`` tokens for each (temperature 1, the engine's seed, ``logprobs=0``
@@ -41,6 +41,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--window", help="decoder layers whose records are kept whole, or 'all' (sets "
+                        "LOGDIFF_CAPTURE_WINDOW; default 2: the rest as row sketches)")
     args = parser.parse_args()
 
     config_file = args.model / "config.json"
@@ -49,6 +51,8 @@ def main() -> int:
         return 2
     if args.out is not None:
         os.environ["LOGDIFF_CAPTURE"] = str(args.out.resolve())  # before vLLM starts: its workers inherit it
+    if args.window is not None:
+        os.environ["LOGDIFF_CAPTURE_WINDOW"] = args.window
     if not os.environ.get("LOGDIFF_CAPTURE"):
         print("capture_vllm: set LOGDIFF_CAPTURE=DIR (or --out DIR): where the bundle goes", file=sys.stderr)
         return 2

@@ -123,6 +123,7 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
             "input_max_abs_diff": worst,
             "inputs": _inputs(pair, name, order),
             "tolerance": tolerance,
+            **({"sketched": True} if s.sketched else {}),  # compared by row sketches: max_abs_diff a lower bound
         }
         break
 
@@ -154,6 +155,7 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
                 "position": evidence.worst_position,
                 "propagated_max_abs_diff": s.max_abs_diff,
                 "inputs_equal": bool(equal),
+                **({"sketched": True} if evidence.sketched else {}),
             }
         )
     if unresolved:
@@ -163,6 +165,11 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
                         f"at {len(unresolved)} boundaries: {shown}")
     for n, why in pair.comparer.replay_skipped.items():
         warnings.append(f"{n}: replay skipped ({why})")
+    sketched = [n for n in order if summaries[n].sketched]
+    if sketched:
+        warnings.append(f"{len(sketched)} boundaries were compared by row sketches only (a capture kept them outside "
+                        "its full window): equality per row is exact, their max |Δ| a lower bound, and their ops "
+                        "cannot be replayed")
 
     rows = []
     for name in order:

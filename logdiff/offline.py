@@ -25,7 +25,7 @@ it the same way, the error that op introduces is ``collective_order``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,7 +123,7 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
                     progress: Progress = silent, tables: dict[str, Any] | None = None) -> ScanResult:
     """The scan result of two capture bundles (docs/result-schema.md), computed offline."""
     from logdiff import pipeline
-    from logdiff.probes.feed import match_sequences
+    from logdiff.probes.feed import match_sequences, sketched
     from logdiff.probes.session import ProbeSession
 
     progress = Phases.of(progress)
@@ -139,13 +139,14 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
     session = ProbeSession(seqs, 0, architecture, config,
                            conformance_sequences=pipeline.CONFORMANCE_SEQUENCES if train.model is not None else 0)
     try:
-        scores = {}
+        scores, windows = {}, {"train": sketched(tb), "infer": sketched(ib)}
         for side, common in ((infer, matching.infer), (train, matching.train)):  # stored first, then compared
             progress(f"un-sharding and comparing the {side.role} bundle ({side.bundle.world_size} ranks)",
                      phase=f"feed:{side.role}")
             extra = (session.keep_rows(side.name),) if engine is not None and side is train else ()
+            other = windows["infer" if side is train else "train"]
             scores[side.role], misaligned = _feed_side(side.bundle, common, matching.ids, session, side.role,
-                                                       side.name, extra)
+                                                       side.name, extra, other - windows[side.role])
             if misaligned:
                 session.warnings.append(f"{side.role} bundle: {misaligned} rows held another token id than the "
                                         "matched sequence at their position; they were left out")
@@ -215,14 +216,15 @@ def scores_of_capture(bundle: Bundle, seqs: list[Sequence], session: Any, role: 
                       [scores.top1[i][len(s.prompt_ids):] for i, s in enumerate(seqs)])
 
 def _feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], session: Any, role: str,
-               path: str, extra: tuple[Any, ...] = ()) -> tuple[Any, int]:
+               path: str, extra: tuple[Any, ...] = (), sketch_also: Collection[str] = ()) -> tuple[Any, int]:
     """One side's bundle into the session's sinks for ``role``'s path ``path`` (none without a session) and
-    ``extra`` sinks: its token scores, and how many rows disagreed with their sequence's token ids."""
+    ``extra`` sinks, with the sketches of the whole records ``sketch_also`` names (the other side kept only
+    those): its token scores, and how many rows disagreed with their sequence's token ids."""
     from logdiff.probes.feed import TokenScores, feed, reductions, score_source
 
     scores = TokenScores(ids, score_source(bundle))
     sinks = session.sinks(role, path, dict(bundle.meta.get("owners") or {})) if session is not None else []
-    misaligned = feed(bundle, common, ids, [*sinks, *extra, scores])
+    misaligned = feed(bundle, common, ids, [*sinks, *extra, scores], sketch_also)
     if session is not None:
         session.reductions[role] = reductions(bundle, session.cmap)
     return scores, misaligned
@@ -284,8 +286,13 @@ def _check_vocabulary(tb: Bundle, ib: Bundle, ids: list[list[int]]) -> None:
 
 
 def _dtype(bundle: Bundle) -> str:
-    """The dtype the side computed in: the logits record's (vLLM returns float32 logits of bf16 models, so
-    the config's ``dtype`` first)."""
+    """The dtype the side computed in: its first record's (the embeddings; not the logits, which vLLM returns in
+    float32 for a bf16 model), else the config's."""
+    for part in bundle.ranks:
+        for step in part.steps:
+            for entry in step["records"].values():
+                if entry["dtype"] in ("bfloat16", "float16", "float32"):
+                    return str(entry["dtype"])
     config = bundle.meta.get("config") or {}
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
     return dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16"

@@ -14,7 +14,9 @@ an inference worker never waits for another to record. A step is one forward
 pass; its file holds the pass's token ids and positions (``tokens``,
 ``positions``) and every record of the pass under its boundary name, as the
 rank's *local* tensor. The manifest gives each record's dtype, local shape and
-``Placement`` (``layout.py``), so ``unshard`` can rebuild the logical tensor.
+``Placement`` (``layout.py``), so ``unshard`` can rebuild the logical tensor. A record
+outside the capture's full window holds only its row sketches (``sketch.py``;
+``"sketch": true`` in the manifest), rebuilt across ranks by ``unshard_sketches``.
 Steps are written as they finish (memory stays flat) and the manifest is
 rewritten atomically after each, so a run that dies leaves a readable bundle of
 the steps it completed. bfloat16 is stored as its raw 16-bit pattern (``int16``)
@@ -76,7 +78,7 @@ class BundleWriter:
         _write_json(self.root / "bundle.json", {"format": FORMAT, "version": VERSION, "role": role,
                                                 "world_size": layout.world_size})
         self.manifest: dict[str, Any] = {"layout": layout.to_json(), "meta": meta or {}, "steps": []}
-        self._records: dict[str, tuple[np.ndarray, str, Placement]] = {}
+        self._records: dict[str, tuple[np.ndarray, str, Placement, bool]] = {}  # array, dtype, placement, sketched
         self._index: dict[str, np.ndarray] = {}
         self._tokens: dict[str, np.ndarray] | None = None
 
@@ -88,14 +90,20 @@ class BundleWriter:
         table = {"tokens": token_ids, "positions": positions, "sequences": sequences, "valid": valid}
         self._tokens = {k: _raw(v)[0].reshape(-1).astype(np.int64) for k, v in table.items() if v is not None}
 
-    def record(self, name: str, tensor: Any, placement: Placement, rows: Any = None) -> None:
-        """One record of the step; ``rows`` gives the index into the step's rows of each of its rows."""
+    def record(self, name: str, tensor: Any, placement: Placement, rows: Any = None,
+               sketch_columns: np.ndarray | None = None) -> None:
+        """One record of the step; ``rows`` gives the index into the step's rows of each of its rows. With
+        ``sketch_columns`` (each local column's logical column) only its row sketches are kept (``sketch.py``)."""
         if self._tokens is None:
             raise RuntimeError("record() outside a step: call begin_step() first")
         if name in RESERVED or "#" in name or name in self._records:
             raise ValueError(f"record {name!r} twice in one step, or under a reserved name")
         array, dtype = _raw(tensor)
-        self._records[name] = (array, dtype, placement)
+        if sketch_columns is not None:
+            from logdiff.probes.sketch import sketch
+
+            array = sketch(array.reshape(array.shape[0], -1), dtype, sketch_columns)
+        self._records[name] = (array, dtype, placement, sketch_columns is not None)
         if rows is not None:
             self._index[name] = np.asarray(rows, dtype=np.int64)
 
@@ -110,15 +118,16 @@ class BundleWriter:
         index = len(self.manifest["steps"])
         file = f"step-{index:06d}.safetensors"
         arrays = dict(self._tokens)
-        arrays.update({name: a for name, (a, _, _) in self._records.items()})
+        arrays.update({name: record[0] for name, record in self._records.items()})
         arrays.update({f"{name}#rows": index for name, index in self._index.items()})
         tmp = self.dir / f".{file}.tmp"
         save_file(arrays, str(tmp))
         os.replace(tmp, self.dir / file)
         self.manifest["steps"].append({
             "file": file,
-            "records": {name: {"dtype": dtype, "shape": list(a.shape), "placement": p.to_json()}
-                        for name, (a, dtype, p) in self._records.items()},
+            "records": {name: {"dtype": dtype, "shape": list(a.shape), "placement": p.to_json(),
+                               **({"sketch": True} if sketched else {})}
+                        for name, (a, dtype, p, sketched) in self._records.items()},
         })
         _write_json(self.dir / "manifest.json", self.manifest)
         self._records, self._index, self._tokens = {}, {}, None
@@ -263,4 +272,9 @@ class Bundle:
         if len(placements) > 1 or len(dtypes) > 1:
             raise InputError(f"{self.root}: ranks disagree on how {name!r} is placed or typed")
         pieces = [(part.layout, part.load(step, [name])[name]) for part in ranks]
-        return unshard(name, pieces, Placement.from_json(entries[0]["placement"]), entries[0]["dtype"])
+        placement = Placement.from_json(entries[0]["placement"])
+        if entries[0].get("sketch"):
+            from logdiff.probes.sketch import unshard_sketches
+
+            return unshard_sketches(pieces, placement)
+        return unshard(name, pieces, placement, entries[0]["dtype"])

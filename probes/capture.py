@@ -23,6 +23,10 @@ a ``BundleSink`` instead of a store or a comparer:
   data: each rank is its own ``tp`` group of one. A record that arrives as a
   DTensor (a row-parallel layer's input) states its own placement.
 
+Records outside the capture's ``Window`` (by default every layer past the second)
+keep one sketch per row instead of the row (``sketch.py``), computed on this rank's
+slice with its logical columns.
+
 Placements are read across the ``tp`` group only: on a 2-D mesh (FSDP2 x TP) the
 FSDP2 dimension gathers weights before each forward, so records are whole along it
 and its ranks differ by data. Nothing here gathers an activation while the model runs.
@@ -30,6 +34,7 @@ and its ranks differ by data. Nothing here gathers an activation while the model
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +42,7 @@ import numpy as np
 
 from logdiff.probes.bundle import BundleWriter
 from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement, placement_of, shard
+from logdiff.probes.sketch import Window, local_columns
 
 PATH = "capture"
 
@@ -49,18 +55,22 @@ class _Sequence:
 
 
 class _ModelView:
-    """What ``Recorder`` needs of an engine, for a bare HF model: its module, its probe family, a log_softmax."""
+    """What ``Recorder`` needs of an engine, for a bare HF model: its module, its probe family, a log_softmax
+    (float32 ``log_softmax`` unless the trainer gives its own: a temperature, a consistent kernel)."""
 
     probe_family = "hf"
     listener: Any = None
 
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, log_softmax: Callable[[Any], Any] | None = None):
         self._model = model
+        self._log_softmax = log_softmax
 
     def module(self) -> Any:
         return self._model
 
     def _logprobs(self, logits: Any) -> Any:
+        if self._log_softmax is not None:
+            return self._log_softmax(logits)
         import torch
 
         return torch.log_softmax(logits.float(), dim=-1)
@@ -87,15 +97,17 @@ class Capture:
     """``with Capture(model, out_dir, role, layout): model(ids)`` records every forward into a bundle."""
 
     def __init__(self, model: Any, out_dir: str | Path, role: str, layout: ParallelLayout | None = None,
-                 meta: dict[str, Any] | None = None):
+                 meta: dict[str, Any] | None = None, log_softmax: Callable[[Any], Any] | None = None,
+                 window: Window | None = None):
         from logdiff.probes.arch import adapter_of
 
         self.model = model
         self.adapter = adapter_of(model)
         self.cmap = self.adapter.correspondence(model.config.to_dict())
         self.layout = layout or ParallelLayout()
+        self.window = window or Window()
         self.writer = BundleWriter(out_dir, role, self.layout, meta)
-        self.view = _ModelView(model)
+        self.view = _ModelView(model, log_softmax)
         self.sequences: list[Any] = []
         self.modules = dict(model.named_modules())
         self._placements: dict[str, Placement] = {}
@@ -128,8 +140,9 @@ class Capture:
             self.writer.close()
 
     def logprobs(self, logits: Any) -> Any:
-        """``log_softmax`` in float32 of the model's last logits ``[..., V]``, recorded as the ``log_softmax``
-        boundary (route the trainer's through it). The recorder takes it as rows of those logits."""
+        """The trainer's ``log_softmax`` (``log_softmax=``; float32 ``torch.log_softmax`` by default) of the model's
+        last logits ``[..., V]``, recorded as the ``log_softmax`` boundary (route the trainer's through it). The
+        recorder takes it as rows of those logits."""
         rows = logits.reshape(-1, logits.shape[-1])  # a view of the logits' rows, as the engines pass them
         return self.view._logprobs(rows).reshape(*logits.shape[:-1], -1)
 
@@ -165,7 +178,16 @@ class Capture:
         index = self._order[np.searchsorted(self._keys, row_keys(seq, pos))]  # each row's place in the step
         placement = placement or self._placement(name, rows.shape[-1])
         self._placements[name] = placement
-        self.writer.record(name, rows, placement, rows=index)
+        self.writer.record(name, rows, placement, rows=index, sketch_columns=self._sketched(name, placement, rows))
+
+    def _sketched(self, name: str, placement: Placement, rows: Any) -> np.ndarray | None:
+        """Each local column's logical column when ``name`` is outside the full window (only its row sketches
+        are kept), else None; a record whose slices cannot be sketched apart (a partial sum) is kept whole."""
+        boundary = self.cmap.get(name)
+        if self.window.full(boundary.layer if boundary is not None else None):
+            return None
+        group = self.layout.group("tp")
+        return local_columns(placement, self.layout.index_in("tp"), len(group), int(rows.shape[-1]))
 
     def _placement(self, name: str, width: int) -> Placement:
         owner = self.modules.get(self._recorder.owners.get(name, name))

@@ -20,7 +20,7 @@ is the scan's own: stores, comparers, ``locate``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,9 +86,23 @@ def as_torch(array: np.ndarray, dtype: str) -> Any:
     return t.view(torch.bfloat16) if dtype == "bfloat16" else t
 
 
-def feed(bundle: Bundle, common: dict[Key, int], ids: list[list[int]], sinks: Iterable[Any]) -> int:
+def sketched(bundle: Bundle) -> set[str]:
+    """The records ``bundle`` kept only as row sketches (outside its capture's full window)."""
+    return {name for part in bundle.ranks for step in part.steps for name, entry in step["records"].items()
+            if entry.get("sketch")}
+
+
+def feed(bundle: Bundle, common: dict[Key, int], ids: list[list[int]], sinks: Iterable[Any],
+         sketch_also: Collection[str] = ()) -> int:
     """Replay every record of ``bundle`` into ``sinks`` as rows of the common sequences; returns how many
-    rows were dropped because their token id is not the common sequence's at that position."""
+    rows were dropped because their token id is not the common sequence's at that position.
+
+    A sketched record goes to the sinks as ``name#sketch`` (``sketch.SUFFIX``); a whole record as ``name``
+    and, when ``sketch_also`` names it (the other side only sketched it), its sketch as well."""
+    import torch
+
+    from logdiff.probes.sketch import SUFFIX, sketch
+
     sinks = list(sinks)
     width = max(len(s) for s in ids)
     known = np.full((len(ids), width), -1, dtype=np.int64)
@@ -106,10 +120,15 @@ def feed(bundle: Bundle, common: dict[Key, int], ids: list[list[int]], sinks: It
                 rows_map = rmap.take(index) if index is not None else rmap
                 if not rows_map.valid.any():
                     continue
-                value = bundle.logical(step, name, group)[group].value
-                rows = as_torch(value.reshape(len(rows_map), -1), entry["dtype"])
-                for sink in sinks:
-                    sink.emit(name, rows, rows_map)
+                value = bundle.logical(step, name, group)[group].value.reshape(len(rows_map), -1)
+                out = [(name + SUFFIX, torch.from_numpy(np.ascontiguousarray(value)))] if entry.get("sketch") else [
+                    (name, as_torch(value, entry["dtype"]))]
+                if name in sketch_also and not entry.get("sketch"):
+                    columns = np.arange(value.shape[1], dtype=np.int64)
+                    out.append((name + SUFFIX, torch.from_numpy(sketch(value, entry["dtype"], columns))))
+                for record, rows in out:
+                    for sink in sinks:
+                        sink.emit(record, rows, rows_map)
     return misaligned
 
 

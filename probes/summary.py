@@ -90,6 +90,8 @@ class DiffSummary:
     nonfinite_ref: int = 0  # NaN/inf elements on each side, however they compare
     nonfinite_other: int = 0
     nonfinite_at: tuple[int, int] | None = None  # (sequence, position) of the first row holding one
+    #: compared by row sketches only: ``elements`` counts rows and ``max_abs_diff`` is a lower bound
+    sketched: bool = False
     per_position: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
@@ -170,6 +172,38 @@ class DiffSummary:
             # fmax treats the NaN "never seen" marker as missing
             np.fmax.at(self.per_position, pos[keep], row_max[keep].astype(np.float32))
 
+    def update_sketches(self, ref: np.ndarray, other: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> None:
+        """Fold in ``[rows, sketch.WIDTH]`` sketches of both paths: a row is equal when its digests are."""
+        from logdiff.probes.sketch import digest_of, lower_bound
+
+        equal = digest_of(ref) == digest_of(other)
+        with np.errstate(invalid="ignore"):
+            bound = np.where(equal, 0.0, lower_bound(ref, other))
+        finite = np.isfinite(ref[:, 2]) & np.isfinite(other[:, 2])
+        seen_unequal = self.rows_equal < self.rows  # before this batch
+        self.rows += len(equal)
+        self.rows_equal += int(equal.sum())
+        self.elements += len(equal)
+        self.equal_elements += int(equal.sum())
+        self.nonfinite += int((~finite & ~equal).sum())
+        self.nonfinite_ref += int((~np.isfinite(ref[:, 2])).sum())
+        self.nonfinite_other += int((~np.isfinite(other[:, 2])).sum())
+        if self.nonfinite_at is None and not finite.all():
+            first = int(np.argmin(finite))
+            self.nonfinite_at = (int(seq[first]), int(pos[first]))
+        bound = np.where(np.isfinite(bound), bound, 0.0)
+        self.sum_abs_diff += float(bound.sum())
+        self.max_abs_ref = max(self.max_abs_ref, float(np.nanmax(np.where(np.isfinite(ref[:, 2]), ref[:, 2], 0.0))))
+        keep = pos < self.max_positions
+        np.fmax.at(self.per_position, pos[keep], bound[keep].astype(np.float32))
+        if not equal.all():  # the worst row is an unequal one, even where its bound is 0
+            worst = int(np.argmax(np.where(equal, -1.0, bound)))
+            if not seen_unequal or bound[worst] > self.max_abs_diff:
+                self.max_abs_diff = float(bound[worst])
+                self.worst_sequence, self.worst_position = int(seq[worst]), int(pos[worst])
+        elif self.worst_position is None:
+            self.worst_sequence, self.worst_position = int(seq[0]), int(pos[0])
+
     def _count_nonfinite(self, ref: Any, other: Any, seq: np.ndarray, pos: np.ndarray) -> None:
         import torch
 
@@ -215,6 +249,7 @@ class DiffSummary:
             "nonfinite": self.nonfinite,
             "nonfinite_ref": self.nonfinite_ref,
             "nonfinite_other": self.nonfinite_other,
+            **({"sketched": True} if self.sketched else {}),
         }
 
 
@@ -241,6 +276,11 @@ class PathComparer:
 
     def emit(self, name: str, rows: Any, rmap: Any, replay: Any = None) -> None:
         """Compare ``rows`` (``[len(rmap), width]``) with the stored path's rows."""
+        from logdiff.probes.sketch import SUFFIX
+
+        if name.endswith(SUFFIX):
+            self._fold_sketches(name[: -len(SUFFIX)], rows, rmap)
+            return
         if name not in self._seen:
             self._seen.add(name)
             self.order.append(name)
@@ -259,6 +299,29 @@ class PathComparer:
         self._fold(summ, stored, rows, idx[here], seq[here], pos[here])
         if replay is not None:
             self._replay(name, stored, rmap, replay)
+
+    def _fold_sketches(self, name: str, rows: Any, rmap: Any) -> None:
+        """Compare boundary ``name`` by row sketches (``sketch.py``), where a side kept only those and no whole
+        rows were compared: bitwise equality per row, differences as lower bounds."""
+        from logdiff.probes.sketch import SUFFIX
+
+        summ = self.summaries.get(name)
+        stored = self.store.get(name + SUFFIX)
+        if stored is None or (summ is not None and not summ.sketched):
+            return
+        if name not in self._seen:
+            self._seen.add(name)
+            self.order.append(name)
+        self.not_stored.discard(name)
+        idx = np.nonzero(rmap.valid)[0]
+        here = stored.has(rmap.seq[idx], rmap.pos[idx])
+        idx = idx[here]
+        if not len(idx):
+            return
+        if summ is None:
+            summ = self.summaries[name] = DiffSummary(self.max_len, sketched=True)
+        seq, pos = rmap.seq[idx], rmap.pos[idx]
+        summ.update_sketches(stored.read(seq, pos).numpy(), rows[idx].numpy(), seq, pos)
 
     @staticmethod
     def _fold(summ: DiffSummary, stored: Any, live: Any, idx: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> None:

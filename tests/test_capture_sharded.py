@@ -44,13 +44,13 @@ def _load(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _capture(model, out: Path, batches: list[list[list[int]]]) -> None:
+def _capture(model, out: Path, batches: list[list[list[int]]], window: int | str = "all") -> None:
     """The public ``logdiff.capture``: the layout is read from the model (FSDP2, a DTensor mesh, or none)."""
     import torch
 
     import logdiff
 
-    with logdiff.capture(model, out, "train"), torch.no_grad():
+    with logdiff.capture(model, out, "train", window=window), torch.no_grad():
         for ids in batches:
             model(torch.tensor(ids))
 
@@ -231,7 +231,7 @@ def test_logprobs_routed_through_the_capture_are_recorded(unsharded, tmp_path: P
 
     model_dir, both, _ = unsharded
     model = _load(str(model_dir))
-    with logdiff.capture(model, tmp_path / "lp", "train") as cap, torch.no_grad():
+    with logdiff.capture(model, tmp_path / "lp", "train", window="all") as cap, torch.no_grad():
         logprobs = cap.logprobs(model(torch.tensor(IDS)).logits)
     bundle = Bundle(tmp_path / "lp")
     assert set(bundle.names(0)) == set(both.names(0)) | {"log_softmax"}

@@ -33,7 +33,8 @@ CLOSE = 2.0**-4  # of a record's largest magnitude: a few bf16 roundings, far be
 
 def _run(model: Path, out: Path, *, multiprocessing: bool, tp: int = 1, seed: int = 0) -> tuple[Any, list[dict]]:
     """Run the example with ``LOGDIFF_CAPTURE=out``; the process and its rollouts (one JSON object per line)."""
-    env = {**os.environ, "LOGDIFF_CAPTURE": str(out), "VLLM_ENABLE_V1_MULTIPROCESSING": str(int(multiprocessing))}
+    env = {**os.environ, "LOGDIFF_CAPTURE": str(out), "VLLM_ENABLE_V1_MULTIPROCESSING": str(int(multiprocessing)),
+           "LOGDIFF_CAPTURE_WINDOW": "all"}  # every record whole: they are compared value by value
     run = subprocess.run([sys.executable, str(EXAMPLE), str(model), "--prompts", str(PROMPTS), "--prompt-len",
                           str(PROMPT_LEN), "--max-tokens", str(MAX_TOKENS), "--seed", str(seed),
                           "--tensor-parallel-size", str(tp)], capture_output=True, text=True, timeout=900, env=env)  # fmt: skip

@@ -31,7 +31,7 @@ def _capture(model_dir: Path, out: Path, role: str, batches: list[list[list[int]
     if plant:
         with torch.no_grad():
             model.get_submodule(PLANTED).weight.mul_(1.01)
-    with logdiff.capture(model, out, role) as cap, torch.no_grad():
+    with logdiff.capture(model, out, role, window="all") as cap, torch.no_grad():
         for ids in batches:
             cap.logprobs(model(torch.tensor(ids)).logits)
     return out

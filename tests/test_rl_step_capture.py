@@ -40,14 +40,16 @@ def rl_step(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPath
     model = demo_model("qwen3")
     root = tmp_path_factory.mktemp("rl-step")
     infer, train = root / "infer", root / "train"
+    # every layer whole (--window all), for the same causes as scan: the default keeps two (test_capture_window.py)
     sampled = _run([str(PYTHON), "examples/capture_vllm.py", str(model), "--prompts", "3", "--prompt-len", "12",
-                    "--max-tokens", "12"], LOGDIFF_CAPTURE=str(infer), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                    "--max-tokens", "12", "--window", "all"], LOGDIFF_CAPTURE=str(infer),
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
     rollouts = [json.loads(line) for line in sampled.stdout.splitlines() if line.startswith("{")]
     seqs = root / "rollouts.jsonl"
     seqs.write_text("".join(json.dumps({"prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]}) + "\n"
                             for r in rollouts))
     _run([str(PYTHON.parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "examples/capture_fsdp.py",
-          str(model), "--sequences", str(infer), "--out", str(train)])
+          str(model), "--sequences", str(infer), "--out", str(train), "--window", "all"])
     return {"model": model, "infer": infer, "train": train, "sequences": seqs}
 
 

@@ -65,9 +65,8 @@ def _reference(spec: EngineSpec, seqs: list[_Seq], out: Path, consistent: bool, 
                 stack.enter_context(engine.consistent())
             if fixed_order:
                 stack.enter_context(consistent_tp(engine.model, fixed_order_plan(engine.model, 1)))
-            cap = capture(engine.model, out, "train")
-            cap.view._logprobs = engine._logprobs
-            with cap:
+            # as score_sharded captures: every record whole, the engine's own log-softmax
+            with capture(engine.model, out, "train", log_softmax=engine._logprobs, window="all") as cap:
                 _score(engine, cap, seqs)
     finally:
         torch.set_num_threads(threads)

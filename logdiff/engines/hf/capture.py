@@ -22,15 +22,29 @@ import json
 from pathlib import Path
 from typing import Any
 
+from logdiff.probes.errors import InputError
 
-def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = None, fingerprints: bool = True) -> Any:
+
+def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = None, fingerprints: bool = True,
+            log_softmax: Any = None, window: int | str | None = 2) -> Any:
     """A context manager recording every forward of ``model`` into the bundle at ``out_dir`` (this rank's part).
 
-    ``fingerprints``: hash the logical weights into the bundle (a sharded model's are gathered one at a time,
-    a collective every rank joins here); False skips it, and the comparison then names the weights unverified.
+    ``window``: the records kept whole: those of the first ``window`` decoder layers and of no layer
+    (embeddings, final norm, logits, log-softmax); every other record keeps one sketch per row (a digest and
+    two magnitudes: ``probes/sketch.py``), so the bundle stays small on a real model. ``"all"`` keeps every
+    record whole. ``fingerprints``: hash the logical weights into the bundle (a sharded model's are gathered
+    one at a time, a collective every rank joins here); False skips it, and the comparison then names the
+    weights unverified. ``log_softmax``: the trainer's own (a temperature, a consistent kernel) for
+    ``Capture.logprobs``.
     """
     from logdiff import __version__
     from logdiff.probes.capture import Capture
+    from logdiff.probes.sketch import Window
+
+    try:
+        kept = Window.parse(window)
+    except ValueError as e:
+        raise InputError(f"logdiff.capture: {e}") from None
 
     layout = layout if layout is not None else layout_of_model(model)
     config = model.config
@@ -46,7 +60,7 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
         meta["contract_error"] = f"{type(e).__name__}: {e}"
     if fingerprints:
         meta["fingerprints"] = logical_fingerprints(model)
-    return Capture(model, out_dir, role, layout, meta)
+    return Capture(model, out_dir, role, layout, meta, log_softmax, kept)
 
 
 def logical_fingerprints(model: Any) -> dict[str, str]:

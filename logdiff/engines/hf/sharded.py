@@ -225,7 +225,9 @@ def _score_rank(rank: int, job: _Job) -> None:
     device = job.device if job.device == "cpu" else f"{job.device}:{rank}"
     if job.device != "cpu":
         getattr(torch, job.device).set_device(rank)
-    engine = HFForward(dataclasses.replace(job.spec, device=device))
+    # the rank itself is one unsharded engine: the sizes are this launcher's, not its
+    options = tuple((k, v) for k, v in job.spec.options if k not in ("tensor_parallel_size", "fsdp_size"))
+    engine = HFForward(dataclasses.replace(job.spec, device=device, options=options))
     model = engine.model
     mesh = None
     if job.world > 1:
@@ -251,10 +253,9 @@ def _score_rank(rank: int, job: _Job) -> None:
             stack.enter_context(engine.consistent(job.consistent_kernels))
             if plan and _linear_consistent(job.consistent_kernels):
                 stack.enter_context(consistent_tp(model, plan, mesh if tp > 1 else None))
-        cap = capture(model, job.out_dir, "train")  # a collective on every rank (the weights' fingerprints)
-        # the engine's log-softmax (temperature, consistent kernel) computes the recorded boundary
-        cap.view._logprobs = engine._logprobs
-        with cap:
+        # a collective on every rank (the weights' fingerprints); the engine's log-softmax (temperature,
+        # consistent kernel) computes the recorded boundary
+        with capture(model, job.out_dir, "train", log_softmax=engine._logprobs, window="all") as cap:
             cap.writer.meta_update({"sharded": {"tensor_parallel_size": tp, "fsdp_size": job.fsdp_size,
                                                 "consistent": job.consistent,
                                                 "consistent_kernels": job.consistent_kernels}})  # fmt: skip

@@ -3,12 +3,15 @@
 logdiff registers ``register`` under vLLM's ``vllm.general_plugins`` entry point
 group, so vLLM calls it in every process it starts: the front end, the engine
 core and each worker. Without ``LOGDIFF_CAPTURE`` it returns at once (importing
-this module costs numpy and logdiff's bundle code: no torch, no vLLM). With it, it wraps the worker's ``load_model``: once a worker has loaded
-its model, a ``VllmCapture`` is installed on it, recording every forward of that
-worker into ``DIR`` (role ``infer``) as the worker's rank, until the worker shuts
-down. Nothing in the user's code changes: a verl or OpenRLHF rollout worker gets
-it from the environment variable alone, at any tensor-parallel size, in vLLM's
-multi-process engine or in-process.
+this module costs numpy and logdiff's bundle code: no torch, no vLLM). With it, it
+wraps the worker's ``load_model``: once a worker has loaded its model, a
+``VllmCapture`` is installed on it, recording every forward of that worker into
+``DIR`` (role ``infer``) as the worker's rank, until the worker shuts down: whole
+records for the first ``LOGDIFF_CAPTURE_WINDOW`` decoder layers (2; ``all`` for
+every layer) and those of no layer, row sketches for the rest (``probes/sketch.py``).
+Nothing in the user's code changes: a verl or OpenRLHF rollout worker gets it from
+the environment variable alone, at any tensor-parallel size, in vLLM's multi-process
+engine or in-process.
 
 ``VllmCapture`` is ``probes.capture.Capture`` (the same ``Recorder``, taps and
 ``BundleSink``) with what a serving engine needs instead of a trainer's batch:
@@ -49,8 +52,10 @@ import numpy as np
 
 from logdiff.probes.capture import PATH, BundleSink, Capture, row_keys
 from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement
+from logdiff.probes.sketch import Window
 
 ENV = "LOGDIFF_CAPTURE"
+WINDOW_ENV = "LOGDIFF_CAPTURE_WINDOW"  # decoder layers kept whole, or "all" (``sketch.Window``; default 2)
 _INSTALLED = "_logdiff_capture"  # the worker's capture, as an attribute of the worker
 _IDLE = "idle"  # the recorder's path for forwards that are not recorded
 
@@ -88,7 +93,7 @@ def install(worker: Any, out_dir: str | Path) -> VllmCapture:
     runner = worker.model_runner
     layout = vllm_layout()
     meta = worker_meta(runner, len(layout.group("tp")))
-    capture = VllmCapture(runner, out_dir, layout, meta)
+    capture = VllmCapture(runner, out_dir, layout, meta, Window.parse(os.environ.get(WINDOW_ENV) or 2))
     capture.__enter__()
     setattr(worker, _INSTALLED, capture)
     sample_tokens = runner.sample_tokens
@@ -192,8 +197,9 @@ class _WorkerView:
 class VllmCapture(Capture):
     """Records every forward of one vLLM worker's model into its part of a bundle (see the module docstring)."""
 
-    def __init__(self, runner: Any, out_dir: str | Path, layout: ParallelLayout, meta: dict[str, Any]):
-        super().__init__(runner.get_model(), out_dir, "infer", layout, meta)
+    def __init__(self, runner: Any, out_dir: str | Path, layout: ParallelLayout, meta: dict[str, Any],
+                 window: Window | None = None):
+        super().__init__(runner.get_model(), out_dir, "infer", layout, meta, window=window)
         self.runner = runner
         self.view = _WorkerView(runner)
         self.vocab = int(getattr(self.model.config, "vocab_size", 0)) or None

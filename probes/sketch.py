@@ -1,0 +1,164 @@
+"""Row sketches: what a capture keeps of a record outside its full window.
+
+A capture of a real model cannot keep every boundary's full tensor for every
+token (24 layers x 20 boundaries x 4,096 tokens x 4 KiB is gigabytes per
+sequence). It keeps full tensors only inside a bounded ``Window`` (by default
+the first layers, the embeddings, the final norm, the logits and the
+log-softmax) and, for every other record, one *sketch* per row:
+
+* a 64-bit digest: the sum (mod 2^64) over the row's elements of a hash of the
+  element's raw bits and its *logical* column. Equal rows have equal digests; a
+  change to any one element changes the digest (up to a 2^-64 chance). Because
+  it is a sum over logical columns, a rank that holds a column slice hashes its
+  slice alone, and the logical row's digest is the sum of the ranks' (no
+  gathering while the model runs);
+* the row's largest magnitude and its sum of squares, also combinable across
+  ranks (max, sum). Two rows' ``|max_a - max_b|`` and ``|norm_a - norm_b| /
+  sqrt(width)`` are lower bounds of their largest element difference.
+
+A sketch row is five float64 values, ``[digest_hi, digest_lo, absmax, sumsq,
+elements]`` (each 32-bit half of the digest is exact in float64), so the scan's
+row stores keep it like any record. ``compare`` reads a boundary that either side only
+sketched from the sketches: bitwise equality per row exactly, the size of a
+difference as a lower bound, and no replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from logdiff.probes.layout import Placement
+
+WIDTH = 5  # digest_hi, digest_lo, absmax, sumsq, elements
+SUFFIX = "#sketch"  # a sketch's record name in the scan's stores: ``name + SUFFIX``
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+@dataclass(frozen=True)
+class Window:
+    """Which records a capture keeps whole: those of the first ``layers`` decoder layers and those of no layer
+    (embeddings, final norm, logits, log-softmax); every record when ``layers`` is None."""
+
+    layers: int | None = 2
+
+    def full(self, layer: int | None) -> bool:
+        return self.layers is None or layer is None or layer < self.layers
+
+    @classmethod
+    def parse(cls, text: str | int | None) -> Window:
+        """``all`` (or None) keeps every record whole; an integer N the first N layers."""
+        if text is None or text == "all":
+            return cls(None)
+        try:
+            layers = int(text)
+        except (TypeError, ValueError):
+            raise ValueError(f"window {text!r}: expected 'all' or a number of layers") from None
+        if layers < 0:
+            raise ValueError(f"window {layers}: a number of layers >= 0")
+        return cls(layers)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, element-wise on uint64 (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x + _GOLDEN
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        return x ^ (x >> np.uint64(31))
+
+
+def _floats(raw: np.ndarray, dtype: str) -> np.ndarray:
+    from logdiff.probes.unshard import to_float32
+
+    return to_float32(raw, dtype).astype(np.float64)
+
+
+def sketch(raw: np.ndarray, dtype: str, columns: np.ndarray) -> np.ndarray:
+    """``[rows, WIDTH]`` float64 sketches of ``raw [rows, width]`` (the record as stored: bfloat16 as raw int16
+    bits), whose column ``j`` is the logical row's column ``columns[j]``; a column < 0 is padding, left out."""
+    raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
+    keep = np.asarray(columns) >= 0
+    raw, cols = raw[:, keep], np.asarray(columns, dtype=np.int64)[keep].astype(np.uint64)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[raw.dtype.itemsize]
+    bits = raw.view(unsigned).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        digest = _mix(bits ^ _mix(cols)[None, :]).sum(axis=1, dtype=np.uint64)
+    values = _floats(raw, dtype)
+    out = np.empty((raw.shape[0], WIDTH), dtype=np.float64)
+    out[:, 0], out[:, 1] = (digest >> np.uint64(32)).astype(np.float64), (digest & np.uint64(0xFFFFFFFF)).astype(
+        np.float64)
+    out[:, 2] = np.abs(values).max(axis=1, initial=0.0)
+    out[:, 3] = np.square(values).sum(axis=1)
+    out[:, 4] = raw.shape[1]
+    return out
+
+
+def digest_of(sketches: np.ndarray) -> np.ndarray:
+    """The uint64 digests of ``[rows, WIDTH]`` sketches."""
+    return (sketches[:, 0].astype(np.uint64) << np.uint64(32)) | sketches[:, 1].astype(np.uint64)
+
+
+def combine(pieces: list[np.ndarray]) -> np.ndarray:
+    """The logical rows' sketches from the sketches of column slices that partition them (the ranks of a
+    ``tp`` group holding shards): digests summed mod 2^64, largest magnitudes maxed, sums of squares summed."""
+    with np.errstate(over="ignore"):
+        digest = np.sum([digest_of(p) for p in pieces], axis=0, dtype=np.uint64)
+    out = np.empty_like(pieces[0])
+    out[:, 0], out[:, 1] = (digest >> np.uint64(32)).astype(np.float64), (digest & np.uint64(0xFFFFFFFF)).astype(
+        np.float64)
+    for column, fold in ((2, np.max), (3, np.sum), (4, np.sum)):
+        out[:, column] = fold([p[:, column] for p in pieces], axis=0)
+    return out
+
+
+def local_columns(placement: Placement, index: int, world: int, width: int) -> np.ndarray | None:
+    """The logical column of each of a rank's ``width`` local columns (-1: padding past ``size``), for the rank
+    at ``index`` of a ``tp`` group of ``world``; None where a sketch cannot be combined (a partial sum, a split
+    on another dimension): such a record is kept whole."""
+    if placement.kind == "replicate" or world == 1:
+        return np.arange(width, dtype=np.int64)
+    if placement.kind != "shard" or placement.dim not in (-1, 1):
+        return None
+    if placement.parts:
+        if sum(placement.parts) != width:
+            return None
+        cols, offset = [], 0
+        for part in placement.parts:
+            cols.append(offset + index * part + np.arange(part, dtype=np.int64))
+            offset += world * part
+        return np.concatenate(cols)
+    cols = index * width + np.arange(width, dtype=np.int64)
+    if placement.size is not None:
+        cols[cols >= placement.size] = -1
+    return cols
+
+
+def lower_bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Per row, a lower bound of the largest element difference of the two rows two sketches describe
+    (``|max|a| - max|b||`` and ``|‖a‖ - ‖b‖| / sqrt(elements)``, both at most ``max|a - b|``)."""
+    norms = np.abs(np.sqrt(a[:, 3]) - np.sqrt(b[:, 3])) / np.sqrt(np.maximum(a[:, 4], 1.0))
+    return np.maximum(np.abs(a[:, 2] - b[:, 2]), norms)
+
+
+def unshard_sketches(pieces: list[tuple[Any, np.ndarray]], placement: Placement) -> dict[tuple[int, ...], Any]:
+    """The logical rows' sketches of one record, one per ``tp`` group (as ``unshard.unshard`` keys them): a
+    replicated record's replicas compared by digest and one kept; a sharded one's slices combined."""
+    from logdiff.probes.unshard import Logical
+
+    groups: dict[tuple[int, ...], list[tuple[Any, np.ndarray]]] = {}
+    for layout, array in pieces:
+        groups.setdefault(layout.group("tp"), []).append((layout, array))
+    out = {}
+    for key, members in groups.items():
+        members.sort(key=lambda m: m[0].index_in("tp"))
+        arrays = [a for _, a in members]
+        if placement.kind == "replicate" or len(arrays) == 1:
+            same = all(np.array_equal(digest_of(a), digest_of(arrays[0])) for a in arrays[1:])
+            out[key] = Logical(arrays[0], key, replicas_equal=same if len(arrays) > 1 else None)
+        else:
+            out[key] = Logical(combine(arrays), key)
+    return out
