@@ -96,6 +96,12 @@ def _input_evidence(pair: Any, name: str, order: list[str], tolerance: float) ->
 UNRESOLVED_NAMED = 8
 
 
+def named(names: list[str], most: int) -> str:
+    """The first ``most`` of ``names``, and how many more there are: a warning's list that stays one line."""
+    rest = len(names) - most
+    return ", ".join(names[:most]) + (f" and {rest} more" if rest > 0 else "")
+
+
 def locate(pair: Any, tolerance: float = 0.0) -> Localization:
     """First divergence, introducing ops and the divergence table of one pair."""
     summaries, local = pair.comparer.summaries, pair.comparer.local
@@ -159,10 +165,8 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
             }
         )
     if unresolved:
-        shown = ", ".join(unresolved[:UNRESOLVED_NAMED]) + (f" and {len(unresolved) - UNRESOLVED_NAMED} more"
-                                                          if len(unresolved) > UNRESOLVED_NAMED else "")
         warnings.append(f"could not separate introduced from propagated error (inputs differ, op not replayable) "
-                        f"at {len(unresolved)} boundaries: {shown}")
+                        f"at {len(unresolved)} boundaries: {named(unresolved, UNRESOLVED_NAMED)}")
     for n, why in pair.comparer.replay_skipped.items():
         warnings.append(f"{n}: replay skipped ({why})")
     sketched = [n for n in order if summaries[n].sketched]

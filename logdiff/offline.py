@@ -54,7 +54,7 @@ class BundleSide:
 
     bundle: Bundle
     role: str
-    model: Any = None  # the HF model whose weights the conformance check reads (``--model``), or None
+    engine: Any = None  # the HF path of ``--model``: its weights for conformance, its ops for replay; or None
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -84,18 +84,10 @@ class BundleSide:
         return SimpleNamespace(**(self.meta.get("config") or {}))
 
     def module(self) -> Any:
-        return self.model
+        return self.engine.module() if self.engine is not None else None
 
     def rope_params(self) -> dict[str | None, Any]:
-        if self.model is None:
-            return {}
-        from logdiff.engines.hf.consistent import rope_params_of
-
-        rotary = next((m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
-        try:
-            return rope_params_of(rotary) if rotary is not None else {}
-        except (NotImplementedError, ValueError, AttributeError, KeyError):
-            return {}
+        return self.engine.rope_params() if self.engine is not None else {}
 
     def info(self) -> dict[str, Any]:
         layout = {"ranks": self.bundle.world_size, "tensor_parallel_size": self.tp_size}
@@ -133,11 +125,11 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
     seqs = _sequences(matching.ids, _prompt_lens(ib, matching.infer) or _prompt_lens(tb, matching.train))
     _check_vocabulary(tb, ib, matching.ids)
     engine = _hf_engine(model, tb) if model is not None else None
-    train = BundleSide(tb, "train", engine.model if engine is not None else None)
+    train = BundleSide(tb, "train", engine)
     infer = BundleSide(ib, "infer")
     architecture, config = str(tb.meta.get("architecture")), dict(tb.meta.get("config") or {})
     session = ProbeSession(seqs, 0, architecture, config,
-                           conformance_sequences=pipeline.CONFORMANCE_SEQUENCES if train.model is not None else 0)
+                           conformance_sequences=pipeline.CONFORMANCE_SEQUENCES if engine is not None else 0)
     try:
         scores, windows = {}, {"train": sketched(tb), "infer": sketched(ib)}
         for side, common in ((infer, matching.infer), (train, matching.train)):  # stored first, then compared
@@ -212,8 +204,14 @@ def scores_of_capture(bundle: Bundle, seqs: list[Sequence], session: Any, role: 
     missing = [i for i, s in enumerate(seqs) if not scores.has[i][len(s.prompt_ids):].all()]
     if missing:
         raise RuntimeError(f"the capture of path {path} has no logprobs for sequences {missing[:5]}")
-    return PathScores(path, "forward", [scores.logprobs[i][len(s.prompt_ids):] for i, s in enumerate(seqs)],
-                      [scores.top1[i][len(s.prompt_ids):] for i, s in enumerate(seqs)])
+    return _response_scores(scores, seqs, path, "forward")
+
+
+def _response_scores(scores: Any, seqs: list[Sequence], path: str, mode: str) -> PathScores:
+    """Path ``path``'s logprobs and top-1 tokens of each sequence's response tokens, from its ``TokenScores``."""
+    return PathScores(path, mode, [scores.logprobs[c][len(s.prompt_ids):] for c, s in enumerate(seqs)],
+                      [scores.top1[c][len(s.prompt_ids):] for c, s in enumerate(seqs)])
+
 
 def _feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], session: Any, role: str,
                path: str, extra: tuple[Any, ...] = (), sketch_also: Collection[str] = ()) -> tuple[Any, int]:
@@ -229,6 +227,7 @@ def _feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], ses
         session.reductions[role] = reductions(bundle, session.cmap)
     return scores, misaligned
 
+
 def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: BundleSide, session: Any,
               progress: Progress) -> None:
     """``diagnose`` as a scan runs it, with a rescanner that cannot rescan (the reference rerun is then skipped,
@@ -243,7 +242,7 @@ def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: Bun
     record = session.pair(result.primary.train, result.primary.infer)
     found = diagnose(result, cfg, train, infer, Rescanner(no_rescan), progress, record)
     found.warnings = [w for w in found.warnings if not w.startswith("reference-kernel rerun unavailable")]
-    if train.model is None:
+    if train.engine is None:
         found.warnings.append("conformance not checked: give --model MODEL (the checkpoint both sides ran) so each "
                               "side's ops can be measured against their exact functions")
     for side in (train, infer):
@@ -308,12 +307,8 @@ def _path_scores(train: BundleSide, infer: BundleSide, scores: dict[str, Any],
         s.response_mask = (t.has[c][n:] & i.has[c][n:]).astype(int).tolist()
     if not any(any(s.response_mask) for s in seqs):
         raise InputError("no token has a logprob on both sides: the bundles hold no common logits rows")
-
-    def path(side: BundleSide, sc: Any, mode: str) -> PathScores:
-        return PathScores(side.name, mode, [sc.logprobs[c][len(s.prompt_ids):] for c, s in enumerate(seqs)],
-                          [sc.top1[c][len(s.prompt_ids):] for c, s in enumerate(seqs)])
-
-    return path(train, t, "forward"), path(infer, i, str(infer.meta.get("mode") or "forward"))
+    return (_response_scores(t, seqs, train.name, "forward"),
+            _response_scores(i, seqs, infer.name, str(infer.meta.get("mode") or "forward")))
 
 
 def _matching_warnings(result: ScanResult, unmatched: dict[str, int]) -> None:
@@ -337,6 +332,7 @@ def _hf_engine(model: Path, bundle: Bundle) -> Any:
 def _replay(engine: Any, session: Any, path: str, seqs: list[Sequence]) -> None:
     """One live pass of ``engine`` over the common sequences that only replays (``feed.ReplaySink``): each op
     re-run on the inference side's inputs where the live model reproduces the training bundle's values."""
+    from logdiff.locate import named
     from logdiff.probes.feed import ReplaySink
     from logdiff.probes.record import Recorder
 
@@ -346,6 +342,5 @@ def _replay(engine: Any, session: Any, path: str, seqs: list[Sequence]) -> None:
         engine.score(seqs)
     unfaithful = list(dict.fromkeys(n for sink in sinks for n in sink.unfaithful))
     if unfaithful:
-        shown = ", ".join(unfaithful[:4]) + (f" and {len(unfaithful) - 4} more" if len(unfaithful) > 4 else "")
         session.warnings.append(f"the {path} ops in this process do not reproduce the captured {path} path at "
-                                f"{len(unfaithful)} boundaries ({shown}), so those were not replayed")
+                                f"{len(unfaithful)} boundaries ({named(unfaithful, 4)}), so those were not replayed")

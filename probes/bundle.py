@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +152,7 @@ class RankPart:
     meta: dict[str, Any]
     steps: list[dict[str, Any]]
     dir: Path
+    _names: dict[int, set[str]] = field(default_factory=dict, repr=False)
 
     def load(self, step: int, names: list[str]) -> dict[str, np.ndarray]:
         from safetensors import safe_open
@@ -160,10 +161,17 @@ class RankPart:
             return {n: f.get_tensor(n) for n in names}
 
     def names(self, step: int) -> set[str]:
-        from safetensors import safe_open
+        """Every array in the step's file (read once per step: a comparison asks for each record's)."""
+        if step not in self._names:
+            from safetensors import safe_open
 
-        with safe_open(str(self.dir / self.steps[step]["file"]), framework="numpy") as f:
-            return set(f.keys())
+            with safe_open(str(self.dir / self.steps[step]["file"]), framework="numpy") as f:
+                self._names[step] = set(f.keys())
+        return self._names[step]
+
+    def table(self, step: int) -> dict[str, np.ndarray]:
+        """The step's row table: ``tokens``, ``positions`` and, from a capture, ``sequences`` and ``valid``."""
+        return self.load(step, [n for n in RESERVED if n in self.names(step)])
 
 
 class Bundle:
@@ -208,7 +216,7 @@ class Bundle:
         for part in self.ranks:
             key = part.layout.group("tp")
             if key not in out:
-                out[key] = part.load(step, [n for n in RESERVED if n in part.names(step)])
+                out[key] = part.table(step)
         return out
 
     @property
@@ -233,7 +241,7 @@ class Bundle:
         for group in self.groups():
             part = self.part_of(group)
             for step in range(len(part.steps)):  # data-parallel groups may run different numbers of steps
-                table = part.load(step, [n for n in RESERVED if n in part.names(step)])
+                table = part.table(step)
                 if "sequences" not in table:
                     raise InputError(f"{self.root}: step {step} has no sequence ids (not written by a capture)")
                 valid = table["valid"].astype(bool) if "valid" in table else np.ones(len(table["tokens"]), bool)

@@ -106,6 +106,8 @@ class Capture:
         self.cmap = self.adapter.correspondence(model.config.to_dict())
         self.layout = layout or ParallelLayout()
         self.window = window or Window()
+        #: each forward's row map where the recorder cannot make it from known sequences (a serving engine's)
+        self.rows: Callable[[tuple, dict], Any] | None = None
         self.writer = BundleWriter(out_dir, role, self.layout, meta)
         self.view = _ModelView(model, log_softmax)
         self.sequences: list[Any] = []
@@ -123,7 +125,7 @@ class Capture:
         # registered before the recorder's own hooks, so each step is announced before it aligns
         self._hook = self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
         self._recorder = Recorder(self.view, self.cmap, lambda path: [BundleSink(self)] if path == PATH else [],
-                                  self.sequences, response_len=0)
+                                  self.sequences, response_len=0, rows=self.rows)
         try:
             self._recorder.__enter__()
         except BaseException:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from logdiff.probes.align import RowMap
-from logdiff.probes.bundle import RESERVED, Bundle
+from logdiff.probes.bundle import Bundle
 from logdiff.probes.errors import InputError
 
 Key = tuple[tuple[int, ...], int]  # (tp group, sequence id in that group)
@@ -112,7 +112,7 @@ def feed(bundle: Bundle, common: dict[Key, int], ids: list[list[int]], sinks: It
     for group in bundle.groups():
         part = bundle.part_of(group)
         for step in range(len(part.steps)):
-            table = part.load(step, [n for n in RESERVED if n in part.names(step)])
+            table = part.table(step)
             rmap, bad = _row_map(table, group, common, known)
             misaligned += bad
             for name, entry in part.steps[step]["records"].items():

@@ -89,12 +89,17 @@ def sketch(raw: np.ndarray, dtype: str, columns: np.ndarray) -> np.ndarray:
         digest = _mix(bits ^ _mix(cols)[None, :]).sum(axis=1, dtype=np.uint64)
     values = _floats(raw, dtype)
     out = np.empty((raw.shape[0], WIDTH), dtype=np.float64)
-    out[:, 0], out[:, 1] = (digest >> np.uint64(32)).astype(np.float64), (digest & np.uint64(0xFFFFFFFF)).astype(
-        np.float64)
+    _put_digest(out, digest)
     out[:, 2] = np.abs(values).max(axis=1, initial=0.0)
     out[:, 3] = np.square(values).sum(axis=1)
     out[:, 4] = raw.shape[1]
     return out
+
+
+def _put_digest(sketches: np.ndarray, digest: np.ndarray) -> None:
+    """Write uint64 digests into the sketches' first two columns, 32 bits each (exact in float64)."""
+    sketches[:, 0] = (digest >> np.uint64(32)).astype(np.float64)
+    sketches[:, 1] = (digest & np.uint64(0xFFFFFFFF)).astype(np.float64)
 
 
 def digest_of(sketches: np.ndarray) -> np.ndarray:
@@ -108,8 +113,7 @@ def combine(pieces: list[np.ndarray]) -> np.ndarray:
     with np.errstate(over="ignore"):
         digest = np.sum([digest_of(p) for p in pieces], axis=0, dtype=np.uint64)
     out = np.empty_like(pieces[0])
-    out[:, 0], out[:, 1] = (digest >> np.uint64(32)).astype(np.float64), (digest & np.uint64(0xFFFFFFFF)).astype(
-        np.float64)
+    _put_digest(out, digest)
     for column, fold in ((2, np.max), (3, np.sum), (4, np.sum)):
         out[:, column] = fold([p[:, column] for p in pieces], axis=0)
     return out

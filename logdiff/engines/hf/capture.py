@@ -59,26 +59,10 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
     except Exception as e:  # noqa: BLE001 - a contract the reader cannot take from a wrapped model is noted, not fatal
         meta["contract_error"] = f"{type(e).__name__}: {e}"
     if fingerprints:
-        meta["fingerprints"] = logical_fingerprints(model)
+        from logdiff.engines.hf.contract import hf_fingerprints
+
+        meta["fingerprints"] = hf_fingerprints(model)  # of the logical weights: a collective on a sharded model
     return Capture(model, out_dir, role, layout, meta, log_softmax, kept)
-
-
-def logical_fingerprints(model: Any) -> dict[str, str]:
-    """The weight fingerprints a scan compares (``hf_fingerprints``), of the logical weights: a DTensor
-    (FSDP2's shards, a tensor-parallel weight) is gathered whole, one at a time, to be hashed. That gather is a
-    collective, so every rank of the mesh must call this (``capture`` does, on entry)."""
-    from logdiff.engines.hf.contract import hf_fingerprints
-    from logdiff.probes.contracts import fingerprint, narrowest
-
-    if not any(hasattr(p, "device_mesh") for p in model.parameters()):
-        return hf_fingerprints(model)
-    dtype = next(model.parameters()).dtype
-    out = {}
-    for name, tensor in model.state_dict().items():
-        whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        out[name] = fingerprint(narrowest(whole, dtype))
-        del whole
-    return out
 
 
 def layout_of_model(model: Any) -> Any:

@@ -65,5 +65,8 @@ def _shared(a: Any, b: Any) -> bool:
 
 
 def hf_fingerprints(model: Any) -> dict[str, str]:
+    """The fingerprint of every weight under its HF name, of the logical tensor: a DTensor (FSDP2's shards, a
+    tensor-parallel weight) is gathered whole first, one at a time; that is a collective every rank joins."""
     dtype = next(model.parameters()).dtype
-    return {name: fingerprint(narrowest(p, dtype)) for name, p in model.state_dict().items()}
+    return {name: fingerprint(narrowest(t.full_tensor() if hasattr(t, "full_tensor") else t, dtype))
+            for name, t in model.state_dict().items()}

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.probes.capture import PATH, BundleSink, Capture, row_keys
+from logdiff.probes.capture import PATH, Capture, row_keys
 from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement
 from logdiff.probes.sketch import Window
 
@@ -206,19 +206,7 @@ class VllmCapture(Capture):
         self._seq_of: dict[str, int] = {}
         self._step_rows: Any = None
         self._closed = False
-
-    def __enter__(self) -> VllmCapture:
-        from logdiff.probes.record import Recorder
-
-        self._hook = self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
-        self._recorder = Recorder(self.view, self.cmap, lambda path: [BundleSink(self)] if path == PATH else [],
-                                  self.sequences, response_len=0, rows=self._rows)
-        try:
-            self._recorder.__enter__()
-        except BaseException:
-            self._hook.remove()
-            raise
-        return self
+        self.rows = self._rows  # the recorder takes each forward's rows from ``_begin_step``'s request map
 
     def flush(self) -> None:
         """Write the step recorded so far (vLLM has sampled from it) and the manifest; a step that cannot be
