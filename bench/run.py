@@ -150,7 +150,9 @@ def machine() -> dict[str, object]:
     try:
         import vllm
 
-        vllm_version, gemm = vllm.__version__, isa.vllm_gemm_dispatch()
+        from logdiff.engines.vllm.doctor import vllm_gemm_dispatch
+
+        vllm_version, gemm = vllm.__version__, vllm_gemm_dispatch()
     except Exception as e:  # noqa: BLE001 - the table still says what ran
         vllm_version, gemm = None, f"unavailable ({type(e).__name__})"
     return {"cpu": cpu, "cores": os.cpu_count(), "isa": isa.cpu_isa(), "torch": torch.__version__,

@@ -52,6 +52,8 @@ FAIL_ON_CLASSES = ("framework_difference", "operator_path", "divergent")
 #: ``kl_k3`` is the deprecated name of ``k3_kl`` (same value), kept so that recorded baselines still apply.
 BASELINE_METRICS = {"abs_diff_max": 0.0, "abs_diff_mean": 0.0, "kl_k3": 0.0, "bitwise_equal_fraction": 1.0}
 #: Key fields whose mismatch makes a baseline inapplicable (exit 2).
+#: environment entries about the machine, not software versions (``environment_changes`` compares the rest)
+MACHINE_FACTS = ("device", "platform", "machine", "cpu_isa", "cpu_isa_emulated")
 STRICT_KEYS = ("hardware", "architecture", "paths", "dtype", "consistent")
 
 
@@ -295,7 +297,7 @@ def make_baseline(result: dict[str, Any], tolerance: Tolerance) -> dict[str, Any
         "recorded": {
             "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "logdiff": (result.get("tool") or {}).get("version"),
-            "environment": {k: env.get(k) for k in ("python", "torch", "transformers", "vllm", "device", "platform")},
+            "environment": {k: v for k, v in env.items() if k not in MACHINE_FACTS or k in ("device", "platform")},
         },
     }
 
@@ -408,13 +410,14 @@ def check_applicable(result: dict[str, Any], baseline: dict[str, Any], path: Pat
 
 
 def environment_changes(result: dict[str, Any], baseline: dict[str, Any]) -> list[str]:
-    """Software versions that changed since the baseline (the usual reason numbers move)."""
+    """Software versions (python, torch, every engine's packages) that changed since the baseline (the usual
+    reason numbers move)."""
     env = result.get("environment") or {}
     base_env = (baseline.get("recorded") or {}).get("environment") or {}
     return [
         f"{k} {base_env[k]} -> {env.get(k)}"
-        for k in ("torch", "transformers", "vllm", "python")
-        if k in base_env and base_env[k] != env.get(k)
+        for k in base_env
+        if k not in MACHINE_FACTS and base_env[k] != env.get(k)
     ]
 
 

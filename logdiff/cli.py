@@ -23,6 +23,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
+from logdiff.engines import DEFAULT_INFER, DEFAULT_TRAIN
 from logdiff.errors import EXIT_INTERNAL, LogdiffError
 from logdiff.probes.arch import demos as demo_archs  # names only: no torch
 
@@ -98,7 +99,7 @@ def _build_config(**kw: Any) -> Any:
     from logdiff.errors import InputError
 
     train_set, infer_set = parse_sets(kw.pop("set_") or [])
-    infer = kw.pop("infer") or ["vllm"]
+    infer = kw.pop("infer") or [DEFAULT_INFER]
     sizes = kw.pop("batch_compositions", None)
     if sizes:
         try:
@@ -141,7 +142,7 @@ def _say(console: Console, text: str, **kwargs: Any) -> None:
 def scan(
     model: Path = ModelArg,
     ckpt: Optional[Path] = CkptArg,
-    train: str = typer.Option("hf", help="Training path engine."),
+    train: str = typer.Option(DEFAULT_TRAIN, help="Training path engine."),
     infer: Optional[list[str]] = typer.Option(None, help="Inference path engine(s): vllm, hf-decode, hf. Repeatable."),
     dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32."),
     device: str = typer.Option(

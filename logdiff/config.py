@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from logdiff.engines import DEFAULT_INFER, DEFAULT_TRAIN
 from logdiff.errors import InputError
 
 DEPTHS = ("logprobs", "modules", "ops")
@@ -21,8 +22,8 @@ class ScanConfig:
 
     model: Path
     ckpt: Path | None = None
-    train: str = "hf"
-    infer: list[str] = field(default_factory=lambda: ["vllm"])
+    train: str = DEFAULT_TRAIN
+    infer: list[str] = field(default_factory=lambda: [DEFAULT_INFER])
     dtype: str = "bfloat16"
     sequences: Path | None = None
     prompts: Path | None = None
@@ -79,21 +80,36 @@ class ScanConfig:
             raise InputError("--drill needs --depth ops (it names the module whose aten ops are traced)")
         if self.consistent_kernels is not None and not self.consistent:
             raise InputError("--consistent-kernels needs --consistent")
-        tp = self.infer_set.get("tensor_parallel_size", 1)
-        if "vllm" in self.infer and isinstance(tp, int) and tp > 1 and (self.depth != "logprobs" or self.consistent):
-            raise InputError(
-                f"--set infer.tensor_parallel_size={tp}: vLLM then runs the model in worker processes, which a scan "
-                "cannot hook or patch; use --depth logprobs without --consistent, or capture the workers "
-                "(LOGDIFF_CAPTURE=DIR) and compare offline with logdiff compare (docs/capture.md)"
-            )
-        if self.consistent and "vllm" in self.infer and self.train_set.get("tensor_parallel_size", 1) != 1:
-            raise InputError("--consistent with --set train.tensor_parallel_size: vLLM's consistent mode has no "
-                             "fixed-order row-parallel reduction yet, so it cannot match a tensor-parallel training "
-                             "path bitwise; compare with --infer hf")
         from logdiff.options import validate_side
 
         validate_side("train", [self.train], self.train_set)
         validate_side("infer", list(self.infer), self.infer_set)
+        self._check_engines()
+
+    def _check_engines(self) -> None:
+        """What the chosen engines say they cannot do with these settings, refused before anything loads."""
+        from logdiff.engines.base import get_engine
+
+        needs = {"capture": f"--depth {self.depth}"} if self.depth != "logprobs" else {}
+        if self.consistent:
+            needs["consistent"] = "--consistent"
+        for name in dict.fromkeys([self.train, *self.infer]):
+            missing = [flag for capability, flag in needs.items() if capability not in get_engine(name).capabilities]
+            if missing:
+                raise InputError(f"{' and '.join(missing)}: engine {name} has no such capability "
+                                 f"(it declares {', '.join(sorted(get_engine(name).capabilities)) or 'none'})")
+        for name in self.infer:
+            why = get_engine(name).out_of_process(self.infer_set)
+            if why and (self.depth != "logprobs" or self.consistent):
+                raise InputError(f"--infer {name}: {why}, which a scan cannot hook or patch; use --depth logprobs "
+                                 "without --consistent, or capture the engine where it runs and compare offline "
+                                 "with logdiff compare (docs/capture.md)")
+        if self.consistent and self.train_set.get("tensor_parallel_size", 1) != 1:
+            for name in self.infer:
+                if not get_engine(name).fixed_order_rows:
+                    raise InputError(f"--consistent with --set train.tensor_parallel_size: {name}'s consistent mode "
+                                     "has no fixed-order row-parallel reduction, so it cannot match a "
+                                     "tensor-parallel training path bitwise")
 
 
 def parse_value(text: str) -> Any:

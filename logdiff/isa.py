@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from logdiff.errors import InputError
 
@@ -102,30 +101,3 @@ def apply_emulation() -> None:
 
 def _false() -> bool:
     return False
-
-
-def vllm_gemm_dispatch(dtype: str = "bfloat16") -> str:
-    """Which CPU GEMM vLLM's ``dispatch_cpu_unquantized_gemm`` picks here for a dense layer.
-
-    Runs vLLM's own dispatch on a scratch layer (1024 x 1024, the size class of
-    a real projection) and reads which kernel the resulting ``cpu_linear``
-    calls: ``onednn``, ``sgl_packed``, ``zentorch`` or ``torch_linear``.
-    """
-    import torch
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-    layer = torch.nn.Module()
-    layer.weight = torch.nn.Parameter(torch.zeros(1024, 1024, dtype=getattr(torch, dtype)), requires_grad=False)
-    dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-    kind = gemm_kind(layer.cpu_linear)
-    return f"{kind} (plain weight {'removed' if layer.weight.numel() == 0 else 'kept'})"
-
-
-def gemm_kind(cpu_linear: Any) -> str:
-    """Name the kernel behind a vLLM CPU layer's ``cpu_linear`` callable."""
-    names = set(getattr(getattr(cpu_linear, "__code__", None), "co_names", ()))
-    for marker, kind in (("onednn_mm", "onednn"), ("weight_packed_linear_cpu", "sgl_packed"),
-                         ("zentorch_linear_unary", "zentorch")):
-        if marker in names:
-            return kind
-    return "torch_linear"

@@ -55,6 +55,7 @@ class BundleSide:
     bundle: Bundle
     role: str
     engine: Any = None  # the HF path of ``--model``: its weights for conformance, its ops for replay; or None
+    capabilities = frozenset()  # nothing live: no sampling, full logprobs or forced routing from a bundle
 
     @property
     def meta(self) -> dict[str, Any]:
@@ -62,7 +63,7 @@ class BundleSide:
 
     @property
     def name(self) -> str:
-        return str(self.meta.get("engine") or ("hf" if self.role == "train" else "infer"))
+        return str(self.meta.get("engine") or self.role)
 
     @property
     def fuses_add_norm(self) -> bool:
@@ -88,6 +89,9 @@ class BundleSide:
 
     def rope_params(self) -> dict[str | None, Any]:
         return self.engine.rope_params() if self.engine is not None else {}
+
+    def router_biases(self) -> dict[int, Any]:
+        return {}
 
     def info(self) -> dict[str, Any]:
         layout = {"ranks": self.bundle.world_size, "tensor_parallel_size": self.tp_size}
@@ -124,7 +128,7 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
     matching = match_sequences(tb.sequence_table(), ib.sequence_table())
     seqs = _sequences(matching.ids, _prompt_lens(ib, matching.infer) or _prompt_lens(tb, matching.train))
     _check_vocabulary(tb, ib, matching.ids)
-    engine = _hf_engine(model, tb) if model is not None else None
+    engine = _training_engine(model, tb) if model is not None else None
     train = BundleSide(tb, "train", engine)
     infer = BundleSide(ib, "infer")
     architecture, config = str(tb.meta.get("architecture")), dict(tb.meta.get("config") or {})
@@ -318,15 +322,15 @@ def _matching_warnings(result: ScanResult, unmatched: dict[str, int]) -> None:
                         "they were left out")
 
 
-def _hf_engine(model: Path, bundle: Bundle) -> Any:
-    """The HF path of ``model`` on the CPU, in the bundle's dtype: the weights the conformance check reads, and
-    the live ops the replay re-runs."""
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.hf import HFForward
+def _training_engine(model: Path, bundle: Bundle) -> Any:
+    """The default training engine on ``model``, on the CPU, in the bundle's dtype: the weights the conformance
+    check reads, and the live ops the replay re-runs."""
+    from logdiff.engines import DEFAULT_TRAIN
+    from logdiff.engines.base import EngineSpec, get_engine
 
     if not (Path(model) / "config.json").is_file():
         raise InputError(f"--model {model}: not a model directory (no config.json)")
-    return HFForward(EngineSpec(str(model), _dtype(bundle), (), (), 0, False, "cpu"))
+    return get_engine(DEFAULT_TRAIN)(EngineSpec(str(model), _dtype(bundle), (), (), 0, False, "cpu"))
 
 
 def _replay(engine: Any, session: Any, path: str, seqs: list[Sequence]) -> None:

@@ -16,14 +16,13 @@ import platform
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from importlib import metadata
 from typing import Any
 
 import numpy as np
 
 from logdiff import compare, isa, sequences
 from logdiff.config import ScanConfig
-from logdiff.engines.base import Engine, EngineSpec, PathScores, acquire, get_engine
+from logdiff.engines.base import Engine, EngineSpec, PathScores, acquire, engine_names, get_engine
 from logdiff.errors import InputError
 from logdiff.options import is_option
 from logdiff.phases import Phases, peak_rss_bytes, silent
@@ -65,7 +64,8 @@ def _load_sequences(cfg: ScanConfig, staged: checkpoint.StagedModel) -> tuple[li
         seqs = sequences.random_prompts(cfg.num_sequences, cfg.prompt_len, staged.vocab_size, cfg.seed)
         source = "probe"
     limit, what = staged.max_len, "max_position_embeddings"
-    max_model_len = cfg.infer_set.get("max_model_len") if "vllm" in cfg.infer else None
+    readers = [n for n in cfg.infer if "max_model_len" in get_engine(n).options]  # else a config key of that name
+    max_model_len = cfg.infer_set.get("max_model_len") if readers else None
     if max_model_len is not None:
         if max_model_len > staged.max_len:
             raise InputError(
@@ -78,8 +78,9 @@ def _load_sequences(cfg: ScanConfig, staged: checkpoint.StagedModel) -> tuple[li
 
 
 def _sampler(engines: list[Engine]) -> Engine:
-    """The inference engine that samples responses: vLLM when present, else the first."""
-    return next((e for e in engines if e.name == "vllm"), engines[0])
+    """The inference engine that samples responses: the first serving engine (its sampling is a rollout's), else
+    the first."""
+    return next((e for e in engines if e.serves_rollouts), engines[0])
 
 
 @dataclass
@@ -281,26 +282,19 @@ def _tokenizer(cfg: ScanConfig) -> Any:
 
 
 def environment() -> dict[str, Any]:
-    """Versions and the device, for the report."""
-
-    def version(pkg: str) -> str | None:
-        for name in (pkg, f"{pkg}-cpu"):
-            try:
-                return metadata.version(name)
-            except metadata.PackageNotFoundError:
-                continue
-        return None
-
+    """Versions (every registered engine's packages: ``Engine.versions``) and the device, for the report."""
     import torch
 
     device = "cuda:" + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    versions: dict[str, Any] = {}
+    for name in engine_names():
+        versions.update(get_engine(name).versions())
     return {
         "cpu_isa": isa.cpu_isa(),
         "cpu_isa_emulated": isa.emulated_isa() is not None,
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "transformers": version("transformers"),
-        "vllm": version("vllm"),
+        **versions,
         "platform": platform.platform(),
         "machine": platform.machine(),
         "device": device,

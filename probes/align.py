@@ -7,14 +7,14 @@ tokens out differently, so each forward pass gets a ``RowMap``: for every
 token row of that pass (in the engine's own order), the sequence and position
 it holds, and whether it is a real token (padding and foreign requests are not).
 
-* **HF full forward** ``[B, L, H]`` (``hf_rows``): row ``b * L + l``. The batch's
-  sequence indices come from the engine (``Engine._begin_pass``), positions from
+* **A padded batch** ``[B, L, H]`` (``padded_rows``: HF's full forward): row ``b * L + l``.
+  The batch's sequence indices come from the engine (``Engine._begin_pass``), positions from
   ``position_ids``, and ``attention_mask`` marks padding (left or right).
-* **HF KV-cache decode** ``[B, 1, H]``: the same function. Only the last ``L``
+* **A padded KV-cache decode step** ``[B, 1, H]``: the same function. Only the last ``L``
   columns of the (growing) attention mask belong to the step's tokens; rows
   fed after a sequence ended (the engine keeps decoding a pad token for rows
   whose response is shorter) have a position past the sequence and are dropped.
-* **vLLM** ``[num_tokens, H]`` (``vllm_rows``): one flat batch that mixes
+* **A packed batch** ``[num_tokens, H]`` (``packed_rows``: vLLM's): one flat batch that mixes
   prefill chunks and decode tokens of several requests. ``query_start_loc``
   (from the attention metadata in vLLM's forward context) splits it into one
   segment per request, in the order of the model runner's ``input_batch.req_ids``;
@@ -64,13 +64,13 @@ class RowMap:
         return int(self.valid.sum())
 
 
-def hf_rows(
+def padded_rows(
     batch: Sequence[int],
     position_ids: Any,
     attention_mask: Any | None,
     lengths: Sequence[int],
 ) -> RowMap:
-    """Row map of an HF forward over ``[B, L]`` tokens (full forward or a decode step).
+    """Row map of a padded forward over ``[B, L]`` tokens (full forward or a decode step).
 
     ``batch[b]`` is the scan's index of row ``b``; ``lengths[s]`` is sequence
     ``s``'s total length (prompt + response, or prompt + the response length to
@@ -81,7 +81,7 @@ def hf_rows(
         pos = pos[None, :]
     b, length = pos.shape
     if len(batch) != b:
-        raise ValueError(f"HF forward has {b} rows but the engine announced {len(batch)} sequences")
+        raise ValueError(f"the forward has {b} rows but the engine announced {len(batch)} sequences")
     seq = np.repeat(np.asarray(batch, dtype=np.int64), length).reshape(b, length)
     if attention_mask is not None:
         valid = attention_mask[:, -length:].detach().cpu().numpy().astype(bool)
@@ -93,7 +93,8 @@ def hf_rows(
 
 
 def request_index(req_id: str, request_base: int, count: int) -> int:
-    """The scan's sequence index of a vLLM request id, or -1 if it is not from this call."""
+    """The scan's sequence index of a serving engine's request id (``"<counter>-<suffix>"``), or -1 if it is
+    not from this call."""
     head = str(req_id).split("-", 1)[0]
     if not head.isdigit():
         return -1
@@ -101,7 +102,7 @@ def request_index(req_id: str, request_base: int, count: int) -> int:
     return i if 0 <= i < count else -1
 
 
-def vllm_rows(
+def packed_rows(
     positions: Any,
     query_start_loc: Any,
     req_ids: Sequence[str],
@@ -109,7 +110,7 @@ def vllm_rows(
     request_base: int,
     lengths: Sequence[int],
 ) -> RowMap:
-    """Row map of one vLLM forward over a flattened ``[num_tokens]`` batch.
+    """Row map of one packed forward over a flattened ``[num_tokens]`` batch (request r's rows: ``qsl[r]:qsl[r + 1]``).
 
     ``sequences[i]`` is the scan's index of the i-th prompt of the current
     ``generate`` call (usually ``i``).

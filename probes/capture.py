@@ -1,10 +1,12 @@
 """Capture a model's boundaries in the user's own process, on any rank, into a bundle.
 
-``Capture`` is a context manager around the user's forward passes on an HF
-``nn.Module`` as it is, or wrapped with FSDP2 (``fully_shard``) or DTensor tensor
-parallel (``parallelize_module``). It runs the same ``Recorder`` a scan runs on
-logdiff's own engines, with the same adapter taps, and sends what it records to
-a ``BundleSink`` instead of a store or a comparer:
+``Capture`` is a context manager around the user's forward passes on an
+``nn.Module`` (an HF model as it is, or wrapped with FSDP2 (``fully_shard``) or
+DTensor tensor parallel (``parallelize_module``); a vLLM worker's model). It runs
+the same ``Recorder`` a scan runs on logdiff's own engines, through a *view* of
+the engine that owns the model (``module()``, ``probes()``: the engine's taps and
+rows; ``logdiff.engines.hf.capture``, ``logdiff.engines.vllm.capture``), and
+sends what it records to a ``BundleSink`` instead of a store or a comparer:
 
 * every top-level forward is a *step*; each of its batch rows becomes a new
   capture sequence (alignment across bundles is by token ids, later);
@@ -54,28 +56,6 @@ class _Sequence:
         self.prompt_ids, self.response_ids = ids, []
 
 
-class _ModelView:
-    """What ``Recorder`` needs of an engine, for a bare HF model: its module, its probe family, a log_softmax
-    (float32 ``log_softmax`` unless the trainer gives its own: a temperature, a consistent kernel)."""
-
-    probe_family = "hf"
-    listener: Any = None
-
-    def __init__(self, model: Any, log_softmax: Callable[[Any], Any] | None = None):
-        self._model = model
-        self._log_softmax = log_softmax
-
-    def module(self) -> Any:
-        return self._model
-
-    def _logprobs(self, logits: Any) -> Any:
-        if self._log_softmax is not None:
-            return self._log_softmax(logits)
-        import torch
-
-        return torch.log_softmax(logits.float(), dim=-1)
-
-
 class BundleSink:
     """Receives the recorder's rows of one step and writes them with their placements."""
 
@@ -96,9 +76,8 @@ class BundleSink:
 class Capture:
     """``with Capture(model, out_dir, role, layout): model(ids)`` records every forward into a bundle."""
 
-    def __init__(self, model: Any, out_dir: str | Path, role: str, layout: ParallelLayout | None = None,
-                 meta: dict[str, Any] | None = None, log_softmax: Callable[[Any], Any] | None = None,
-                 window: Window | None = None):
+    def __init__(self, model: Any, view: Any, out_dir: str | Path, role: str, layout: ParallelLayout | None = None,
+                 meta: dict[str, Any] | None = None, window: Window | None = None):
         from logdiff.probes.arch import adapter_of
 
         self.model = model
@@ -109,7 +88,7 @@ class Capture:
         #: each forward's row map where the recorder cannot make it from known sequences (a serving engine's)
         self.rows: Callable[[tuple, dict], Any] | None = None
         self.writer = BundleWriter(out_dir, role, self.layout, meta)
-        self.view = _ModelView(model, log_softmax)
+        self.view = view  # the engine as the recorder asks it: module(), probes(), listener (and _logprobs)
         self.sequences: list[Any] = []
         self.modules = dict(model.named_modules())
         self._placements: dict[str, Placement] = {}

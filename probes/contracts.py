@@ -5,30 +5,57 @@ fingerprints before any numerics. The readers live with their engines
 (``logdiff/engines/hf/contract.py``, ``logdiff/engines/vllm/contract.py``); what
 they share is here: the tensor ``fingerprint`` (dtype-exact), the sampler's
 settings, how a norm spells its eps and how vLLM spells "no window", the
-dtype a widened tensor is compared at, and vLLM's RoPE class names (which the
-architecture adapters read too).
+dtype a widened tensor is compared at, and ``ContractExtras``, the registry type
+of the keys only some architectures have.
 
 Values are read from the loaded modules, not from config files, because the
 module is what runs: an ``hf_overrides`` eps shows up as the norm's
 ``variance_epsilon``, a weight-sync bug as a different hash of the loaded tensor.
-Where each value sits in an engine's module tree is the architecture adapter's
-knowledge (``logdiff.probes.arch``).
+Where the generic values sit in a module tree is the architecture adapter's
+knowledge (``logdiff.probes.arch``: ``layers``, ``attention``, ``embed``, ...).
+The keys only some architectures have (soft caps, routing rules, per-layer RoPE
+bases) sit in places each engine's model code chooses, so each engine folder
+holds one ``ContractExtras`` (``logdiff/engines/<engine>/contract_extras.py``):
+a reader per adapter ``name``, called with the adapter and the loaded model. A
+new engine brings its own registry (or extends its parent's) and changes no adapter.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-#: vLLM rotary-embedding class -> the HF ``rope_type`` it implements
-VLLM_ROPE_TYPES = {
-    "RotaryEmbedding": "default",
-    "Llama3RotaryEmbedding": "llama3",
-    "LinearScalingRotaryEmbedding": "linear",
-    "DynamicNTKScalingRotaryEmbedding": "dynamic",
-    "YaRNScalingRotaryEmbedding": "yarn",
-    "DeepseekScalingRotaryEmbedding": "yarn",  # DeepSeek-V2/V3's yarn (rope_type deepseek_yarn inside vLLM)
-}
+#: one engine's reader of an architecture's own contract keys: ``(adapter, loaded model) -> {key: value}``
+ContractReader = Callable[[Any, Any], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ContractExtras:
+    """The contract keys one engine reads for the architectures that have keys of their own.
+
+    ``readers`` maps an adapter's ``name`` (``gemma2``, ``deepseek-v3``) to its
+    reader; an adapter without an entry (every plain ``DecoderAdapter``) has no
+    keys beyond the generic ones. A reader may call the adapter's engine-neutral
+    helpers (``layers``, ``attention``, ``embed``, ...). Its keys are merged over
+    the generic contract, so a reader may also correct a generic key.
+    """
+
+    readers: Mapping[str, ContractReader] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "readers", MappingProxyType(dict(self.readers)))
+
+    def read(self, adapter: Any, model: Any) -> dict[str, Any]:
+        """The keys of ``adapter``'s own reader on the loaded ``model``; {} for an adapter without one."""
+        reader = self.readers.get(adapter.name)
+        return dict(reader(adapter, model)) if reader is not None else {}
+
+    def extended(self, readers: Mapping[str, ContractReader]) -> ContractExtras:
+        """This registry with ``readers`` added or replaced: a derived engine's registry."""
+        return ContractExtras({**self.readers, **readers})
 
 
 def fingerprint(tensor: Any) -> str:

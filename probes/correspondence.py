@@ -9,14 +9,19 @@ activation ``model.layers.N.mlp.act_mul``, then ``logits`` and ``log_softmax``.
 A ``CorrespondenceMap`` lists the boundaries in *semantic execution order*
 (the order the math happens in one token's forward, not the order hooks fire
 in, and never alphabetical), each with the boundaries that feed it; that is what
-"first divergence" and "inputs equal" are measured against. It also lists the
-*taps*: where each engine exposes each boundary, and ``functions``: the
-boundaries HF computes in plain functions the recorder wraps.
+"first divergence" and "inputs equal" are measured against. It also holds
+``functions`` (the boundaries HF computes in plain functions the recorder wraps)
+and the config it was built from. It names no engine.
 
-The maps themselves come from the architecture adapters (probes/arch/: what
-each engine calls each module, how vLLM's fusions are undone); this module
-holds only the data types and the lookup. For an architecture without an
-adapter, ``fallback`` hooks every leaf module on both sides under its own name;
+The boundaries come from the architecture adapters (probes/arch/); *where* an
+engine's modules expose them (its ``Tap``s) is the engine's own knowledge: each
+engine folder's ``taps.py`` (``logdiff/engines/hf/taps.py``,
+``logdiff/engines/vllm/taps.py``) holds one ``TapMapping``, a default builder for
+the Llama-like ``DecoderAdapter`` plus one builder per adapter ``name`` that
+differs, each called with the adapter and the map's config. A new engine brings
+its own mapping (or extends its parent's: ``TapMapping.extended``) and changes no
+adapter. For an architecture without an adapter, ``fallback`` builds an unmapped
+map and every ``TapMapping`` hooks every leaf module under its own name;
 boundaries whose names exist on only one side are reported as unaligned and the
 order is the observed execution order.
 """
@@ -24,8 +29,9 @@ order is the observed execution order.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 #: kinds of boundary; replay in replay.py dispatches on them
@@ -78,13 +84,13 @@ class Tap:
 
 @dataclass
 class CorrespondenceMap:
-    """Boundaries in semantic order plus each engine family's taps."""
+    """Boundaries in semantic order, for one model config (engines find them with their ``TapMapping``)."""
 
     architecture: str
     boundaries: list[Boundary]
-    taps: dict[str, list[Tap]]  # engine family ("hf", "vllm") -> taps
     num_layers: int
     mapped: bool = True  # False for the name-matching fallback
+    config: Mapping[str, Any] = field(default_factory=dict)  # the HF config the map was built from
     functions: dict[str, str] = field(default_factory=dict)  # role (rope_q, rope_k, attn_core) -> "...{N}..."
     rope_function: str = "apply_rotary_pos_emb"  # the modeling module's RoPE function the HF recorder wraps
     #: the adapter's replay of an attention core not fed by q/k/v boundaries (MLA), or None;
@@ -128,6 +134,48 @@ class CorrespondenceMap:
 #: the fallback names HF's ``lm_head`` output like the synthetic boundary vLLM's logits processor feeds
 FALLBACK_RENAMES = {"lm_head": "logits"}
 
+#: an unmapped map's taps on every engine: each module's (first) output under the module's own name
+LEAF_TAPS = (Tap(r"(?P<name>.+)", "output", "first", ("{name}",)),)
+
+#: an engine's taps for one adapter and one model config: ``(adapter, config) -> taps``
+TapBuilder = Callable[[Any, Mapping[str, Any]], Sequence[Tap]]
+
+
+@dataclass(frozen=True)
+class TapMapping:
+    """Where one engine's modules expose the adapters' boundaries.
+
+    ``default`` builds the taps of an adapter with no entry in ``builders`` (the
+    Llama-like ``DecoderAdapter``); ``builders`` maps an adapter's ``name``
+    (``gemma2``, ``deepseek-v3``) to its own builder. Builders read only the
+    adapter's engine-neutral attributes (``moe_block``, ...) and the config.
+    """
+
+    default: TapBuilder
+    builders: Mapping[str, TapBuilder] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "builders", MappingProxyType(dict(self.builders)))
+
+    def taps(self, cmap: CorrespondenceMap) -> list[Tap]:
+        """This engine's taps for ``cmap``: the leaf taps for an unmapped map, else its adapter's builder's."""
+        if not cmap.mapped:
+            return list(LEAF_TAPS)
+        from logdiff.probes.arch import find
+
+        adapter = find(cmap.architecture)
+        if adapter is None:
+            raise LookupError(f"no adapter registered for {cmap.architecture!r}: its taps are unknown")
+        return list(self.builder_for(adapter.name)(adapter, cmap.config))
+
+    def builder_for(self, name: str) -> TapBuilder:
+        """The builder of the adapter called ``name`` (the default where it has none of its own)."""
+        return self.builders.get(name, self.default)
+
+    def extended(self, builders: Mapping[str, TapBuilder], default: TapBuilder | None = None) -> TapMapping:
+        """This mapping with ``builders`` added or replaced (and another ``default``): a derived engine's mapping."""
+        return TapMapping(default or self.default, {**self.builders, **builders})
+
 
 class _AdapterMaps(Mapping[str, Callable[[str, dict[str, Any]], CorrespondenceMap]]):
     """HF architecture -> map builder, read from the registered adapters (probes/arch/) on use."""
@@ -160,11 +208,11 @@ def fallback(architecture: str, config: dict[str, Any]) -> CorrespondenceMap:
     """Name-matching map: every leaf module's (first) output under its own name.
 
     The boundary list starts empty; the recorder adds names in the order it
-    observes them. ``log_softmax`` and ``logits`` keep their engine-level taps.
+    observes them. The map holds no taps: every engine's ``TapMapping`` gives an
+    unmapped map ``LEAF_TAPS``. ``log_softmax`` and ``logits`` keep their engine-level taps.
     """
-    leaf = [Tap(r"(?P<name>.+)", "output", "first", ("{name}",))]
     n_layers = int(config.get("num_hidden_layers", 0) or 0)
-    return CorrespondenceMap(architecture, [], {"hf": leaf, "vllm": leaf}, n_layers, mapped=False)
+    return CorrespondenceMap(architecture, [], n_layers, mapped=False, config=config)
 
 
 def layer_of(name: str) -> int | None:

@@ -92,10 +92,19 @@ class DiffSummary:
     nonfinite_at: tuple[int, int] | None = None  # (sequence, position) of the first row holding one
     #: compared by row sketches only: ``elements`` counts rows and ``max_abs_diff`` is a lower bound
     sketched: bool = False
+    #: fold chunks without a host sync (``device_summary``); automatic for a live side on an accelerator
+    on_device: bool = False
     per_position: np.ndarray = field(init=False)
+    _pending: Any = field(default=None, init=False, repr=False)  # ``DeviceChunks`` not yet settled
 
     def __post_init__(self) -> None:
         self.per_position = np.full(self.max_positions, np.nan, dtype=np.float32)
+
+    def settle(self) -> DiffSummary:
+        """Fold what ``update`` left on the device into the fields (one transfer); returns self."""
+        if self._pending is not None:
+            self._pending.settle(self)
+        return self
 
     def update(self, ref: Any, other: Any, seq: np.ndarray, pos: np.ndarray) -> None:
         """Fold in ``[rows, width]`` values of both paths for the given sequences/positions."""
@@ -105,10 +114,16 @@ class DiffSummary:
             raise ValueError(f"shape mismatch {tuple(ref.shape)} vs {tuple(other.shape)}")
         if ref.numel() == 0:
             return
-        if other.device != ref.device:  # a stored side (CPU) against a live one on an accelerator
-            other = other.to(ref.device)
         dt = coarser(dtype_name(ref.dtype), dtype_name(other.dtype))
         self.dtype = dt if self.dtype is None else coarser(self.dtype, dt)
+        if self.on_device or other.device.type != "cpu":  # a live side on an accelerator: stay there
+            from logdiff.probes.device_summary import DeviceChunks
+
+            if self._pending is None:
+                self._pending = DeviceChunks(self.max_positions, other.device)
+            work = torch.float32 if dt in ("bfloat16", "float16") and self._narrow(ref, other) else torch.float64
+            self._pending.fold(ref, other, seq, pos, dt, work)
+            return
         if ref.dtype == other.dtype and torch.equal(ref, other):  # the common case, in two passes
             n, rows = ref.numel(), ref.shape[0]
             self.elements += n
@@ -266,13 +281,27 @@ class PathComparer:
     def __init__(self, store: Any, max_len: int):
         self.store = store
         self.max_len = max_len
-        self.summaries: dict[str, DiffSummary] = {}
-        self.local: dict[str, DiffSummary] = {}
+        self._summaries: dict[str, DiffSummary] = {}
+        self._local: dict[str, DiffSummary] = {}
         self.order: list[str] = []  # first-seen order on the live path
         self._seen: set[str] = set()
         self.not_stored: set[str] = set()
         self.replay_skipped: dict[str, str] = {}
         self.wants_replay = True
+
+    @property
+    def summaries(self) -> dict[str, DiffSummary]:
+        """Each boundary's comparison so far (settled: what stayed on the device is read back first)."""
+        for summary in self._summaries.values():
+            summary.settle()
+        return self._summaries
+
+    @property
+    def local(self) -> dict[str, DiffSummary]:
+        """Each replayed boundary's local error so far (settled like ``summaries``)."""
+        for summary in self._local.values():
+            summary.settle()
+        return self._local
 
     def emit(self, name: str, rows: Any, rmap: Any, replay: Any = None) -> None:
         """Compare ``rows`` (``[len(rmap), width]``) with the stored path's rows."""
@@ -293,9 +322,9 @@ class PathComparer:
         here = stored.has(seq, pos)
         if not here.any():
             return
-        summ = self.summaries.get(name)
+        summ = self._summaries.get(name)
         if summ is None:
-            summ = self.summaries[name] = DiffSummary(self.max_len)
+            summ = self._summaries[name] = DiffSummary(self.max_len)
         self._fold(summ, stored, rows, idx[here], seq[here], pos[here])
         if replay is not None:
             self._replay(name, stored, rmap, replay)
@@ -305,7 +334,7 @@ class PathComparer:
         rows were compared: bitwise equality per row, differences as lower bounds."""
         from logdiff.probes.sketch import SUFFIX
 
-        summ = self.summaries.get(name)
+        summ = self._summaries.get(name)
         stored = self.store.get(name + SUFFIX)
         if stored is None or (summ is not None and not summ.sketched):
             return
@@ -319,7 +348,7 @@ class PathComparer:
         if not len(idx):
             return
         if summ is None:
-            summ = self.summaries[name] = DiffSummary(self.max_len, sketched=True)
+            summ = self._summaries[name] = DiffSummary(self.max_len, sketched=True)
         seq, pos = rmap.seq[idx], rmap.pos[idx]
         summ.update_sketches(stored.read(seq, pos).numpy(), rows[idx].numpy(), seq, pos)
 
@@ -329,9 +358,17 @@ class PathComparer:
         step = max(1, CHUNK_ELEMENTS // max(1, int(live.shape[1])))
         first = int(idx[0]) if len(idx) else 0
         contiguous = len(idx) > 0 and int(idx[-1]) - first == len(idx) - 1  # a slice, not a gather
+        on_host = live.device.type == "cpu"
         for a in range(0, len(idx), step):
             b = min(a + step, len(idx))
-            rows = live[first + a : first + b] if contiguous else live[idx[a:b]]
+            if contiguous:
+                rows = live[first + a : first + b]
+            elif on_host:
+                rows = live[idx[a:b]]
+            else:  # a gather on an accelerator, its index sent there first (indexing by a host array syncs)
+                from logdiff.probes.device_summary import to_device
+
+                rows = live[to_device(idx[a:b], live.device)]
             summ.update(stored.read(seq[a:b], pos[a:b]), rows, seq[a:b], pos[a:b])
 
     def _replay(self, name: str, stored: Any, rmap: Any, spec: Any) -> None:
@@ -359,7 +396,7 @@ class PathComparer:
             out = spec.run(xs)
         out_rows = spec.out_layout.to_rows(out, n)
         oidx = np.nonzero(ok)[0]
-        local = self.local.get(name)
+        local = self._local.get(name)
         if local is None:
-            local = self.local[name] = DiffSummary(self.max_len)
+            local = self._local[name] = DiffSummary(self.max_len)
         self._fold(local, stored, out_rows, oidx, rmap.seq[oidx], rmap.pos[oidx])

@@ -138,7 +138,7 @@ def test_vllm_ascend_is_registered_and_unavailable_in_one_line_without_torch_npu
 
     assert "vllm-ascend" in engine_names()
     cls = get_engine("vllm-ascend")
-    assert issubclass(cls, VLLMEngine) and cls.probe_family == VLLMEngine.probe_family
+    assert issubclass(cls, VLLMEngine) and cls.tap_mapping is VLLMEngine.tap_mapping
     if importlib.util.find_spec("torch_npu") is not None:
         pytest.skip("torch_npu is installed here")
     with pytest.raises(EngineUnavailable) as err:

@@ -57,7 +57,8 @@ def test_kv_b_proj_fault_is_blamed_on_the_latent_attention(demo_model: Callable[
     """vLLM absorbs kv_b_proj into its MLA op: a stale up-projection is found at the attention that reads it."""
     model = demo_model("deepseek-v2")
     name = "model.layers.1.self_attn.kv_b_proj.weight"
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, lambda w: w * 1.5), **SMALL)
+    stale = stale_checkpoint(model, tmp_path, name, lambda w: w * 1.5)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale, **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = [c for c in r["causes"] if c["class"] == "framework_difference" and c["kind"] == "weights"]
     assert [c["boundary"] for c in blamed] == ["model.layers.1.self_attn.latent_attn"], blamed
@@ -69,7 +70,8 @@ def test_shared_expert_fault_is_blamed_on_its_projection(demo_model: Callable[[s
     """A stale shared-expert weight (vLLM packs gate/up) is named at the shared expert's own projection."""
     model = demo_model("deepseek-v2")
     name = "model.layers.2.mlp.shared_experts.up_proj.weight"
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, lambda w: w * 1.5), **SMALL)
+    stale = stale_checkpoint(model, tmp_path, name, lambda w: w * 1.5)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale, **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = [c for c in r["causes"] if c["class"] == "framework_difference" and c["kind"] == "weights"]
     assert [c["boundary"] for c in blamed] == ["model.layers.2.mlp.shared_experts.up_proj"], blamed
@@ -88,7 +90,8 @@ def test_rms_norm_eps_set_on_both_sides_still_differs_in_the_latent_norm(demo_mo
     assert r["contracts"]["differs"] == ["latent_norm_eps"], r["contracts"]["differs"]
     assert (r["contracts"]["train"]["latent_norm_eps"], r["contracts"]["infer"]["latent_norm_eps"]) == (1e-6, 1e-5)
     blamed = [c for c in r["causes"] if "latent_norm_eps" in c.get("differs", [])]
-    assert blamed and {c["boundary"] for c in blamed} <= {f"model.layers.{n}.self_attn.kv_a_layernorm" for n in range(4)}
+    latent_norms = {f"model.layers.{n}.self_attn.kv_a_layernorm" for n in range(4)}
+    assert blamed and {c["boundary"] for c in blamed} <= latent_norms
     assert all(c["class"] == "framework_difference" for c in blamed), blamed
 
 
@@ -109,13 +112,16 @@ def test_v3_correction_bias_fault_is_a_router_weight(demo_model: Callable[[str],
     assert r["contracts"]["weights"]["differs"] == [name]
     assert r["contracts"]["train"]["scoring_func"] == r["contracts"]["infer"]["scoring_func"] == "sigmoid"
     blamed = {c["boundary"]: c for c in r["causes"] if c["class"] == "framework_difference" and c["kind"] == "weights"}
-    assert set(blamed) <= {"model.layers.2.mlp.gate", "model.layers.2.mlp"} and "model.layers.2.mlp.gate" in blamed, blamed
+    assert set(blamed) <= {"model.layers.2.mlp.gate", "model.layers.2.mlp"}, blamed
+    assert "model.layers.2.mlp.gate" in blamed, blamed
     assert blamed["model.layers.2.mlp.gate"]["differs"] == [name]
 
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("arch", ["deepseek-v2", "deepseek-v3"])
-def test_consistent_vllm_runs_every_mla_layer_from_the_latent_cache(demo_model: Callable[[str], Path], arch: str) -> None:
+def test_consistent_vllm_runs_every_mla_layer_from_the_latent_cache(
+    demo_model: Callable[[str], Path], arch: str
+) -> None:
     """Every MLAAttention's forward_impl is the latent kernel (its absorbed decode and SDPA prefill are not
     reached); the wrapper's own children (q/kv projections, latent norm, RoPE, o_proj) are planned kernels."""
     from logdiff.engines.base import EngineSpec, acquire
@@ -403,6 +409,7 @@ def test_hf_decode_scan_records_every_mla_boundary(demo_model: Callable[[str], P
 
 def test_adapter_maps_mla_weights_to_the_ops_that_read_them() -> None:
     """Without vLLM: split projections read their projection's weight; kv_b_proj belongs to the attention."""
+    from logdiff.engines.vllm.taps import TAPS as VLLM_TAPS
     from logdiff.probes.arch import adapter_for
 
     ds = adapter_for("DeepseekV2ForCausalLM")
@@ -413,7 +420,9 @@ def test_adapter_maps_mla_weights_to_the_ops_that_read_them() -> None:
     assert ds.weight_boundary(f"{a}.kv_b_proj.weight") == (f"{a}.latent_attn", "attn")
     assert ds.weight_boundary(f"{a}.q_b_proj.weight") == (f"{a}.q_b_proj.nope", "linear")
     # q-LoRA layout: q_a_proj -> q_a_layernorm -> q_b_proj, first layer dense, then MoE with shared experts
-    cmap = ds.correspondence({"num_hidden_layers": 2, "q_lora_rank": 64, "first_k_dense_replace": 1, "n_routed_experts": 4})
+    cmap = ds.correspondence(
+        {"num_hidden_layers": 2, "q_lora_rank": 64, "first_k_dense_replace": 1, "n_routed_experts": 4}
+    )
     order = cmap.order
     assert order.index(f"{a}.q_a_proj") < order.index(f"{a}.q_a_layernorm") < order.index(f"{a}.q_b_proj.pe")
     assert "model.layers.0.mlp.gate" not in order and "model.layers.1.mlp.shared_experts.down_proj" in order
@@ -421,7 +430,7 @@ def test_adapter_maps_mla_weights_to_the_ops_that_read_them() -> None:
     # V3: HF's rope_interleave returns the pairs de-interleaved; vLLM's interleaved output is compared that way
     v3 = adapter_for("DeepseekV3ForCausalLM").correspondence({"num_hidden_layers": 1, "q_lora_rank": 64})
     assert v3.rope_function == "apply_rotary_pos_emb_interleave"
-    assert [t.select for t in v3.taps["vllm"] if t.pattern.endswith("rotary_emb")] == ["pair_deinterleaved"]
+    assert [t.select for t in VLLM_TAPS.taps(v3) if t.pattern.endswith("rotary_emb")] == ["pair_deinterleaved"]
     assert adapter_for("DeepseekV3ForCausalLM").contract_keys("model.layers.1.mlp.gate", "router")[1][-1] == (
         "model.layers.1.mlp.gate.e_score_correction_bias"
     )
@@ -432,7 +441,7 @@ def test_deinterleaved_vllm_rope_equals_hfs_interleave_layout() -> None:
     import torch
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
-    from logdiff.probes.record import deinterleave
+    from logdiff.probes.selection import deinterleave
 
     torch.manual_seed(0)
     q, k = torch.randn(1, 4, 6, 64), torch.randn(1, 1, 6, 64)

@@ -23,6 +23,7 @@ SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modul
 
 def test_adapter_places_qk_norms_between_projections_and_rope() -> None:
     """Without vLLM: each rope reads its norm, HF's norms are read heads-first, the new keys have their ops."""
+    from logdiff.engines.hf.taps import TAPS as HF_TAPS
     from logdiff.probes.arch import adapter_for
 
     gemma3 = adapter_for("Gemma3ForCausalLM")
@@ -30,11 +31,11 @@ def test_adapter_places_qk_norms_between_projections_and_rope() -> None:
     a = "model.layers.1.self_attn"
     assert cmap.get(f"{a}.q_norm").inputs == (f"{a}.q_proj",)
     assert cmap.get(f"{a}.rope_q").inputs == (f"{a}.q_norm",) and cmap.get(f"{a}.rope_k").inputs == (f"{a}.k_norm",)
-    hf = {t.pattern: t.select for t in cmap.taps["hf"]}
+    hf = {t.pattern: t.select for t in HF_TAPS.taps(cmap)}
     assert hf[r"model\.layers\.{N}\.self_attn\.q_norm"] == "heads_first"
     assert hf[r"lm_head"] == "tensor"  # no final soft cap: replayable logits
     capped = gemma3.correspondence({"num_hidden_layers": 2, "final_logit_softcapping": 30.0})
-    assert "logits_field" in {t.select for t in capped.taps["hf"]}  # a final cap: the model output's logits
+    assert "logits_field" in {t.select for t in HF_TAPS.taps(capped)}  # a final cap: the model output's logits
     assert gemma3.contract_keys(f"{a}.q_norm", "norm") == (["qk_norm_eps"], [f"{a}.q_norm.weight"])
     assert "rope_local_base_freq" in gemma3.contract_keys(f"{a}.rope_q", "rope")[0]
     assert "layer_types" in gemma3.contract_keys(f"{a}.attn_core", "attn")[0]
@@ -75,6 +76,7 @@ def test_vllm_reader_takes_each_layer_types_base_from_its_own_layers() -> None:
     """Without vLLM: a stand-in of vLLM's module tree whose sliding layers rotate with another base reads so."""
     from types import SimpleNamespace as NS
 
+    from logdiff.engines.vllm.contract_extras import EXTRAS
     from logdiff.probes.arch import adapter_for
 
     def layer(window: int, base: float) -> NS:
@@ -87,7 +89,7 @@ def test_vllm_reader_takes_each_layer_types_base_from_its_own_layers() -> None:
         return NS(model=NS(layers=layers, embed_tokens=embed, normalizer=None), logits_processor=NS(soft_cap=None))
 
     gemma3 = adapter_for("Gemma3ForCausalLM")
-    right, wrong = gemma3.contract_extras(model(1e4), "vllm"), gemma3.contract_extras(model(2e4), "vllm")
+    right, wrong = EXTRAS.read(gemma3, model(1e4)), EXTRAS.read(gemma3, model(2e4))
     assert right["rope_local_base_freq"] == 1e4 and wrong["rope_local_base_freq"] == 2e4
     assert right["rope_theta"] == wrong["rope_theta"] == 1e6
     assert right["layer_types"] == "sliding,full,sliding,full"

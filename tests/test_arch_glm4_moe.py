@@ -25,6 +25,7 @@ from plants import stale_checkpoint
 
 import logdiff
 from logdiff.diagnosis import routing
+from logdiff.engines.vllm.taps import TAPS as VLLM_TAPS
 from logdiff.probes.arch import adapter_for
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
@@ -42,11 +43,12 @@ def test_layer_zero_is_dense_and_moe_layers_read_their_shared_expert() -> None:
     assert "model.layers.0.mlp.gate_proj" in names and "model.layers.0.mlp.gate" not in names
     assert "model.layers.1.mlp.gate" in names and "model.layers.1.mlp.gate_proj" not in names
     shared = "model.layers.1.mlp.shared_experts"
-    assert [n for n in names if n.startswith(shared)] == [f"{shared}.{p}" for p in ("gate_proj", "up_proj", "act_mul", "down_proj")]
+    parts = ("gate_proj", "up_proj", "act_mul", "down_proj")
+    assert [n for n in names if n.startswith(shared)] == [f"{shared}.{p}" for p in parts]
     block = cmap.get("model.layers.1.mlp")
     assert block.kind == "moe" and block.inputs == ("model.layers.1.post_attention_layernorm", f"{shared}.down_proj")
     # vLLM's runner calls the shared expert through its wrapper: both call names are tapped
-    vllm = [t.regex() for t in cmap.taps["vllm"] if "shared_experts" in t.pattern and "gate_up" in t.pattern]
+    vllm = [t.regex() for t in VLLM_TAPS.taps(cmap) if "shared_experts" in t.pattern and "gate_up" in t.pattern]
     calls = (".shared_experts", ".experts._shared_experts._layer")
     assert vllm and all(rx.match(f"model.layers.1.mlp{c}.gate_up_proj") for rx in vllm for c in calls)
 
@@ -56,7 +58,8 @@ def test_the_correction_bias_is_a_router_weight_and_the_rule_is_contract() -> No
     keys, weights = glm.contract_keys("model.layers.2.mlp.gate", "router")
     assert {"scoring_func", "n_group", "topk_group", "routed_scaling_factor", "num_experts_per_tok"} <= set(keys)
     assert "model.layers.2.mlp.gate.e_score_correction_bias" in weights
-    assert glm.weight_boundary("model.layers.2.mlp.gate.e_score_correction_bias") == ("model.layers.2.mlp.gate", "router")
+    bias = "model.layers.2.mlp.gate.e_score_correction_bias"
+    assert glm.weight_boundary(bias) == ("model.layers.2.mlp.gate", "router")
     assert glm.weight_boundary("model.layers.1.mlp.shared_experts.up_proj.weight") == (
         "model.layers.1.mlp.shared_experts.up_proj", "linear")  # fmt: skip
     assert "rotary_dim" in glm.contract_keys("model.layers.0.self_attn.rope_q", "rope")[0]
@@ -202,7 +205,8 @@ def test_vllm_bias_fault_is_a_routing_weights_difference(demo_model: Callable[[s
         bias[6] += 1.0
         return bias
 
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, favour_expert_6), **SMALL)
+    stale = stale_checkpoint(model, tmp_path, name, favour_expert_6)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale, **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     layers = {s["layer"]: s for s in r["moe"]["layers"]}
     assert layers[2]["flips"] > 0, layers[2]
@@ -238,10 +242,13 @@ def test_consistent_vllm_patches_the_shared_expert_and_the_grouped_router(demo_m
 
 
 @pytest.mark.vllm
-def test_vllm_shared_expert_fault_is_found_behind_the_packed_gate_up(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
+def test_vllm_shared_expert_fault_is_found_behind_the_packed_gate_up(
+    demo_model: Callable[[str], Path], tmp_path: Path
+) -> None:
     model = demo_model("glm4-moe")
     name = "model.layers.1.mlp.shared_experts.up_proj.weight"
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, lambda w: w + 0.05), **SMALL)
+    stale = stale_checkpoint(model, tmp_path, name, lambda w: w + 0.05)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale, **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = {c["boundary"]: c for c in r["causes"] if c["class"] == "framework_difference"}
     # the shared expert's own op, and the block whose HF replay reruns it: both for this weight

@@ -20,6 +20,7 @@ import torch
 from plants import stale_checkpoint
 
 import logdiff
+from logdiff.engines.vllm.taps import TAPS as VLLM_TAPS
 from logdiff.probes.arch import adapter_for
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
@@ -43,8 +44,9 @@ def test_adapter_puts_sinks_in_the_attention_core_and_names_the_router() -> None
     assert gpt.hf_name("model.embedding.weight") == "model.embed_tokens.weight"
     assert gpt.hf_name("model.layers.3.attn.sinks") == "model.layers.3.self_attn.sinks"
     assert gpt.hf_name("model.layers.3.attn.q_proj.bias") == "model.layers.3.self_attn.q_proj.bias"
-    assert gpt.hf_name("model.layers.0.mlp.experts.routed_experts.w2_bias") == "model.layers.0.mlp.experts.down_proj_bias"
-    vllm = {t.pattern: t.names for t in cmap.taps["vllm"]}
+    w2_bias = "model.layers.0.mlp.experts.routed_experts.w2_bias"
+    assert gpt.hf_name(w2_bias) == "model.layers.0.mlp.experts.down_proj_bias"
+    vllm = {t.pattern: t.names for t in VLLM_TAPS.taps(cmap)}
     assert vllm[r"model\.layers\.{N}\.attn\.attn"] == ("model.layers.{N}.self_attn.attn_core",)
 
 
@@ -66,8 +68,9 @@ def test_vllm_reader_takes_each_layers_window_from_its_backend() -> None:
         return NS(attn=NS(attn=NS(impl=NS(sliding_window=window))))
 
     model = NS(model=NS(layers=[layer(8), layer(8), layer(8), layer(None)]))
-    gpt = adapter_for("GptOssForCausalLM")
-    extras = gpt.contract_extras(model, "vllm")
+    from logdiff.engines.vllm.contract_extras import EXTRAS
+
+    extras = EXTRAS.read(adapter_for("GptOssForCausalLM"), model)
     assert extras["layer_types"] == "sliding,sliding,sliding,full"
     assert (extras["swiglu_alpha"], extras["swiglu_limit"]) == (1.702, 7.0)
 
@@ -174,7 +177,8 @@ def test_a_stale_sink_is_blamed_on_the_attention_core(demo_model: Callable[[str]
     """vLLM's attention kernel reads a sink 1.0 higher for layer 1: found there, as a weight, nowhere earlier."""
     model = demo_model("gpt-oss")
     name = "model.layers.1.self_attn.sinks"
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, lambda s: s + 1.0), **SMALL)
+    stale = stale_checkpoint(model, tmp_path, name, lambda s: s + 1.0)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale, **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = [c for c in r["causes"] if c["class"] == "framework_difference"]
     assert [c["boundary"] for c in blamed] == ["model.layers.1.self_attn.attn_core"], blamed
@@ -192,7 +196,8 @@ def test_a_stale_router_bias_flips_experts_and_is_blamed_on_the_router(
         bias[5] += 4.0
         return bias
 
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale_checkpoint(model, tmp_path, name, favour_expert_5), **SMALL)
+    stale = stale_checkpoint(model, tmp_path, name, favour_expert_5)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=stale, **SMALL)
     assert r["contracts"]["weights"]["differs"] == [name]
     blamed = {c["boundary"]: c for c in r["causes"] if c["class"] == "framework_difference"}
     assert "model.layers.2.mlp.router" in blamed, blamed

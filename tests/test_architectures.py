@@ -154,6 +154,7 @@ def test_phi3_fault_in_hfs_packed_qkv_is_localized_to_k(demo_model: Callable[[st
 
 def test_phi3_adapter_reads_hfs_packed_weights_per_split_boundary() -> None:
     """Without vLLM: each split boundary reads its packed tensor, and the tensor is owned by the first part."""
+    from logdiff.engines.hf.taps import TAPS as HF_TAPS
     from logdiff.probes.arch import adapter_for
 
     phi3, llama = adapter_for("Phi3ForCausalLM"), adapter_for("LlamaForCausalLM")
@@ -161,7 +162,8 @@ def test_phi3_adapter_reads_hfs_packed_weights_per_split_boundary() -> None:
     assert phi3.contract_keys(k, "linear")[1] == ["model.layers.2.self_attn.qkv_proj.weight"]
     assert llama.contract_keys(k, "linear")[1] == [f"{k}.weight"]  # control: Llama's are separate
     assert phi3.contract_keys("model.layers.0.mlp.up_proj", "linear")[1] == ["model.layers.0.mlp.gate_up_proj.weight"]
-    assert phi3.weight_boundary("model.layers.2.self_attn.qkv_proj.weight") == ("model.layers.2.self_attn.q_proj", "linear")
-    hf_taps = {t.pattern: t.select for t in phi3.correspondence({"num_hidden_layers": 1}).taps["hf"]}
+    qkv = "model.layers.2.self_attn.qkv_proj.weight"
+    assert phi3.weight_boundary(qkv) == ("model.layers.2.self_attn.q_proj", "linear")
+    hf_taps = {t.pattern: t.select for t in HF_TAPS.taps(phi3.correspondence({"num_hidden_layers": 1}))}
     assert hf_taps[r"model\.layers\.{N}\.self_attn\.qkv_proj"] == "split_qkv"
     assert not any("q_proj" in p and "qkv" not in p for p in hf_taps)

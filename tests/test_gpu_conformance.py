@@ -115,3 +115,29 @@ def test_hf_consistent_on_cuda_is_batch_invariant(qwen3):
         batch = kernels.log_softmax(model(ids).logits)
         alone = kernels.log_softmax(model(ids[2:3]).logits)
     assert torch.equal(batch[2], alone[0])
+
+
+def test_a_comparison_keeps_its_statistics_on_the_device_without_a_sync():
+    """``DiffSummary.update`` of a live side on CUDA never synchronizes (torch's sync debug mode raises on one);
+    settled, it is the summary the host fold gives."""
+    import numpy as np
+
+    from logdiff.probes.summary import DiffSummary
+
+    gen = torch.Generator().manual_seed(5)
+    ref = torch.randn(64, 512, generator=gen).to(torch.bfloat16)
+    live = ref.clone()
+    live[7, 100] += 1.0
+    seq, pos = np.arange(64) // 8, np.arange(64) % 8
+    device = DiffSummary(16)
+    live_cuda = live.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for a in range(0, 64, 16):
+            device.update(ref[a : a + 16], live_cuda[a : a + 16], seq[a : a + 16], pos[a : a + 16])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    host = DiffSummary(16)
+    host.update(ref, live, seq, pos)
+    assert device.settle().to_dict() == host.to_dict()

@@ -158,14 +158,14 @@ def test_vllm_chunked_prefill_and_mixed_batches_align(qwen3: Path, monkeypatch: 
     from logdiff.probes import align
 
     segments: list[list[tuple[int, int]]] = []  # per step: (first position, tokens) of each request
-    real = align.vllm_rows
+    real = align.packed_rows
 
     def spy(positions, qsl, req_ids, *a, **kw):  # type: ignore[no-untyped-def]
         q, p = [int(x) for x in qsl], positions.tolist()
         segments.append([(p[q[i]], q[i + 1] - q[i]) for i in range(len(q) - 1)])
         return real(positions, qsl, req_ids, *a, **kw)
 
-    monkeypatch.setattr(align, "vllm_rows", spy)
+    monkeypatch.setattr(align, "packed_rows", spy)
     r = _scan(qwen3, infer=["vllm"], depth="modules", num_sequences=4, prompt_len=20, response_len=5,
               infer_set={"max_num_batched_tokens": 16, "max_num_seqs": 3})
     assert any(start > 0 and n > 1 for step in segments for start, n in step)  # a prompt continued in chunks

@@ -45,13 +45,15 @@ def test_only_a_smaller_isa_can_be_emulated(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_gemm_kind_names_the_kernel_behind_cpu_linear() -> None:
+    from logdiff.engines.vllm.doctor import gemm_kind
+
     class ops:  # stand-ins with the names vLLM's dispatch closures call
         onednn_mm = weight_packed_linear_cpu = staticmethod(lambda *a: None)
 
     handler = packed = None
-    assert isa.gemm_kind(lambda x, w, b: ops.onednn_mm(handler, x, b)) == "onednn"
-    assert isa.gemm_kind(lambda x, w, b: ops.weight_packed_linear_cpu(x, packed, 4, b)) == "sgl_packed"
-    assert isa.gemm_kind(lambda x, w, b: __import__("torch").nn.functional.linear(x, w, b)) == "torch_linear"
+    assert gemm_kind(lambda x, w, b: ops.onednn_mm(handler, x, b)) == "onednn"
+    assert gemm_kind(lambda x, w, b: ops.weight_packed_linear_cpu(x, packed, 4, b)) == "sgl_packed"
+    assert gemm_kind(lambda x, w, b: __import__("torch").nn.functional.linear(x, w, b)) == "torch_linear"
 
 
 @pytest.mark.vllm

@@ -89,7 +89,7 @@ def test_vllm_router_applies_the_rule_its_contract_reader_reports(groups: tuple[
     """vLLM's CPU router, built as its DeepSeek-V2 block builds it (always grouped), against the rule read from it."""
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
-    from logdiff.probes.arch.decoder import vllm_routing_rule
+    from logdiff.engines.vllm.contract_extras import vllm_routing_rule
 
     router = CPURouter(top_k=2, global_num_experts=8, use_grouped_topk=True, num_expert_group=groups[0],
                        topk_group=groups[1], renormalize=False, scoring_func="softmax")  # fmt: skip

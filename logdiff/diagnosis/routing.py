@@ -12,7 +12,7 @@ DeepSeek-V2 whatever ``topk_method`` says, GLM-4.5, DeepSeek-V3: contract keys
 follows ``kernels.moe_route_grouped``: the best ``topk_group`` groups first,
 then the experts within them, ranked on ``sigmoid(logits) +
 e_score_correction_bias`` where the layer has a bias (each side's own, read
-from its engine: ``router_biases``), and weighted by the unbiased scores,
+from its engine: ``Engine.router_biases``), and weighted by the unbiased scores,
 renormalized, times the scaling.
 
 Per layer: the flip rate (tokens whose expert set differs whichever way each
@@ -189,7 +189,7 @@ def analyze(
 ) -> tuple[dict[str, Any], dict[int, np.ndarray]]:
     """The ``moe`` section (without the replay) and the forced ids per layer for the replay.
 
-    ``biases``: ``{"train": {layer: bias}, "infer": {...}}``, each side's correction biases (``router_biases``).
+    ``biases``: ``{"train": {layer: bias}, "infer": {...}}``, each side's correction biases (``Engine.router_biases``).
     """
     layers, forced = [], {}
     biases = biases or {}
@@ -255,7 +255,7 @@ def replay(
     ``metrics``: the pair's logprob metrics before the replay; ``consistent``: a context
     factory to rerun under (the scan's consistent mode), or None.
     """
-    from logdiff.probes.routing import ForcedIds, forced_routing
+    from logdiff.probes.routing import ForcedIds
 
     masks = [s.response_mask for s in seqs]
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in seqs]
@@ -264,7 +264,7 @@ def replay(
         with contextlib.ExitStack() as stack:
             if consistent is not None:
                 stack.enter_context(consistent())
-            counts = stack.enter_context(forced_routing(engine, ForcedIds(ids, lengths)))
+            counts = stack.enter_context(engine.forced_routing(ForcedIds(ids, lengths)))
             scores = engine.score(seqs)[0]
         return _gap(scores.logprobs, infer_logprobs, masks), counts["forced"]
 
@@ -322,36 +322,15 @@ def diagnose_routing(result: ScanResult, run: Any, cfg: Any, progress: Any) -> J
     config = run.train_engine.loaded_config().to_dict()
     family = getattr(arch, "router_renormalizes", None)
     infer_engine = run.engine_of(pair.infer) if run.infer_engines else None
-    biases = {"train": router_biases(run.train_engine), "infer": router_biases(infer_engine)}
+    biases = {side: engine.router_biases() if engine is not None else {}
+              for side, engine in (("train", run.train_engine), ("infer", infer_engine))}
     found = moe_section(routers, (pair.train, pair.infer), result.contracts, result.causes, config, family, biases)
     if found is None:
         return None
     section, forced = found
-    if forced and run.train_engine.name == "hf":
+    if forced and "forced_routing" in run.train_engine.capabilities:
         progress(f"routing replay: forcing {pair.infer}'s expert choice on {pair.train}", phase="routing_replay")
         infer = next(p for p in run.infers if p.path == pair.infer)
         consistent = (lambda: run.train_engine.consistent(cfg.consistent_kernels)) if cfg.consistent else None
         replay(section, forced, run.train_engine, run.sequences, infer.logprobs, pair.metrics, consistent)
     return section
-
-
-def router_biases(engine: Any) -> dict[int, np.ndarray]:
-    """``{layer: correction bias}`` of the engine's routers (the adapter's ``router_bias``); empty without."""
-    from logdiff.probes.arch import adapter_of
-
-    if engine is None:
-        return {}
-    try:
-        model = engine.module()
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return {}
-    arch = adapter_of(model)
-    reader = getattr(arch, "router_bias", None)
-    if reader is None:
-        return {}
-    out = {}
-    for n, layer in enumerate(arch.layers(model)):
-        bias = reader(layer)
-        if bias is not None:
-            out[n] = bias.detach().float().cpu().numpy()
-    return out

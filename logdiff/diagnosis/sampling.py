@@ -330,34 +330,19 @@ def bos_finding(
 
 
 def reference_logprobs(
-    model: Any, seqs: Sequence[Any], limit: int = MAX_FIT_POSITIONS, prompt: Callable[[list[int]], list[int]] = list
+    engine: Any, seqs: Sequence[Any], limit: int = MAX_FIT_POSITIONS, prompt: Callable[[list[int]], list[int]] = list
 ) -> list[Reference] | None:
-    """The training model's fp32 ``log_softmax`` at the response positions of the first sequences, compressed.
+    """The training engine's fp32 ``log_softmax`` at the response positions of the first sequences, compressed.
 
-    One unpadded teacher-forced forward per sequence (its prompt passed through
-    ``prompt``: the BOS test toggles a BOS), until ``limit`` positions are
-    covered. ``model`` is a transformers causal LM (the training engine's
-    module); anything else gives None: the numbers are then tested for
+    The engine's ``full_logprobs`` (each prompt passed through ``prompt``: the
+    BOS test toggles a BOS), until ``limit`` positions are covered. An engine
+    without that capability gives None: the numbers are then tested for
     alignment only.
     """
-    import torch
-
-    if not callable(model) or not hasattr(model, "config"):
+    if "full_logprobs" not in engine.capabilities:
         return None
-    device = next(model.parameters()).device
-    out: list[Reference] = []
-    total = 0
-    with torch.no_grad():
-        for s in seqs:
-            if total >= limit:
-                break
-            head = prompt(list(s.prompt_ids))
-            p, n = len(head), len(s.response_ids)
-            ids = torch.tensor([head + list(s.response_ids)], device=device)
-            logits = model(input_ids=ids).logits[0, p - 1 : p + n - 1].float()
-            out.append(Reference.of(torch.log_softmax(logits, dim=-1).cpu().numpy(), np.asarray(s.response_ids)))
-            total += n
-    return out
+    full = engine.full_logprobs(list(seqs), limit, prompt)
+    return [Reference.of(lp, np.asarray(s.response_ids)) for lp, s in zip(full, seqs)]
 
 
 # ----------------------------------------------------------------------------- causes
@@ -472,8 +457,7 @@ def _bos_test(run: Any, other: Sequence[np.ndarray], masks: list, ref: list[Refe
 
     The rescored references are computed once per scan (``cache``) and shared by every pair.
     """
-    model = run.train_engine.module()
-    bos = getattr(getattr(model, "config", None), "bos_token_id", None)
+    bos = getattr(run.train_engine.loaded_config(), "bos_token_id", None)
     if bos is None:
         return None
     added = not all(s.prompt_ids[:1] == [bos] and len(s.prompt_ids) > 1 for s in run.sequences)
@@ -482,7 +466,7 @@ def _bos_test(run: Any, other: Sequence[np.ndarray], masks: list, ref: list[Refe
         return [bos, *prompt] if added else prompt[1:]
 
     if "toggled" not in cache:
-        cache["toggled"] = reference_logprobs(model, run.sequences, prompt=toggle) or []
+        cache["toggled"] = reference_logprobs(run.train_engine, run.sequences, prompt=toggle) or []
     toggled = cache["toggled"]
     f = bos_finding(other, masks, ref, toggled, added) if toggled else None
     if f is not None:
@@ -511,7 +495,7 @@ def diagnose(result: ScanResult, run: Any, infer: Any) -> Findings:
         if f is None:
             if ref is None:
                 try:
-                    ref = reference_logprobs(run.train_engine.module(), run.sequences) or []
+                    ref = reference_logprobs(run.train_engine, run.sequences) or []
                 except Exception as e:  # noqa: BLE001 - the alignment test and the contract still stand
                     found.warnings.append(f"sampling fit skipped ({type(e).__name__}: {e})")
                     ref = []

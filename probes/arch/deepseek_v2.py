@@ -45,7 +45,8 @@ How the engines expose it, and the boundaries named after what they compute
   sum plus the shared experts: vLLM's MoE runner returns only the total).
 
 vLLM resolves the attention's children through ``self_attn.mla_attn`` (the
-wrapper calls them), so the taps accept both paths. Contract: HF rotates
+wrapper calls them), so its taps (``logdiff/engines/vllm/taps.py``) accept both
+paths. Contract: HF rotates
 interleaved pairs (``rope_style`` ``gptj``, vLLM's ``is_neox_style=False``);
 vLLM's attention scale sits on the MLA op (``mla_attn.mla_attn.impl.scale``);
 ``latent_norm_eps``/``q_latent_norm_eps`` are ``kv_a_layernorm``'s and
@@ -95,85 +96,14 @@ from logdiff.probes.contracts import expert_groups
 from logdiff.probes.arch.decoder import (
     KEY_BOUNDARY,
     ROUTING_KEYS,
-    SHARED_EXPERT_HF_TAPS,
-    SHARED_EXPERT_VLLM_TAPS,
     DecoderAdapter,
     model_boundaries,
-    vllm_routing_rule,
 )
-from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
+from logdiff.probes.correspondence import Boundary, CorrespondenceMap
 from logdiff.probes.replay import ReplaySpec
 
-_L = r"model\.layers\.{N}"
-_N = "model.layers.{N}"
-_A = _L + r"\.self_attn(?:\.mla_attn)?"  # vLLM's MLA wrapper calls the attention's children
-_Q_SPLIT = "split_heads:qk_nope_head_dim,qk_rope_head_dim"
-_KV_SPLIT = "split:kv_lora_rank,qk_rope_head_dim"
-_KV = f"{_N}.self_attn.kv_a_proj_with_mqa"
 #: suffixes of the boundaries a projection's output is split into (each reads the projection's weight)
 _SPLIT_PARTS = (".nope", ".pe", ".compressed_kv", ".k_pe")
-
-
-def _q_taps(q: str) -> tuple[Tap, ...]:
-    return (Tap(_A + rf"\.{q}", "output", _Q_SPLIT, (f"{_N}.self_attn.{q}.nope", f"{_N}.self_attn.{q}.pe")),)
-
-
-HF_TAPS = (
-    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
-    Tap(_L, "input", "tensor", ("{RES_IN}",), emit=False),
-    Tap(_L + r"\.input_layernorm", "output", "tensor", (f"{_N}.input_layernorm",)),
-    *_q_taps("q_proj"),
-    Tap(_A + r"\.q_a_proj", "output", "tensor", (f"{_N}.self_attn.q_a_proj",)),
-    Tap(_A + r"\.q_a_layernorm", "output", "tensor", (f"{_N}.self_attn.q_a_layernorm",)),
-    *_q_taps("q_b_proj"),
-    Tap(_A + r"\.kv_a_proj_with_mqa", "output", _KV_SPLIT, (f"{_KV}.compressed_kv", f"{_KV}.k_pe")),
-    Tap(_A + r"\.kv_a_layernorm", "output", "tensor", (f"{_N}.self_attn.kv_a_layernorm",)),
-    Tap(_L + r"\.self_attn\.o_proj", "output", "tensor", (f"{_N}.self_attn.o_proj",)),
-    Tap(_L + r"\.post_attention_layernorm", "input", "tensor", (f"{_N}.residual_attn",)),
-    Tap(_L + r"\.post_attention_layernorm", "output", "tensor", (f"{_N}.post_attention_layernorm",)),
-    Tap(_L + r"\.mlp\.gate_proj", "output", "tensor", (f"{_N}.mlp.gate_proj",)),
-    Tap(_L + r"\.mlp\.up_proj", "output", "tensor", (f"{_N}.mlp.up_proj",)),
-    Tap(_L + r"\.mlp\.down_proj", "input", "tensor", (f"{_N}.mlp.act_mul",)),
-    Tap(_L + r"\.mlp\.down_proj", "output", "tensor", (f"{_N}.mlp.down_proj",)),
-    *SHARED_EXPERT_HF_TAPS,
-    Tap(_L + r"\.mlp\.gate", "output", "first", (f"{_N}.mlp.gate",)),
-    Tap(_L + r"\.mlp", "output", "tensor", (f"{_N}.mlp",)),
-    Tap(_L, "output", "tensor", (f"{_N}.residual_mlp",)),
-    Tap(r"model\.norm", "output", "tensor", ("model.norm",)),
-    Tap(r"lm_head", "output", "tensor", ("logits",)),
-)
-
-VLLM_TAPS = (
-    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
-    Tap(_L + r"\.input_layernorm", "output", "norm_pair", (f"{_N}.input_layernorm", "{PREV_RES}")),
-    *_q_taps("q_proj"),
-    Tap(
-        _A + r"\.fused_qkv_a_proj",
-        "output",
-        "split:q_lora_rank,kv_lora_rank,qk_rope_head_dim",
-        (f"{_N}.self_attn.q_a_proj", f"{_KV}.compressed_kv", f"{_KV}.k_pe"),
-    ),
-    Tap(_A + r"\.q_a_layernorm", "output", "tensor", (f"{_N}.self_attn.q_a_layernorm",)),
-    *_q_taps("q_b_proj"),
-    Tap(_A + r"\.kv_a_proj_with_mqa", "output", _KV_SPLIT, (f"{_KV}.compressed_kv", f"{_KV}.k_pe")),
-    Tap(_A + r"\.kv_a_layernorm", "output", "tensor", (f"{_N}.self_attn.kv_a_layernorm",)),
-    Tap(_A + r"\.rotary_emb", "output", "pair", (f"{_N}.self_attn.rope_q", f"{_N}.self_attn.rope_k")),
-    Tap(_L + r"\.self_attn\.mla_attn\.mla_attn", "output", "tensor", (f"{_N}.self_attn.latent_attn",)),
-    Tap(_A + r"\.o_proj", "output", "first", (f"{_N}.self_attn.o_proj",)),
-    Tap(
-        _L + r"\.post_attention_layernorm",
-        "output",
-        "pair",
-        (f"{_N}.post_attention_layernorm", f"{_N}.residual_attn"),
-    ),
-    Tap(_L + r"\.mlp\.gate_up_proj", "output", "split_half", (f"{_N}.mlp.gate_proj", f"{_N}.mlp.up_proj")),
-    Tap(_L + r"\.mlp\.act_fn", "output", "tensor", (f"{_N}.mlp.act_mul",)),
-    Tap(_L + r"\.mlp\.down_proj", "output", "first", (f"{_N}.mlp.down_proj",)),
-    *SHARED_EXPERT_VLLM_TAPS,
-    Tap(_L + r"\.mlp(?:\.experts)?\.gate", "output", "first", (f"{_N}.mlp.gate",)),
-    Tap(_L + r"\.mlp", "output", "tensor", (f"{_N}.mlp",)),
-    Tap(r"model\.norm", "output", "norm_pair", ("model.norm", "{LAST_RES}")),
-)
 
 FUNCTION_BOUNDARIES = {
     "rope_q": "model.layers.{N}.self_attn.rope_q",
@@ -302,12 +232,11 @@ class DeepseekV2Adapter(DecoderAdapter):
             return _layer_boundaries(n, q_lora, bool(config.get("n_routed_experts")) and n >= dense and n % freq == 0)
 
         boundaries = model_boundaries(n_layers, layer)
-        taps = {"hf": list(HF_TAPS), "vllm": list(VLLM_TAPS)}
         return CorrespondenceMap(
             self.architecture,
             boundaries,
-            taps,
             n_layers,
+            config=config,
             functions=dict(FUNCTION_BOUNDARIES),
             rope_function="apply_rotary_emb",
             attention_replay=latent_attention_replay,
@@ -352,24 +281,15 @@ class DeepseekV2Adapter(DecoderAdapter):
 
     # ---- contract readers -----------------------------------------------------------------------
 
-    def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
-        """RoPE style, the attention scale on vLLM's MLA op, the latent norm's eps, the routing rule."""
-        layers = self.layers(model)
-        attn = self.attention(layers[0])
+    def latent_norm_eps(self, model: Any) -> dict[str, float | None]:
+        """The eps of the first layer's latent norms (``kv_a_layernorm``, ``q_a_layernorm`` where q is compressed):
+        HF builds both with the default eps, whatever ``rms_norm_eps`` says; vLLM uses it."""
+        attn = self.attention(self.layers(model)[0])
         q_norm = getattr(attn, "q_a_layernorm", None)
-        eps = {  # HF builds both latent norms with the default eps, whatever rms_norm_eps says; vLLM uses it
+        return {
             "latent_norm_eps": float(attn.kv_a_layernorm.variance_epsilon),
             "q_latent_norm_eps": float(q_norm.variance_epsilon) if q_norm is not None else None,
         }
-        block = next((layer.mlp for layer in layers if hasattr(layer.mlp, "gate")), None)
-        if family == "hf":
-            out = {"rope_style": self.hf_rope_style(model.config), **eps}
-            return out | (self._hf_rule(block.gate) if block is not None else dict.fromkeys(ROUTING_KEYS))
-        impl = getattr(getattr(getattr(attn, "mla_attn", None), "mla_attn", None), "impl", None)
-        out = {"attention_scale": float(impl.scale) if impl is not None else None, **eps}
-        if block is None:
-            return out | dict.fromkeys(ROUTING_KEYS)
-        return out | vllm_routing_rule(block)
 
     def hf_rope_style(self, config: Any) -> str:
         """V2's ``apply_rotary_emb`` rotates interleaved pairs (a complex multiply): GPT-J style."""
@@ -485,12 +405,8 @@ class DeepseekV3Adapter(DeepseekV2Adapter):
 
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         cmap = super().correspondence(config)
-        if config.get("rope_interleave", True):
+        if config.get("rope_interleave", True):  # vLLM's taps compare its pair de-interleaved (deepseek-v3 entry)
             cmap.rope_function = "apply_rotary_pos_emb_interleave"
-            cmap.taps["vllm"] = [
-                replace(t, select="pair_deinterleaved") if t.pattern.endswith("rotary_emb") else t
-                for t in cmap.taps["vllm"]
-            ]
         else:  # HF rotates halves of the checkpoint's interleaved lanes: a different rotation (rope_style neox)
             cmap.rope_function = "apply_rotary_pos_emb"
         return cmap

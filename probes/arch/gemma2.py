@@ -9,7 +9,7 @@ alternating with global ones) -> ``post_attention_layernorm`` -> residual add
 ``sqrt(hidden)`` (the normalizer rounded to the model dtype) and the final
 logits soft-capped at ``final_logit_softcapping``.
 
-How the engines expose it:
+How the engines expose it (their taps: ``logdiff/engines/<engine>/taps.py``):
 
 * **embeddings**: HF's ``Gemma2TextScaledWordEmbedding`` returns the scaled
   value; vLLM scales outside any module (``embed_input_ids``), so its
@@ -27,7 +27,7 @@ How the engines expose it:
 
 Contract keys of their own: ``attn_logit_softcapping`` (attention core),
 ``final_logit_softcapping`` (logits) and ``embed_scale`` (embeddings), read
-from the loaded modules (``contract_extras``). Consistent mode covers the
+from the loaded modules (each engine's ``contract_extras.py``). Consistent mode covers the
 sliding-window layers only where the window spans the whole context (it then
 never hides a key; the demo's window is its 2048-token context) and refuses a
 shorter window, as real Gemma 2 checkpoints have (4096 of 8192).
@@ -41,53 +41,7 @@ from typing import Any
 
 from logdiff.probes.arch.base import Demo, register
 from logdiff.probes.arch.decoder import FUNCTION_BOUNDARIES, KEY_BOUNDARY, DecoderAdapter, model_boundaries
-from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
-
-_L = r"model\.layers\.{N}"
-_N = "model.layers.{N}"
-
-HF_TAPS = (
-    Tap(r"model\.embed_tokens", "output", "tensor", ("model.embed_tokens",)),
-    Tap(_L, "input", "tensor", ("{RES_IN}",), emit=False),
-    Tap(_L + r"\.input_layernorm", "output", "tensor", (f"{_N}.input_layernorm",)),
-    Tap(_L + r"\.self_attn\.q_proj", "output", "tensor", (f"{_N}.self_attn.q_proj",)),
-    Tap(_L + r"\.self_attn\.k_proj", "output", "tensor", (f"{_N}.self_attn.k_proj",)),
-    Tap(_L + r"\.self_attn\.v_proj", "output", "tensor", (f"{_N}.self_attn.v_proj",)),
-    Tap(_L + r"\.self_attn\.o_proj", "output", "tensor", (f"{_N}.self_attn.o_proj",)),
-    Tap(_L + r"\.post_attention_layernorm", "output", "tensor", (f"{_N}.post_attention_layernorm",)),
-    Tap(_L + r"\.pre_feedforward_layernorm", "input", "tensor", (f"{_N}.residual_attn",)),
-    Tap(_L + r"\.pre_feedforward_layernorm", "output", "tensor", (f"{_N}.pre_feedforward_layernorm",)),
-    Tap(_L + r"\.mlp\.gate_proj", "output", "tensor", (f"{_N}.mlp.gate_proj",)),
-    Tap(_L + r"\.mlp\.up_proj", "output", "tensor", (f"{_N}.mlp.up_proj",)),
-    Tap(_L + r"\.mlp\.down_proj", "input", "tensor", (f"{_N}.mlp.act_mul",)),
-    Tap(_L + r"\.mlp\.down_proj", "output", "tensor", (f"{_N}.mlp.down_proj",)),
-    Tap(_L + r"\.post_feedforward_layernorm", "output", "tensor", (f"{_N}.post_feedforward_layernorm",)),
-    Tap(_L, "output", "tensor", (f"{_N}.residual_mlp",)),
-    Tap(r"model\.norm", "output", "tensor", ("model.norm",)),
-    Tap(r"", "output", "logits_field", ("logits",)),  # the whole model's output: soft-capped logits
-)
-
-VLLM_TAPS = (
-    # the scaled embeddings, as they enter the first layer's norm (vLLM scales outside any module)
-    Tap(r"model\.layers\.0\.input_layernorm", "input", "tensor", ("model.embed_tokens",)),
-    Tap(_L + r"\.input_layernorm", "output", "norm_pair", (f"{_N}.input_layernorm", "{PREV_RES}")),
-    Tap(
-        _L + r"\.self_attn\.qkv_proj",
-        "output",
-        "split_qkv",
-        (f"{_N}.self_attn.q_proj", f"{_N}.self_attn.k_proj", f"{_N}.self_attn.v_proj"),
-    ),
-    Tap(_L + r"\.self_attn\.rotary_emb", "output", "pair", (f"{_N}.self_attn.rope_q", f"{_N}.self_attn.rope_k")),
-    Tap(_L + r"\.self_attn\.attn", "output", "tensor", (f"{_N}.self_attn.attn_core",)),
-    Tap(_L + r"\.self_attn\.o_proj", "output", "first", (f"{_N}.self_attn.o_proj",)),
-    Tap(_L + r"\.post_attention_layernorm", "output", "first", (f"{_N}.post_attention_layernorm",)),
-    Tap(_L + r"\.pre_feedforward_layernorm", "output", "pair", (f"{_N}.pre_feedforward_layernorm", f"{_N}.residual_attn")),
-    Tap(_L + r"\.mlp\.gate_up_proj", "output", "split_half", (f"{_N}.mlp.gate_proj", f"{_N}.mlp.up_proj")),
-    Tap(_L + r"\.mlp\.act_fn", "output", "tensor", (f"{_N}.mlp.act_mul",)),
-    Tap(_L + r"\.mlp\.down_proj", "output", "first", (f"{_N}.mlp.down_proj",)),
-    Tap(_L + r"\.post_feedforward_layernorm", "output", "first", (f"{_N}.post_feedforward_layernorm",)),
-    Tap(r"model\.norm", "output", "norm_pair", ("model.norm", "{LAST_RES}")),
-)
+from logdiff.probes.correspondence import Boundary, CorrespondenceMap
 
 #: where Gemma's own contract keys are read first
 _GEMMA_KEYS = {
@@ -129,8 +83,9 @@ class Gemma2Adapter(DecoderAdapter):
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         n_layers = int(config["num_hidden_layers"])
         boundaries = model_boundaries(n_layers, _layer_boundaries)
-        taps = {"hf": list(HF_TAPS), "vllm": list(VLLM_TAPS)}
-        return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
+        return CorrespondenceMap(
+            self.architecture, boundaries, n_layers, config=config, functions=dict(FUNCTION_BOUNDARIES)
+        )
 
     def contract_keys(self, boundary: str, kind: str) -> tuple[list[str], list[str]]:
         keys, weights = super().contract_keys(boundary, kind)
@@ -163,26 +118,6 @@ class Gemma2Adapter(DecoderAdapter):
         cap = getattr(config, "final_logit_softcapping", None)
         return float(cap) if cap else None
 
-    def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
-        """Soft-caps and the embedding scale as each engine's loaded modules hold them."""
-        if family == "hf":
-            cfg = model.config
-            scale = getattr(self.embed(model), "embed_scale", None)
-            return {
-                "attn_logit_softcapping": cfg.attn_logit_softcapping,
-                "final_logit_softcapping": cfg.final_logit_softcapping,
-                "embed_scale": float(scale.to(self.embed(model).weight.dtype)) if scale is not None else None,
-            }
-        impl = getattr(getattr(self.attention(self.layers(model)[0]), "attn", None), "impl", None)
-        soft_cap = getattr(impl, "logits_soft_cap", None)
-        final = getattr(getattr(model, "logits_processor", None), "soft_cap", None)
-        normalizer = getattr(model.model, "normalizer", None)
-        return {
-            "tie_word_embeddings": getattr(model, "lm_head", None) is None,  # logits from embed_tokens' weight
-            "attn_logit_softcapping": float(soft_cap) if soft_cap else None,
-            "final_logit_softcapping": float(final) if final else None,
-            "embed_scale": float(normalizer.to(self.embed(model).weight.dtype)) if normalizer is not None else None,
-        }
 
 
 GEMMA2 = register(

@@ -19,7 +19,7 @@ What differs from Qwen3-MoE, and how the adapter covers it:
   best ``topk_group`` of ``n_group`` groups (a group scores the sum of its top
   two), weights from the unbiased scores, renormalized (``norm_topk_prob``)
   and scaled by ``routed_scaling_factor``. The rule's settings are contract
-  keys read from both engines' routers (``contract_extras``; groups that are
+  keys read from both engines' routers (each engine's ``contract_extras.py``; groups that are
   all kept read as one, greedy top-k); routing keys a preflight alone finds are
   blamed on the first MoE layer (``configured``: ``first_k_dense_replace``); the per-layer
   bias is a weight (``mlp.gate.e_score_correction_bias``, read by the router)
@@ -43,19 +43,13 @@ from typing import Any
 from logdiff.probes.arch.base import Demo, first_router_layer, register
 from logdiff.probes.arch.decoder import (
     FUNCTION_BOUNDARIES,
-    HF_TAPS,
     KEY_BOUNDARY,
     ROUTING_KEYS,
-    SHARED_EXPERT_HF_TAPS,
-    SHARED_EXPERT_VLLM_TAPS,
-    VLLM_TAPS,
     DecoderAdapter,
     _layer_boundaries,
     model_boundaries,
-    vllm_routing_rule,
 )
-from logdiff.probes.contracts import expert_groups
-from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
+from logdiff.probes.correspondence import Boundary, CorrespondenceMap
 
 ROTARY_KEYS = ("rotary_dim",)
 BIAS = "e_score_correction_bias"
@@ -106,12 +100,9 @@ class Glm4MoeAdapter(DecoderAdapter):
             return _with_shared_expert(out, n) if sparse and config.get("n_shared_experts") else out
 
         boundaries = model_boundaries(n_layers, layer)
-        taps = {"hf": [*HF_TAPS, *SHARED_EXPERT_HF_TAPS], "vllm": list(self.vllm_taps)}
-        return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
-
-    @property
-    def vllm_taps(self) -> tuple[Tap, ...]:
-        return (*VLLM_TAPS, *SHARED_EXPERT_VLLM_TAPS)
+        return CorrespondenceMap(
+            self.architecture, boundaries, n_layers, config=config, functions=dict(FUNCTION_BOUNDARIES)
+        )
 
     # ---- classification ----------------------------------------------------------------------
 
@@ -142,24 +133,12 @@ class Glm4MoeAdapter(DecoderAdapter):
 
     # ---- contract readers ----------------------------------------------------------------------
 
-    def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
-        """The routing rule (read from the first MoE layer's router) and the rotary width, on either engine."""
-        layers = self.layers(model)
-        block = next((layer.mlp for layer in layers if hasattr(layer.mlp, "gate")), None)
-        rotary = getattr(self.attention(layers[0]), "rotary_emb", None)  # vLLM: per attention module
+    def rotary_dim(self, model: Any) -> int | None:
+        """The rotary width, from the first attention's rotary module (vLLM) or the model's one (HF)."""
+        rotary = getattr(self.attention(self.layers(model)[0]), "rotary_emb", None)  # vLLM: per attention module
         if rotary is None:
             rotary = getattr(model.model, "rotary_emb", None)  # HF: one per model
-        out: dict[str, Any] = {"rotary_dim": _rotary_dim(rotary)}
-        if block is None:
-            return out | dict.fromkeys(ROUTING_KEYS)
-        if family == "hf":
-            gate = block.gate
-            return out | {
-                "scoring_func": "sigmoid",  # Glm4MoeTopkRouter: scores = router_logits.sigmoid()
-                **dict(zip(("n_group", "topk_group"), expert_groups(gate.num_group, gate.topk_group))),
-                "routed_scaling_factor": float(gate.routed_scaling_factor),
-            }
-        return out | vllm_routing_rule(block)
+        return _rotary_dim(rotary)
 
     #: attribute of an MoE block holding its shared expert (a plain gated MLP)
     shared_expert = "shared_experts"

@@ -31,9 +31,10 @@ A gpt-oss layer is Llama's (``input_layernorm`` -> attention -> residual add
 vLLM names the modules differently (``model.embedding``, ``layers.N.attn``
 with ``qkv_proj``/``rotary_emb``/``attn``/``o_proj``, ``mlp.router`` and
 ``mlp.experts``: a ``MoERunner`` over ``routed_experts`` with ``w13_weight
-[E, 2I, H]`` and ``w13_bias``/``w2_bias``); its taps and ``hf_name`` map them
-to HF's names. vLLM's norms take eps 1e-5 whatever the config says (the demo
-uses 1e-5, as the released checkpoints do). RoPE is YaRN (NeoX halves) on both
+[E, 2I, H]`` and ``w13_bias``/``w2_bias``); its taps
+(``logdiff/engines/vllm/taps.py``) and ``hf_name`` map them to HF's names.
+vLLM's norms take eps 1e-5 whatever the config says (the demo uses 1e-5, as
+the released checkpoints do). RoPE is YaRN (NeoX halves) on both
 engines. transformers runs gpt-oss with eager attention only (no sdpa).
 
 The demo: 4 layers (sliding, full, sliding, full; window 8), 8 experts of 128,
@@ -49,49 +50,15 @@ from typing import Any
 from logdiff.probes.arch.base import Demo, register
 from logdiff.probes.arch.decoder import (
     FUNCTION_BOUNDARIES,
-    HF_TAPS,
     KEY_BOUNDARY,
     DecoderAdapter,
     _layer_boundaries,
     model_boundaries,
 )
-from logdiff.probes.correspondence import Boundary, CorrespondenceMap, Tap
+from logdiff.probes.correspondence import Boundary, CorrespondenceMap
 
-_L = r"model\.layers\.{N}"
-_N = "model.layers.{N}"
 SLIDING, FULL = "sliding_attention", "full_attention"
 SWIGLU_KEYS = ("swiglu_alpha", "swiglu_limit")
-
-#: HF: Llama's taps, the router returning (logits, scores, ids) and the MoE block returning (out, scores)
-GPT_OSS_HF_TAPS = (
-    *(t for t in HF_TAPS if t.pattern not in (_L + r"\.mlp\.gate", _L + r"\.mlp")),
-    Tap(_L + r"\.mlp\.router", "output", "first", (f"{_N}.mlp.router",)),
-    Tap(_L + r"\.mlp", "output", "first", (f"{_N}.mlp",)),
-)
-
-_A = _L + r"\.attn"
-GPT_OSS_VLLM_TAPS = (
-    Tap(r"model\.embedding", "output", "tensor", ("model.embed_tokens",)),
-    Tap(_L + r"\.input_layernorm", "output", "norm_pair", (f"{_N}.input_layernorm", "{PREV_RES}")),
-    Tap(
-        _A + r"\.qkv_proj",
-        "output",
-        "split_qkv",
-        (f"{_N}.self_attn.q_proj", f"{_N}.self_attn.k_proj", f"{_N}.self_attn.v_proj"),
-    ),
-    Tap(_A + r"\.rotary_emb", "output", "pair", (f"{_N}.self_attn.rope_q", f"{_N}.self_attn.rope_k")),
-    Tap(_A + r"\.attn", "output", "tensor", (f"{_N}.self_attn.attn_core",)),
-    Tap(_A + r"\.o_proj", "output", "first", (f"{_N}.self_attn.o_proj",)),
-    Tap(
-        _L + r"\.post_attention_layernorm",
-        "output",
-        "pair",
-        (f"{_N}.post_attention_layernorm", f"{_N}.residual_attn"),
-    ),
-    Tap(_L + r"\.mlp\.router", "output", "first", (f"{_N}.mlp.router",)),
-    Tap(_L + r"\.mlp", "output", "first", (f"{_N}.mlp",)),
-    Tap(r"model\.norm", "output", "norm_pair", ("model.norm", "{LAST_RES}")),
-)
 
 #: vLLM parameter names -> HF's (after the packed q/k/v and the experts' weights are mapped)
 _VLLM_RENAMES = (
@@ -118,8 +85,9 @@ class GptOssAdapter(DecoderAdapter):
     def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
         n_layers = int(config["num_hidden_layers"])
         boundaries = model_boundaries(n_layers, _layer)
-        taps = {"hf": list(GPT_OSS_HF_TAPS), "vllm": list(GPT_OSS_VLLM_TAPS)}
-        return CorrespondenceMap(self.architecture, boundaries, taps, n_layers, functions=dict(FUNCTION_BOUNDARIES))
+        return CorrespondenceMap(
+            self.architecture, boundaries, n_layers, config=config, functions=dict(FUNCTION_BOUNDARIES)
+        )
 
     # ---- classification ----------------------------------------------------------------------
 
@@ -171,26 +139,6 @@ class GptOssAdapter(DecoderAdapter):
     def router(self, layer: Any) -> Any | None:
         return getattr(getattr(layer, "mlp", None), "router", None)
 
-    def contract_extras(self, model: Any, family: str) -> dict[str, Any]:
-        """Per-layer windows, the router's renormalisation and the SwiGLU constants, per engine."""
-        layers = self.layers(model)
-        if family == "hf":
-            experts = layers[0].mlp.experts
-            types = list(model.config.layer_types)
-            alpha, limit = float(experts.alpha), float(experts.limit)
-        else:
-            types = [SLIDING if self.attention(layer).attn.impl.sliding_window not in (None, -1, (-1, -1)) else FULL
-                     for layer in layers]  # fmt: skip
-            alpha, limit = vllm_swiglu_constants()
-        extras = {
-            "layer_types": ",".join("sliding" if t == SLIDING else "full" for t in types),
-            "swiglu_alpha": alpha,
-            "swiglu_limit": limit,
-        }
-        if family == "hf":  # HF's router softmaxes over the chosen logits: the renormalized top-k weights
-            extras["norm_topk_prob"] = True
-        return extras
-
     # ---- weights --------------------------------------------------------------------------------
 
     def hf_name(self, name: str) -> str:
@@ -207,16 +155,6 @@ class GptOssAdapter(DecoderAdapter):
     # ---- consistent mode (HF) --------------------------------------------------------------------
 
     experts_activation = "swiglu_oai"  # consistent mode runs the experts through ``moe_experts_oai``
-
-
-def vllm_swiglu_constants() -> tuple[float, float]:
-    """(alpha, limit) of vLLM's ``swigluoai`` activation: ``SwigluOAIAndMul``'s defaults (not read from the config)."""
-    import inspect
-
-    from vllm.model_executor.layers.activation import SwigluOAIAndMul
-
-    params = inspect.signature(SwigluOAIAndMul.__init__).parameters
-    return float(params["alpha"].default), float(params["limit"].default)
 
 
 GPT_OSS = register(

@@ -15,7 +15,11 @@ LLAMA = register(
         "llama",
         "LlamaForCausalLM",
         "LlamaConfig",
-        {"intermediate_size": 768, "mlp_bias": False, "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0}},
+        {
+            "intermediate_size": 768,
+            "mlp_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0},
+        },
         "Llama: the plain decoder",
     ),
 )

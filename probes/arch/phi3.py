@@ -2,10 +2,11 @@
 
 HF's ``Phi3Attention`` has one ``qkv_proj`` and ``Phi3MLP`` one
 ``gate_up_proj`` (with ``activation_fn``, not ``act_fn``), the layout vLLM
-uses for every family (vLLM runs Phi-3 as its Llama model). So the HF taps
-split the packed outputs exactly like the vLLM taps: q/k/v by the attention's
-head counts, gate/up in halves, and the boundaries stay per q, k, v, gate and
-up (a fault in k's rows is found at ``k_proj``).
+uses for every family (vLLM runs Phi-3 as its Llama model). The boundaries are
+Llama's (``DecoderAdapter``'s), per q, k, v, gate and up (a fault in k's rows
+is found at ``k_proj``); HF's taps (``logdiff/engines/hf/taps.py``, entry
+``phi3``) split the packed outputs exactly like vLLM's: q/k/v by the attention's
+head counts, gate/up in halves.
 
 Weights are compared packed against packed: both engines hold
 ``qkv_proj.weight``/``gate_up_proj.weight`` (no split, ``packed`` is empty)
@@ -19,39 +20,25 @@ demo config sets 0, and the demo builder its tokenizer's ids.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from logdiff.probes.arch.base import Demo, register
-from logdiff.probes.arch.decoder import HF_TAPS, DecoderAdapter
-from logdiff.probes.correspondence import CorrespondenceMap, Tap
+from logdiff.probes.arch.decoder import DecoderAdapter
 
-_L = r"model\.layers\.{N}"
-_SPLIT = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
-#: HF's fused projections, split like vLLM's (replacing the four Llama taps per projection)
-_FUSED_TAPS = (
-    Tap(
-        _L + r"\.self_attn\.qkv_proj",
-        "output",
-        "split_qkv",
-        ("model.layers.{N}.self_attn.q_proj", "model.layers.{N}.self_attn.k_proj", "model.layers.{N}.self_attn.v_proj"),
-    ),
-    Tap(_L + r"\.mlp\.gate_up_proj", "output", "split_half", ("model.layers.{N}.mlp.gate_proj", "model.layers.{N}.mlp.up_proj")),
-)
+#: a boundary split out of a packed projection -> that projection (HF's and vLLM's)
+_SPLIT = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 
 
 @dataclass(frozen=True)
 class Phi3Adapter(DecoderAdapter):
     """``DecoderAdapter`` with HF's own ``qkv_proj``/``gate_up_proj``."""
-
-    def correspondence(self, config: Mapping[str, Any]) -> CorrespondenceMap:
-        cmap = super().correspondence(config)
-        split = tuple(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")) + ("mlp.gate_proj", "mlp.up_proj")
-        kept = [t for t in HF_TAPS if not any(s.replace(".", r"\.") in t.pattern for s in split)]
-        cmap.taps["hf"] = [*kept, *_FUSED_TAPS]
-        return cmap
 
     def contract_keys(self, boundary: str, kind: str) -> tuple[list[str], list[str]]:
         keys, weights = super().contract_keys(boundary, kind)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from logdiff.engines.vllm.taps import TAPS as VLLM_TAPS
 from logdiff.errors import InputError
 from logdiff.probes import arch, checkpoint
 
@@ -36,7 +37,11 @@ def test_every_supported_architecture_has_an_adapter_and_demo_names_are_model_ty
 
 @pytest.mark.parametrize(
     ("given", "nearest"),
-    [("FalconForCausalLM", "MixtralForCausalLM"), ("MixtralForCausalLm", "MixtralForCausalLM"), ("LlamaForCausalLm", "LlamaForCausalLM")],
+    [
+        ("FalconForCausalLM", "MixtralForCausalLM"),
+        ("MixtralForCausalLm", "MixtralForCausalLM"),
+        ("LlamaForCausalLm", "LlamaForCausalLM"),
+    ],
 )
 def test_unsupported_architecture_is_one_line_naming_the_nearest(given: str, nearest: str) -> None:
     with pytest.raises(InputError) as e:
@@ -51,7 +56,8 @@ def test_checkpoint_refuses_an_unsupported_architecture_before_loading(tmp_path:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}))
     with pytest.raises(InputError, match=r"'FalconForCausalLM' in .*nearest supported: .*docs/architectures\.md"):
         checkpoint.read_config(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}))
+    mistral = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
     assert checkpoint.read_config(tmp_path)["model_type"] == "mistral"  # control: supported now
 
 
@@ -85,12 +91,16 @@ def test_adapters_answer_where_architectures_differ() -> None:
     mixtral, qwen3_moe = arch.adapter_for("MixtralForCausalLM"), arch.adapter_for("Qwen3MoeForCausalLM")
     w = "model.layers.2.block_sparse_moe.experts.gate_up_proj"
     assert mixtral.hf_name(w) == "model.layers.2.mlp.experts.gate_up_proj" and qwen3_moe.hf_name(w) == w
-    stored = {"model.layers.0.block_sparse_moe.experts.0.w1.weight": (4, 8), "model.layers.0.block_sparse_moe.gate.weight": (8, 4)}
+    stored = {
+        "model.layers.0.block_sparse_moe.experts.0.w1.weight": (4, 8),
+        "model.layers.0.block_sparse_moe.gate.weight": (8, 4),
+    }
     assert mixtral.per_expert_stored("model.layers.0.mlp.experts.gate_up_proj", stored)
     assert mixtral.per_expert_stored("model.layers.0.mlp.gate.weight", stored)
     assert not qwen3_moe.per_expert_stored("model.layers.0.mlp.gate.weight", stored)
     assert not mixtral.per_expert_stored("model.layers.1.mlp.gate.weight", stored)
-    vllm_moe = [t.pattern for t in mixtral.correspondence(CONFIG).taps["vllm"] if "moe" in t.pattern or "mlp" in t.pattern]
+    vllm_taps = VLLM_TAPS.taps(mixtral.correspondence(CONFIG))
+    vllm_moe = [t.pattern for t in vllm_taps if "moe" in t.pattern or "mlp" in t.pattern]
     assert vllm_moe and all("block_sparse_moe" in p for p in vllm_moe)
 
 

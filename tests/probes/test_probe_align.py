@@ -13,7 +13,7 @@ def test_hf_full_forward_right_padding() -> None:
     # two sequences of lengths 3 and 2, right-padded to width 3
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    m = align.hf_rows([5, 2], pos, mask, lengths=[0, 0, 2, 0, 0, 3])
+    m = align.padded_rows([5, 2], pos, mask, lengths=[0, 0, 2, 0, 0, 3])
     assert m.seq.tolist() == [5, 5, 5, 2, 2, 2]
     assert m.pos.tolist() == [0, 1, 2, 0, 1, 1]
     assert m.valid.tolist() == [True, True, True, True, True, False]
@@ -23,21 +23,21 @@ def test_hf_left_padded_prefill_and_decode_steps() -> None:
     lengths = [4, 6]
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])  # prompts of length 2 and 3, left-padded
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    prefill = align.hf_rows([0, 1], pos, mask, lengths)
+    prefill = align.padded_rows([0, 1], pos, mask, lengths)
     assert prefill.valid.tolist() == [False, True, True, True, True, True]
     assert prefill.pos[prefill.valid].tolist() == [0, 1, 0, 1, 2]
     # a decode step: one new column per row; the mask grows, positions continue
     mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
-    step = align.hf_rows([0, 1], pos[:, -1:] + 1, mask, lengths)
+    step = align.padded_rows([0, 1], pos[:, -1:] + 1, mask, lengths)
     assert step.seq.tolist() == [0, 1] and step.pos.tolist() == [2, 3] and step.valid.all()
     # rows that keep decoding past their sequence's end are dropped
-    late = align.hf_rows([0, 1], torch.tensor([[4], [5]]), mask, lengths)
+    late = align.padded_rows([0, 1], torch.tensor([[4], [5]]), mask, lengths)
     assert late.valid.tolist() == [False, True]
 
 
-def test_hf_rows_refuses_a_batch_size_mismatch() -> None:
+def test_padded_rows_refuses_a_batch_size_mismatch() -> None:
     with pytest.raises(ValueError):
-        align.hf_rows([0], torch.zeros(2, 3, dtype=torch.long), None, [3, 3])
+        align.padded_rows([0], torch.zeros(2, 3, dtype=torch.long), None, [3, 3])
 
 
 def test_vllm_mixed_prefill_decode_and_chunked_prefill() -> None:
@@ -47,14 +47,14 @@ def test_vllm_mixed_prefill_decode_and_chunked_prefill() -> None:
     qsl = torch.tensor([0, 1, 4, 6], dtype=torch.int32)
     req_ids = ["7-aaaa", "5-bbbb", "98-cccc"]
     lengths = [0] * 10 + [20, 20, 20]
-    m = align.vllm_rows(positions, qsl, req_ids, sequences=[10, 11, 12], request_base=5, lengths=lengths)
+    m = align.packed_rows(positions, qsl, req_ids, sequences=[10, 11, 12], request_base=5, lengths=lengths)
     assert m.seq.tolist() == [12, 10, 10, 10, -1, -1]
     assert m.pos.tolist() == [9, 4, 5, 6, 0, 1]
     assert m.valid.tolist() == [True, True, True, True, False, False]
 
 
 def test_vllm_padding_rows_beyond_the_batch_are_invalid() -> None:
-    m = align.vllm_rows(torch.tensor([0, 1, 0]), [0, 2], ["0-x"], [0], 0, [5])
+    m = align.packed_rows(torch.tensor([0, 1, 0]), [0, 2], ["0-x"], [0], 0, [5])
     assert m.valid.tolist() == [True, True, False]
 
 

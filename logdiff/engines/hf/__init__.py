@@ -27,10 +27,12 @@ from logdiff.engines.base import (
     PathScores,
     Sampled,
     TokenSequence,
+    package_version,
     register,
     resolve_device,
     unsupported_as_input_error,
 )
+from logdiff.engines.hf.taps import TAPS
 from logdiff.probes.errors import InputError
 
 
@@ -93,7 +95,13 @@ class HFEngine(Engine):
     """A transformers model on one device: the base of ``hf`` and ``hf-decode``."""
 
     options = frozenset({"temperature", "attn_implementation", "batch_size", "padding_side"})
-    probe_family = "hf"
+    capabilities = frozenset({"sample", "contract", "consistent", "full_logprobs", "forced_routing", "capture"})
+    tap_mapping = TAPS
+    fixed_order_rows = True
+
+    @classmethod
+    def versions(cls) -> dict[str, str | None]:
+        return {"transformers": package_version("transformers")}
 
     def __init__(self, spec: EngineSpec):
         super().__init__(spec)
@@ -156,6 +164,42 @@ class HFEngine(Engine):
 
     def module(self) -> Any:
         return self.model
+
+    def probes(self) -> Any:
+        from logdiff.engines.hf.probes import HFProbes
+
+        return HFProbes(self)
+
+    def full_logprobs(self, seqs: list[TokenSequence], limit: int, prompt: Any = list) -> list[np.ndarray]:
+        """One unpadded teacher-forced forward per sequence, in fp32 ``log_softmax`` (the plain kernel, whatever
+        mode the engine is in: the reference the sampling fit measures both sides against)."""
+        import torch
+
+        out: list[np.ndarray] = []
+        total = 0
+        with torch.no_grad():
+            for s in seqs:
+                if total >= limit:
+                    break
+                head = prompt(list(s.prompt_ids))
+                p, n = len(head), len(s.response_ids)
+                ids = torch.tensor([head + list(s.response_ids)], device=self.device)
+                logits = self.model(input_ids=ids).logits[0, p - 1 : p + n - 1].float()
+                out.append(torch.log_softmax(logits, dim=-1).cpu().numpy())
+                total += n
+        return out
+
+    @contextlib.contextmanager
+    def forced_routing(self, forced: Any) -> Iterator[dict[str, int]]:
+        from logdiff.engines.hf.routing import forced_routing
+
+        with forced_routing(self, forced) as counts:
+            yield counts
+
+    def router_biases(self) -> dict[int, Any]:
+        from logdiff.probes.arch.base import router_biases
+
+        return router_biases(self.model)
 
     def rope_params(self) -> dict[str | None, Any]:
         from logdiff.engines.hf.consistent import rope_params_of
@@ -264,6 +308,7 @@ class HFForward(HFEngine):
     mode = "forward"
     #: tensor_parallel_size / fsdp_size: the ranks of the sharded training path (``sharded.score_sharded``)
     options = HFEngine.options | {"grad", "tensor_parallel_size", "fsdp_size"}
+    capabilities = HFEngine.capabilities | {"captured_scoring"}
 
     def __init__(self, spec: EngineSpec):
         self.tensor_parallel_size = int(spec.option("tensor_parallel_size", 1))

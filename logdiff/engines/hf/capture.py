@@ -20,9 +20,38 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
+from logdiff.engines.hf.taps import TAPS
 from logdiff.probes.errors import InputError
+
+
+class ModelView:
+    """The HF engine as the recorder asks it, for the user's own model: its module, the HF probes and taps, and a
+    log_softmax (float32 ``log_softmax`` unless the trainer gives its own: a temperature, a consistent kernel)."""
+
+    tap_mapping = TAPS
+    listener: Any = None
+
+    def __init__(self, model: Any, log_softmax: Callable[[Any], Any] | None = None):
+        self._model = model
+        self._log_softmax = log_softmax
+
+    def module(self) -> Any:
+        return self._model
+
+    def probes(self) -> Any:
+        from logdiff.engines.hf.probes import HFProbes
+
+        return HFProbes(self)
+
+    def _logprobs(self, logits: Any) -> Any:
+        if self._log_softmax is not None:
+            return self._log_softmax(logits)
+        import torch
+
+        return torch.log_softmax(logits.float(), dim=-1)
 
 
 def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = None, fingerprints: bool = True,
@@ -62,7 +91,7 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
         from logdiff.engines.hf.contract import hf_fingerprints
 
         meta["fingerprints"] = hf_fingerprints(model)  # of the logical weights: a collective on a sharded model
-    return Capture(model, out_dir, role, layout, meta, log_softmax, kept)
+    return Capture(model, ModelView(model, log_softmax), out_dir, role, layout, meta, kept)
 
 
 def layout_of_model(model: Any) -> Any:

@@ -1,18 +1,22 @@
 """The HF engine's contract reader and weight fingerprints (what a transformers model computes with).
 
 The values are read from the loaded module, not from config files; the architecture adapter
-says where each sits. The shared pieces (``fingerprint``, ``sampler``) are in ``probes/contracts.py``.
+says where each sits. The keys only some architectures have are read by this engine's
+``contract_extras.EXTRAS`` (one reader per adapter name). The shared pieces (``fingerprint``,
+``sampler``, the ``ContractExtras`` type) are in ``probes/contracts.py``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from logdiff.probes.contracts import effective, fingerprint, narrowest, norm_eps, sampler
+from logdiff.engines.hf.contract_extras import EXTRAS
+from logdiff.probes.contracts import ContractExtras, effective, fingerprint, narrowest, norm_eps, sampler
 
 
-def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Effective settings of a transformers model."""
+def hf_contract(model: Any, options: dict[str, Any], extras: ContractExtras = EXTRAS) -> dict[str, Any]:
+    """Effective settings of a transformers model (``extras``: the per-architecture readers; a derived engine's
+    extended registry)."""
     from logdiff.probes.arch import adapter_of
 
     arch = adapter_of(model)
@@ -39,7 +43,7 @@ def hf_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         "logprobs_mode": "processed_logprobs" if options.get("temperature", 1.0) != 1.0 else "raw_logprobs",
         # The distribution it samples from (hf-decode) or scores under (the trainer): full support.
         **sampler(options),
-        **arch.contract_extras(model, "hf"),
+        **extras.read(arch, model),
         "attn_implementation": impl,
     }
     return effective(contract, {**HF_DROPS.get(impl, {}), **arch.hf_dropped})

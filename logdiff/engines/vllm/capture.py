@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from logdiff.engines.vllm.taps import TAPS
 from logdiff.probes.capture import PATH, Capture, row_keys
 from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement
 from logdiff.probes.sketch import Window
@@ -179,9 +180,9 @@ class _Sequence:
 
 
 class _WorkerView:
-    """What ``Recorder`` needs of an engine, for a vLLM worker: its module, its runner, the probe family."""
+    """What ``Recorder`` needs of an engine, for a vLLM worker: its module, its runner, its probes."""
 
-    probe_family = "vllm"
+    tap_mapping = TAPS
     listener: Any = None
 
     def __init__(self, runner: Any):
@@ -193,15 +194,19 @@ class _WorkerView:
     def runner(self) -> Any:
         return self._runner
 
+    def probes(self) -> Any:
+        from logdiff.engines.vllm.probes import VLLMProbes
+
+        return VLLMProbes(self)
+
 
 class VllmCapture(Capture):
     """Records every forward of one vLLM worker's model into its part of a bundle (see the module docstring)."""
 
     def __init__(self, runner: Any, out_dir: str | Path, layout: ParallelLayout, meta: dict[str, Any],
                  window: Window | None = None):
-        super().__init__(runner.get_model(), out_dir, "infer", layout, meta, window=window)
+        super().__init__(runner.get_model(), _WorkerView(runner), out_dir, "infer", layout, meta, window=window)
         self.runner = runner
-        self.view = _WorkerView(runner)
         self.vocab = int(getattr(self.model.config, "vocab_size", 0)) or None
         self._seq_of: dict[str, int] = {}
         self._step_rows: Any = None
@@ -248,10 +253,9 @@ class VllmCapture(Capture):
 
     def _announce(self, args: tuple, kwargs: dict) -> None:
         from logdiff.probes.align import RowMap
-        from logdiff.probes.record import vllm_batch
 
         try:
-            qsl, req_ids = vllm_batch(self.runner)
+            qsl, req_ids = self._recorder.probes.read_batch()  # the recorder reads the same, once
         except Exception:  # noqa: BLE001 - a dummy forward (profiling, warm-up) has no batch to read
             req_ids = []
         ids = kwargs.get("input_ids", args[0] if args else None)

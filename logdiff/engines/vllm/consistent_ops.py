@@ -157,7 +157,7 @@ def rope_params_of(module: Any) -> Any:
     other rotary class or a module whose frequencies disagree."""
     from logdiff.kernels import RopeParams
     from logdiff.kernels.rope import inv_freq_matches
-    from logdiff.probes.contracts import VLLM_ROPE_TYPES
+    from logdiff.engines.vllm.contract_extras import VLLM_ROPE_TYPES
 
     cls = type(module).__name__
     if cls not in _VLLM_ROPES:
@@ -383,7 +383,7 @@ def moe_forward(runner: Any, gate_weight: Any, w13: Any, w2: Any, biases: Any = 
     vLLM's ``swigluoai`` activation (``moe_experts_oai``, with that activation's fixed constants)."""
     kernels = _kernels()
     if biases is not None:
-        from logdiff.probes.arch.gpt_oss import vllm_swiglu_constants
+        from logdiff.engines.vllm.contract_extras import vllm_swiglu_constants
 
         alpha, limit = vllm_swiglu_constants()
     router = runner.router

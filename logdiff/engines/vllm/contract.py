@@ -2,18 +2,22 @@
 
 Values are read from the live module reached through ``apply_model``; packed and prepacked
 weights are recovered through the layers' own kernels (``weights``), so the fingerprints use
-HF tensor names and are the same on every CPU. The shared pieces are in ``probes/contracts.py``.
+HF tensor names and are the same on every CPU. The keys only some architectures have are read
+by this engine's ``contract_extras.EXTRAS`` (one reader per adapter name), which also holds
+vLLM's RoPE class names. The shared pieces are in ``probes/contracts.py``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from logdiff.probes.contracts import VLLM_ROPE_TYPES, fingerprint, narrowest, norm_eps, sampler, window_size
+from logdiff.engines.vllm.contract_extras import EXTRAS, VLLM_ROPE_TYPES
+from logdiff.probes.contracts import ContractExtras, fingerprint, narrowest, norm_eps, sampler, window_size
 
 
-def vllm_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """Effective settings of a vLLM model module (reached through ``apply_model``)."""
+def vllm_contract(model: Any, options: dict[str, Any], extras: ContractExtras = EXTRAS) -> dict[str, Any]:
+    """Effective settings of a vLLM model module (reached through ``apply_model``; ``extras``: the
+    per-architecture readers, a derived engine's extended registry)."""
     from logdiff.probes.arch import adapter_of
 
     arch = adapter_of(model)
@@ -45,7 +49,7 @@ def vllm_contract(model: Any, options: dict[str, Any]) -> dict[str, Any]:
         "temperature": drawn["sampling_temperature"] if processed else 1.0,
         "logprobs_mode": "processed_logprobs" if processed else "raw_logprobs",
         **drawn,
-        **arch.contract_extras(model, "vllm"),
+        **extras.read(arch, model),
         "attn_implementation": type(core.impl).__name__ if core is not None and hasattr(core, "impl") else None,
     }
 

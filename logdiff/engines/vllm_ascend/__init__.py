@@ -20,11 +20,15 @@ set at build time; ``logdiff doctor`` says whether it is there).
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from typing import Any
 
-from logdiff.engines.base import register
+from logdiff.engines.base import package_version, register
 from logdiff.engines.vllm import VLLMEngine, import_vllm
 from logdiff.probes.errors import EngineUnavailable
 
+#: env variable -> what consistent mode needs of it on the NPU
+HCCL_ENV = {"HCCL_DETERMINISTIC": "npu: true for deterministic HCCL collectives (more than one NPU)"}
 NPU_HINT = "install it with: pip install 'logdiff[npu]' and a vllm-ascend matching your CANN toolkit"
 
 
@@ -44,6 +48,28 @@ class VLLMAscendEngine(VLLMEngine):
     """vLLM decode and prefill paths on an Ascend NPU (the ``vllm`` engine on vllm-ascend's platform)."""
 
     name = "vllm-ascend"
+
+    @classmethod
+    def versions(cls) -> dict[str, str | None]:
+        return {**super().versions(), "vllm_ascend": package_version("vllm-ascend", "vllm_ascend"),
+                "torch_npu": package_version("torch_npu", "torch-npu")}
+
+    @classmethod
+    def doctor(cls) -> dict[str, Any]:
+        """vllm-ascend and torch_npu, HCCL's determinism and whether vllm-ascend was built batch-invariant (its
+        operator library exists only when built with ``VLLM_BATCH_INVARIANT=1``); vLLM's own report comes from
+        the ``vllm`` engine."""
+        from logdiff.engines.vllm.doctor import env_settings
+
+        info: dict[str, Any] = env_settings(HCCL_ENV)
+        ascend = package_version("vllm-ascend", "vllm_ascend")
+        info["vllm_ascend"] = ascend or f"not installed (Ascend: {NPU_HINT})"
+        if ascend:
+            built = importlib.util.find_spec("batch_invariant_ops") is not None
+            info["vllm_ascend_batch_invariant_build"] = (
+                "yes" if built else "no (rebuild vllm-ascend with VLLM_BATCH_INVARIANT=1 set)")
+        info["torch_npu"] = package_version("torch_npu", "torch-npu") or "not installed"
+        return info
 
     @classmethod
     def check_available(cls) -> None:
