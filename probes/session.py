@@ -43,7 +43,9 @@ class StoreSink(PathStore):
         valid = rmap.valid if self.sequences is None else rmap.valid & (rmap.seq < self.sequences)
         idx = np.nonzero(valid)[0]
         if len(idx):
-            super().emit(name, rows[idx], rmap.seq[idx], rmap.pos[idx])
+            contiguous = int(idx[-1]) - int(idx[0]) == len(idx) - 1  # a view, not a copy, of a run of rows
+            kept = rows[int(idx[0]) : int(idx[-1]) + 1] if contiguous else rows[idx]
+            super().emit(name, kept, rmap.seq[idx], rmap.pos[idx])
 
 
 

@@ -91,6 +91,41 @@ def apply_override(config: Any, key: str, value: Any) -> None:
         setattr(config, key, value)
 
 
+class ScoredRows:
+    """The fp32 log-softmax rows one ``score`` computed at the response positions of its first sequences, kept
+    (up to ``KEEP`` positions) so that ``full_logprobs`` of the same sequences needs no forward of its own."""
+
+    KEEP = 256  # positions: the sampling fit's MAX_FIT_POSITIONS (at a 32k vocabulary, 32 MB)
+
+    def __init__(self, tokens: list[tuple[int, ...]]):
+        self.tokens = tokens
+        self.rows: list[np.ndarray] = []
+        self.positions = 0
+
+    @classmethod
+    def of(cls, seqs: list[TokenSequence]) -> ScoredRows:
+        return cls([(*s.prompt_ids, -1, *s.response_ids) for s in seqs])
+
+    def add(self, logprobs: Any) -> None:
+        """The next sequence's ``[response_len, vocab]`` rows, while fewer than ``KEEP`` positions are kept."""
+        if self.positions < self.KEEP:
+            self.rows.append(logprobs.detach().float().numpy())
+            self.positions += len(self.rows[-1])
+
+    def rows_for(self, seqs: list[TokenSequence], limit: int) -> list[np.ndarray] | None:
+        """The kept rows of ``seqs``' first sequences, covering ``limit`` positions as ``full_logprobs`` would;
+        None unless these are the scored sequences and enough was kept."""
+        if ScoredRows.of(seqs).tokens != self.tokens:
+            return None
+        out, total = [], 0
+        for rows in self.rows:
+            if total >= limit:
+                return out
+            out.append(rows)
+            total += len(rows)
+        return out if total >= limit or len(out) == len(seqs) else None
+
+
 class HFEngine(Engine):
     """A transformers model on one device: the base of ``hf`` and ``hf-decode``."""
 
@@ -106,6 +141,7 @@ class HFEngine(Engine):
     def __init__(self, spec: EngineSpec):
         super().__init__(spec)
         self.model = load_model(spec)
+        self._scored: ScoredRows | None = None  # the full rows the last score kept, for full_logprobs
         self._consistent = False
         self._consistent_mode: tuple[tuple[str, ...] | None] | None = None  # (only,) while consistent
 
@@ -171,8 +207,11 @@ class HFEngine(Engine):
         return HFProbes(self)
 
     def full_logprobs(self, seqs: list[TokenSequence], limit: int, prompt: Any = list) -> list[np.ndarray]:
-        """One unpadded teacher-forced forward per sequence, in fp32 ``log_softmax`` (the plain kernel, whatever
-        mode the engine is in: the reference the sampling fit measures both sides against)."""
+        """The rows the last ``score`` of these very sequences kept (``_scored``: the same forward, no second
+        one), else one unpadded teacher-forced forward per sequence in fp32 ``log_softmax``."""
+        kept = self._scored.rows_for(seqs, limit) if prompt is list and self._scored is not None else None
+        if kept is not None:
+            return kept
         import torch
 
         out: list[np.ndarray] = []
@@ -363,6 +402,7 @@ class HFForward(HFEngine):
         left = self.spec.option("padding_side", "right") == "left"
         logprobs: list[np.ndarray] = []
         top1: list[np.ndarray] = []
+        keep = ScoredRows.of(seqs) if float(self.spec.option("temperature", 1.0)) == 1.0 else None
         for batch in self._batches(len(seqs)):
             self._begin_pass(self.name, list(batch))
             rows = [seqs[i] for i in batch]
@@ -388,9 +428,12 @@ class HFForward(HFEngine):
                     tokens = torch.tensor(s.response_ids)
                     scored.append(lp.gather(-1, tokens[:, None])[:, 0])
                     top1.append(lp.detach().argmax(-1).numpy())
+                    if keep is not None:
+                        keep.add(lp)
                 if grad:  # the step's backward runs too (through the kernels' backwards in consistent mode)
                     torch.stack([x.sum() for x in scored]).sum().backward()
             logprobs.extend(x.detach().numpy() for x in scored)
+        self._scored = keep
         return [PathScores(self.name, self.mode, logprobs, top1)]
 
 
