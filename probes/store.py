@@ -47,6 +47,9 @@ def _rows(data: np.ndarray, idx: np.ndarray) -> np.ndarray:
 class RowStore:
     """``[num_sequences, max_len, width]`` values of one boundary, on disk."""
 
+    #: rows held back to write together (per boundary: a few hundred boundaries stay within ~100 MB)
+    BUFFER_BYTES = 256 * 1024
+
     def __init__(self, path: Path, num_sequences: int, max_len: int, width: int, dtype: str):
         if dtype not in _RAW:
             raise ValueError(f"cannot store dtype {dtype}")
@@ -55,6 +58,8 @@ class RowStore:
         self._np_dtype, self._itemsize = _RAW[dtype]
         self.present = np.zeros((num_sequences, max_len), dtype=bool)
         self._prefix: np.ndarray | None = None  # cached running AND of ``present`` along positions
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (seq, pos, rows) not yet in the file
+        self._pending_bytes = 0
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(self._fd, num_sequences * max_len * width * self._itemsize)
 
@@ -79,7 +84,12 @@ class RowStore:
         return (seq >= 0) & (seq < self.num_sequences) & (pos >= 0) & (pos < self.max_len)
 
     def write(self, seq: np.ndarray, pos: np.ndarray, rows: Any) -> None:
-        """Store ``rows[i]`` at ``(seq[i], pos[i])``; rows out of range are dropped."""
+        """Store ``rows[i]`` at ``(seq[i], pos[i])``; rows out of range are dropped.
+
+        Small writes (a decode step's few rows) wait in a buffer of at most ``BUFFER_BYTES`` and reach the
+        file together, as long runs of positions (one ``pwrite`` per run, not per step); ``read`` and
+        ``close`` write what waits first. ``has`` answers at once.
+        """
         keep = self.in_range(seq, pos)
         if not keep.any():
             return
@@ -87,13 +97,33 @@ class RowStore:
         data = self._to_numpy(rows[np.nonzero(keep)[0]] if not keep.all() else rows)
         if data.shape[1] != self.width:
             raise ValueError(f"{self.path.name}: width {data.shape[1]} != {self.width}")
-        for s, p, _n, idx in _runs(seq, pos):
-            os.pwrite(self._fd, _rows(data, idx), self._offset(s, p))  # the array's own buffer: no bytes copy
         self.present[seq, pos] = True
         self._prefix = None
+        if data.nbytes >= self.BUFFER_BYTES:
+            self._flush()
+            self._write(seq, pos, data)
+            return
+        self._pending.append((seq, pos, data.copy()))  # a copy: the rows may view an engine buffer it reuses
+        self._pending_bytes += data.nbytes
+        if self._pending_bytes >= self.BUFFER_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        parts, self._pending, self._pending_bytes = self._pending, [], 0
+        if len(parts) == 1:
+            self._write(*parts[0])
+            return
+        self._write(*(np.concatenate(x) for x in zip(*parts)))  # later rows of a position after earlier ones
+
+    def _write(self, seq: np.ndarray, pos: np.ndarray, data: np.ndarray) -> None:
+        for s, p, _n, idx in _runs(seq, pos):
+            os.pwrite(self._fd, _rows(data, idx), self._offset(s, p))  # the array's own buffer: no bytes copy
 
     def read(self, seq: np.ndarray, pos: np.ndarray) -> Any:
         """Rows at ``(seq[i], pos[i])`` as a torch tensor ``[n, width]`` (unwritten rows are zeros)."""
+        self._flush()
         out = np.empty((len(seq), self.width), dtype=self._np_dtype)
         row_bytes = self.width * self._itemsize
         for s, p, n, idx in _runs(seq, pos):
@@ -122,6 +152,7 @@ class RowStore:
 
     def close(self) -> None:
         if self._fd >= 0:
+            self._pending, self._pending_bytes = [], 0  # the files are deleted with the store: nothing to keep
             os.close(self._fd)
             self._fd = -1
 

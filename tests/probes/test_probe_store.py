@@ -26,6 +26,26 @@ def test_rowstore_round_trips_bf16_bits(tmp_path: Path) -> None:
     store.close()
 
 
+def test_small_writes_wait_in_a_buffer_and_read_back_as_written(tmp_path: Path) -> None:
+    """Decode-step writes (a few rows each) are held back and written together; a later write of a position
+    wins, a read sees everything written, and mutating the source after its write changes nothing stored."""
+    store = RowStore(tmp_path / "d.bin", num_sequences=2, max_len=40, width=8, dtype="float32")
+    expect = np.zeros((2, 40, 8), np.float32)
+    source = torch.zeros(2, 8)
+    for step in range(40):
+        source.copy_(torch.randn(2, 8))
+        store.write(np.array([0, 1]), np.array([step, step]), source)  # a view the "engine" overwrites next step
+        expect[:, step] = source.numpy()
+        if step == 20:
+            store.write(np.array([1]), np.array([3]), torch.full((1, 8), 7.0))  # a later write of position 3
+            expect[1, 3] = 7.0
+    assert store._pending  # small writes are waiting
+    assert store.has(np.array([0, 1]), np.array([39, 39])).all()
+    back = store.read(np.repeat([0, 1], 40), np.tile(np.arange(40), 2)).numpy().reshape(2, 40, 8)
+    assert np.array_equal(back, expect) and not store._pending
+    store.close()
+
+
 def _rmap(seq: list[int], pos: list[int]) -> RowMap:
     return RowMap(np.array(seq), np.array(pos), np.ones(len(seq), dtype=bool))
 
