@@ -50,6 +50,17 @@ _GEMMA3_KEYS = {
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
+def layer_type_keys(types: list[str], theta: dict[str, float], rope_type: dict[str, str]) -> dict[str, Any]:
+    """The contract keys of Gemma 3's two layer types, from each engine's reading of them: the full layers'
+    RoPE base and type, the sliding layers' base (``rope_local_base_freq``) and the per-layer types."""
+    return {
+        "rope_theta": theta.get(FULL),
+        "rope_local_base_freq": theta.get(SLIDING),
+        "rope_type": rope_type.get(FULL, rope_type.get(SLIDING)),
+        "layer_types": ",".join("sliding" if t == SLIDING else "full" for t in types),
+    }
+
+
 def _with_qk_norms(boundaries: list[Boundary], n: int) -> list[Boundary]:
     """Gemma 2's layer with ``q_norm``/``k_norm`` between the projections and RoPE."""
     a = f"model.layers.{n}.self_attn"

@@ -32,7 +32,7 @@ def gemma2_extras(arch: Any, model: Any) -> dict[str, Any]:
 
 def gemma3_extras(arch: Any, model: Any) -> dict[str, Any]:
     """Gemma 2's keys, both RoPE bases (one rotary module per layer type) and the layer types."""
-    from logdiff.probes.arch.gemma3 import FULL, SLIDING
+    from logdiff.probes.arch.gemma3 import FULL, SLIDING, layer_type_keys
 
     extras = gemma2_extras(arch, model)
     cfg = model.config
@@ -40,13 +40,7 @@ def gemma3_extras(arch: Any, model: Any) -> dict[str, Any]:
     params = cfg.rope_parameters
     theta = {t: float(params[t]["rope_theta"]) for t in (SLIDING, FULL) if t in params and t in types}
     rope_type = {t: params[t].get("rope_type", "default") for t in theta}
-    return {
-        **extras,
-        "rope_theta": theta.get(FULL),
-        "rope_local_base_freq": theta.get(SLIDING),
-        "rope_type": rope_type.get(FULL, rope_type.get(SLIDING)),
-        "layer_types": ",".join("sliding" if t == SLIDING else "full" for t in types),
-    }
+    return {**extras, **layer_type_keys(types, theta, rope_type)}
 
 
 def glm4_moe_extras(arch: Any, model: Any) -> dict[str, Any]:

@@ -85,7 +85,7 @@ def gemma2_extras(arch: Any, model: Any) -> dict[str, Any]:
 def gemma3_extras(arch: Any, model: Any) -> dict[str, Any]:
     """Gemma 2's keys but the tying, the RoPE base of each layer type's first layer (each layer has its own
     rotary module) and the layer types (from each layer's backend window)."""
-    from logdiff.probes.arch.gemma3 import FULL, SLIDING
+    from logdiff.probes.arch.gemma3 import FULL, SLIDING, layer_type_keys
 
     extras = gemma2_extras(arch, model)
     extras.pop("tie_word_embeddings", None)  # vLLM's Gemma 3 keeps a (tied) lm_head: the generic reading holds
@@ -95,13 +95,7 @@ def gemma3_extras(arch: Any, model: Any) -> dict[str, Any]:
     rotaries = {t: arch.attention(layers[i]).rotary_emb for t, i in firsts.items() if i is not None}
     theta = {t: float(r.base) for t, r in rotaries.items()}
     rope_type = {t: VLLM_ROPE_TYPES.get(type(r).__name__, type(r).__name__) for t, r in rotaries.items()}
-    return {
-        **extras,
-        "rope_theta": theta.get(FULL),
-        "rope_local_base_freq": theta.get(SLIDING),
-        "rope_type": rope_type.get(FULL, rope_type.get(SLIDING)),
-        "layer_types": ",".join("sliding" if t == SLIDING else "full" for t in types),
-    }
+    return {**extras, **layer_type_keys(types, theta, rope_type)}
 
 
 def glm4_moe_extras(arch: Any, model: Any) -> dict[str, Any]:
