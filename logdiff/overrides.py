@@ -99,7 +99,7 @@ def check_before_load(staged: Any, side: str, overrides: dict[str, Any], trust_r
     from transformers import AutoConfig
 
     from logdiff.probes import checkpoint
-    from logdiff.engines.hf import apply_override
+    from logdiff.engines.hf.loading import apply_override
 
     config = AutoConfig.from_pretrained(str(staged.path), trust_remote_code=trust_remote_code)
     for key, value in list(overrides.items()):

@@ -52,7 +52,7 @@ def test_adapter_puts_sinks_in_the_attention_core_and_names_the_router() -> None
 
 def test_hf_runs_gpt_oss_with_eager_attention() -> None:
     from logdiff.demo.configs import tiny_config
-    from logdiff.engines.hf import default_attention, supports_sdpa
+    from logdiff.engines.hf.loading import default_attention, supports_sdpa
 
     config = tiny_config("gpt-oss", 512)
     assert not supports_sdpa(config) and default_attention(config) == "eager"

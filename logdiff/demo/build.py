@@ -110,7 +110,7 @@ def build_demo_model(
     import transformers
     import tokenizers
     from transformers import AutoModelForCausalLM, GenerationConfig
-    from logdiff.engines.hf import supports_sdpa
+    from logdiff.engines.hf.loading import supports_sdpa
 
     from logdiff.demo.configs import tiny_config
 

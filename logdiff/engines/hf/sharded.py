@@ -125,7 +125,7 @@ def _meta_model(spec: EngineSpec) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from logdiff.engines.hf import apply_override
+    from logdiff.engines.hf.loading import apply_override
 
     config = AutoConfig.from_pretrained(spec.model_dir, trust_remote_code=spec.trust_remote_code)
     for key, value in spec.overrides:
