@@ -51,7 +51,6 @@ from logdiff.probes.correspondence import CorrespondenceMap, Tap
 from logdiff.probes.ops import OpTracer
 from logdiff.probes.patching import Patches
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")
 _DECODER_LAYER = re.compile(r"^model\.layers\.\d+$")
 
 
@@ -351,14 +350,6 @@ class Recorder:
             self._paused = False
 
     # ---- what engines' probes use -------------------------------------------------------------
-
-    def layer(self) -> int | None:
-        """The decoder layer running now (from the call stack), or None."""
-        for name, _ in reversed(self.stack):
-            m = _LAYER.match(name)
-            if m:
-                return int(m.group(1))
-        return None
 
     @contextlib.contextmanager
     def traced(self, function: str) -> Iterator[str]:

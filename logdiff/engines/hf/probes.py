@@ -22,6 +22,7 @@ wants one (``wants_replay``); nothing is built for a sink that does not.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any
 
@@ -30,6 +31,16 @@ from logdiff.probes.align import HEADS_FIRST, PLAIN, RowMap
 from logdiff.probes.correspondence import CorrespondenceMap, Tap
 
 _MISSING = object()
+_LAYER = re.compile(r"^model\.layers\.(\d+)(?:\.|$)")
+
+
+def _layer(rec: Any) -> int | None:
+    """The decoder layer running now, from the recorder's call stack of HF module names, or None."""
+    for name, _ in reversed(rec.stack):
+        m = _LAYER.match(name)
+        if m:
+            return int(m.group(1))
+    return None
 
 
 class HFProbes:
@@ -153,7 +164,7 @@ class HFProbes:
         rec.patches.set(self.engine, "_logprobs", logprobs)
 
     def _rope_tap(self, rec: Any, fn: Any, q: Any, k: Any, tables: tuple, kw: dict, out: Any, owner: str) -> None:
-        n = rec.layer()
+        n = _layer(rec)
         if n is None:
             return
         names = [rec.cmap.function_boundary("rope_q", n), rec.cmap.function_boundary("rope_k", n)]
@@ -169,7 +180,7 @@ class HFProbes:
     def _attention_tap(
         self, rec: Any, fn: Any, owner: Any, q: Any, k: Any, v: Any, a: tuple, kw: dict, out: Any, pseudo: str
     ) -> None:
-        n = rec.layer()
+        n = _layer(rec)
         if n is None:
             return
         name = rec.cmap.function_boundary("attn_core", n)
