@@ -51,9 +51,9 @@ FAIL_ON_CLASSES = ("framework_difference", "operator_path", "divergent")
 #: A baseline at that value (0 difference, every token bitwise equal) tolerates no change.
 #: ``kl_k3`` is the deprecated name of ``k3_kl`` (same value), kept so that recorded baselines still apply.
 BASELINE_METRICS = {"abs_diff_max": 0.0, "abs_diff_mean": 0.0, "kl_k3": 0.0, "bitwise_equal_fraction": 1.0}
-#: Key fields whose mismatch makes a baseline inapplicable (exit 2).
 #: environment entries about the machine, not software versions (``environment_changes`` compares the rest)
 MACHINE_FACTS = ("device", "platform", "machine", "cpu_isa", "cpu_isa_emulated")
+#: Key fields whose mismatch makes a baseline inapplicable (exit 2).
 STRICT_KEYS = ("hardware", "architecture", "paths", "dtype", "consistent")
 
 

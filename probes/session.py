@@ -26,7 +26,7 @@ from logdiff.probes.correspondence import CorrespondenceMap, build, fallback
 from logdiff.probes.ops import OpTracer
 from logdiff.probes.record import Recorder
 from logdiff.probes.routing import RouterSink, router_boundaries
-from logdiff.probes.store import PathStore
+from logdiff.probes.store import PathStore, is_run
 from logdiff.probes.summary import PathComparer
 
 
@@ -43,8 +43,7 @@ class StoreSink(PathStore):
         valid = rmap.valid if self.sequences is None else rmap.valid & (rmap.seq < self.sequences)
         idx = np.nonzero(valid)[0]
         if len(idx):
-            contiguous = int(idx[-1]) - int(idx[0]) == len(idx) - 1  # a view, not a copy, of a run of rows
-            kept = rows[int(idx[0]) : int(idx[-1]) + 1] if contiguous else rows[idx]
+            kept = rows[int(idx[0]) : int(idx[-1]) + 1] if is_run(idx) else rows[idx]  # a run: a view, no copy
             super().emit(name, kept, rmap.seq[idx], rmap.pos[idx])
 
 

@@ -34,14 +34,14 @@ def _runs(seq: np.ndarray, pos: np.ndarray) -> list[tuple[int, int, int, np.ndar
     return [(int(s[a]), int(p[a]), int(b - a), order[a:b]) for a, b in zip(starts, ends) if b > a]
 
 
-def _is_range(idx: np.ndarray) -> bool:
+def is_run(idx: np.ndarray) -> bool:
     """Whether row ids are one ascending run (``a, a + 1, ...``): a slice, not a gather."""
     return len(idx) > 0 and int(idx[-1]) - int(idx[0]) == len(idx) - 1 and bool((np.diff(idx) == 1).all())
 
 
 def _rows(data: np.ndarray, idx: np.ndarray) -> np.ndarray:
     """``data[idx]`` as one C-contiguous block: a view where ``idx`` is a run of rows, else a copy."""
-    return data[int(idx[0]) : int(idx[-1]) + 1] if _is_range(idx) else np.ascontiguousarray(data[idx])
+    return data[int(idx[0]) : int(idx[-1]) + 1] if is_run(idx) else np.ascontiguousarray(data[idx])
 
 
 class RowStore:
@@ -127,7 +127,7 @@ class RowStore:
         out = np.empty((len(seq), self.width), dtype=self._np_dtype)
         row_bytes = self.width * self._itemsize
         for s, p, n, idx in _runs(seq, pos):
-            if _is_range(idx):  # straight into the output's rows
+            if is_run(idx):  # straight into the output's rows
                 os.preadv(self._fd, [memoryview(out[int(idx[0]) : int(idx[0]) + n]).cast("B")], self._offset(s, p))
                 continue
             buf = os.pread(self._fd, n * row_bytes, self._offset(s, p))

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from logdiff.probes.store import is_run
+
 _INT_OF = {"bfloat16": ("int16", 16), "float16": ("int16", 16), "float32": ("int32", 32), "float64": ("int64", 64)}
 _PRECISION = {"float64": 3, "float32": 2, "float16": 1, "bfloat16": 0}
 #: elements compared per chunk (float64 temporaries of a few MiB, whatever the batch or vocabulary)
@@ -359,7 +361,7 @@ class PathComparer:
         """Compare in chunks of rows so the float64 temporaries stay small whatever the batch."""
         step = max(1, CHUNK_ELEMENTS // max(1, int(live.shape[1])))
         first = int(idx[0]) if len(idx) else 0
-        contiguous = len(idx) > 0 and int(idx[-1]) - first == len(idx) - 1  # a slice, not a gather
+        contiguous = is_run(idx)  # a slice, not a gather
         on_host = live.device.type == "cpu"
         for a in range(0, len(idx), step):
             b = min(a + step, len(idx))

@@ -312,8 +312,10 @@ def bos_finding(
 ) -> dict[str, Any] | None:
     """A BOS on one side only: ``other`` matches the trainer's logprobs with the BOS toggled far better.
 
-    ``ref`` / ``toggled``: the training model on the sequences as given and with
-    the BOS prepended (``added``) or removed, both from the same unpadded forward.
+    ``ref``: the training model on the sequences as given (the rows its scoring pass
+    kept, ``full_logprobs``); ``toggled``: with the BOS prepended (``added``) or removed,
+    from an unpadded forward. Both differ from ``other`` by kernel rounding at most,
+    far below what a BOS on one side only moves.
     """
     n = len(ref)
     keep = [np.ones(len(r), bool) if m is None else np.asarray(m, bool) for r, m in zip(ref, masks[:n])]

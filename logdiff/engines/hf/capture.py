@@ -19,8 +19,8 @@ recording its shards). ``logdiff compare`` compares two bundles offline
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from logdiff.engines.hf.taps import TAPS

@@ -335,9 +335,10 @@ class VLLMEngine(Engine):
                      and hasattr(m, "attn_backend")}
             out["attention_impl"] = sorted(impls)
         if current_platform.device_type != "cpu":
-            out["cuda_graphs"] = ("off: the scan runs vLLM eagerly (enforce_eager) so that probes and consistent "
-                                  "kernels see every op; a serving run with CUDA graphs replays kernels captured at "
-                                  "padded batch sizes, which this scan does not exercise")
+            out["graph_capture"] = ("off: the scan runs vLLM eagerly (enforce_eager) so that probes and consistent "
+                                    "kernels see every op; a serving run with captured graphs (CUDA graphs, Ascend's "
+                                    "ACL graphs) replays kernels captured at padded batch sizes, which this scan does "
+                                    "not exercise")
         return out
 
     def close(self) -> None:
