@@ -18,7 +18,11 @@ first on ``PYTHONPATH``), in the same rounds, so a change's cost is measured
 side by side in one run rather than against an old table.
 
 Scaling: the plain run and ``modules --no-attribute`` at 1x, 2x and 4x the
-tokens (2x only with ``--quick``). Consistent vs stock kernels: the HF
+tokens (2x only with ``--quick``). ``--token-scaling``: instead, both on a random
+model of the demo's shape (positions up to 8192) at 256, 512, ..., 4096 tokens
+per sequence (2 sequences, half prompt, half response), with a least-squares
+line through each workload's wall times: its slope (seconds per 1,000 tokens
+per sequence), intercept and R^2, and the scan's slope over the plain run's. Consistent vs stock kernels: the HF
 forward and vLLM generate, from ``bench/bench_consistent.py`` in its own
 process. Models: the demo Qwen3 (``--demo DIR``, else a random model of its
 shape), and in the full run a 0.5B-class and a 1.5B-class Qwen3 built from
@@ -29,6 +33,7 @@ Usage::
     .venv/bin/python bench/run.py --quick            # a few minutes on 2 cores
     .venv/bin/python bench/run.py [--repeats 3] [--models demo,0.5B,1.5B] [--scales 1,2,4] [--out PATH]
     .venv/bin/python bench/run.py --models 0.5B --scales 1 --depths "modules --no-attribute" --baseline-rev HEAD~3
+    .venv/bin/python bench/run.py --token-scaling --repeats 1
 """
 
 from __future__ import annotations
@@ -89,6 +94,37 @@ class Workload:
     timings: list[dict[str, float]] = field(default_factory=list)
     failed: str | None = None
     env: dict[str, str] | None = None  # the process environment (a baseline revision's PYTHONPATH)
+
+
+SCALING = Shape(2, 128, 128)  # x 1, 2, 4, 8, 16: 256 to 4,096 tokens per sequence
+SCALING_MULTIPLES = [1, 2, 4, 8, 16]
+
+
+def line_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
+    """Least-squares ``y = intercept + slope * x``, with R^2."""
+    n, mx, my = len(xs), statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    ss_res = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    return {"slope": slope, "intercept": intercept, "r2": 1 - ss_res / ss_tot if ss_tot else 1.0, "points": n}
+
+
+def token_scaling(rows: list[dict[str, object]]) -> dict[str, object]:
+    """Each workload's line through (tokens per sequence, median wall), and the scan's slope over plain's."""
+    fits: dict[str, object] = {}
+    for name in dict.fromkeys(str(r["workload"]) for r in rows):
+        pts = [(SCALING.times(int(r["scale"])).prompt * 2, float(r["wall_s"])) for r in rows
+               if r["workload"] == name and "wall_s" in r]  # fmt: skip
+        if len(pts) >= 2:
+            fit = line_fit([p[0] / 1000 for p in pts], [p[1] for p in pts])
+            fits[name] = {"seconds_per_1k_tokens": round(fit["slope"], 3), "intercept_s": round(fit["intercept"], 2),
+                          "r2": round(fit["r2"], 4), "tokens_per_sequence": [p[0] for p in pts]}  # fmt: skip
+    plain, scan = fits.get("plain"), fits.get("modules --no-attribute")
+    if isinstance(plain, dict) and isinstance(scan, dict) and plain["seconds_per_1k_tokens"]:
+        fits["slope_ratio"] = round(scan["seconds_per_1k_tokens"] / plain["seconds_per_1k_tokens"], 2)
+    return fits
 
 
 def run_process(
@@ -210,6 +246,7 @@ def main() -> None:
     ap.add_argument("--skip-consistent", action="store_true", help="skip the consistent-vs-stock rows")
     ap.add_argument("--depths", help="full run: which scan depths (comma-separated names of SCANS; default all)")
     ap.add_argument("--baseline-rev", help="also run `modules --no-attribute` with the code of this git revision")
+    ap.add_argument("--token-scaling", action="store_true", help="only plain and the module scan, 256-4096 tokens")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/run-ISA-DATE.json)")
     args = ap.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
@@ -222,6 +259,10 @@ def main() -> None:
         models = ["demo"] if args.quick else args.models.split(",")
         scales = [1, 2] if args.quick else [int(k) for k in args.scales.split(",")]
         plan = []
+        if args.token_scaling:
+            models = []
+            path = build_random_model(tmp / "scaling", max_position_embeddings=8192)
+            plan += workloads("demo-shape", path, SCALING, ["modules --no-attribute"], SCALING_MULTIPLES, tmp)
         if "demo" in models:
             plan += workloads("demo", demo, Shape(4, 32, 32), ["logprobs", "modules --no-attribute", "modules"], scales, tmp)
         depths = args.depths.split(",") if args.depths else list(SCANS)
@@ -250,16 +291,21 @@ def main() -> None:
                 w.rss.append(rss)
                 if timings:
                     w.timings.append(timings)
-        consistent = [] if args.skip_consistent else consistent_vs_stock(demo, args.quick, 3 if args.quick else 5, tmp)
+        skip = args.skip_consistent or args.token_scaling
+        consistent = [] if skip else consistent_vs_stock(demo, args.quick, 3 if args.quick else 5, tmp)
     plain = {(w.model, w.scale): w for w in plan if w.name == "plain"}
     rows = [summarize(w, plain.get((w.model, w.scale))) for w in plan]
     info["load_avg_end"], info["bench_seconds"] = os.getloadavg(), round(time.time() - started, 1)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "quick": args.quick,
               "repeats": repeats, "machine": info, "runs": rows, "consistent_vs_stock": consistent}  # fmt: skip
+    if args.token_scaling:
+        result["token_scaling"] = token_scaling(rows)
     out = args.out or BENCH / "results" / f"run-{info['isa']}-{datetime.date.today()}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print_table(rows, consistent, info)
+    if args.token_scaling:
+        print(f"token scaling: {json.dumps(result['token_scaling'])}")
     print(f"\nwrote {out}")
 
 

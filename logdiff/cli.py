@@ -170,6 +170,10 @@ def scan(
         "linear, rms_norm, rope, attention, silu_and_mul, moe, log_softmax.",
     ),  # fmt: skip
     attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (rescans)."),
+    replay_all_paths: bool = typer.Option(
+        False, "--replay-all-paths", help="At --depth modules|ops, replay the training path's ops on every inference path's inputs "
+        "(default: the primary path's only; each more path costs one training forward).",
+    ),  # fmt: skip
     batch_compositions: Optional[str] = typer.Option(
         None, metavar="SIZES", help="Batch-invariance probe: score the sequences on the inference engine in "
         "batches of each size (e.g. 1,4,8) and compare them with the first.",
@@ -200,7 +204,7 @@ def scan(
         model=model, ckpt=ckpt, train=train, infer=infer, dtype=dtype, sequences=sequences, prompts=prompts,
         num_sequences=num_sequences, prompt_len=prompt_len, response_len=response_len, seed=seed,
         infer_ckpt=infer_ckpt, set_=set_, depth=depth or SCAN_DEPTH, consistent=consistent,
-        consistent_kernels=consistent_kernels, attribute=attribute, drill=drill,
+        consistent_kernels=consistent_kernels, attribute=attribute, replay_all_paths=replay_all_paths, drill=drill,
         batch_compositions=batch_compositions, trust_remote_code=trust_remote_code, device=device,
         is_threshold=is_threshold,
     )  # fmt: skip

@@ -40,6 +40,9 @@ class ScanConfig:
     consistent_kernels: tuple[str, ...] | None = None
     #: at depth modules|ops, measure each cause's share and necessity (rescans)
     attribute: bool = True
+    #: at depth modules|ops, replay the training path's ops on every inference path's inputs, not only on the
+    #: primary path's (the one the diagnosis reads); each replayed path costs one more training forward
+    replay_all_paths: bool = False
     #: at depth ops, the module to trace (default: the first divergent one)
     drill: str | None = None
     #: batch-invariance probe: score the sequences at these batch sizes on the first inference engine
@@ -50,6 +53,9 @@ class ScanConfig:
     #: score exactly these sequences (responses included) instead of loading or sampling any:
     #: the diagnosis's rescans replay the first scan's tokens (Python API only, not a CLI option)
     replay: tuple[Any, ...] | None = None
+    #: score each engine's primary path only (its first: vLLM's decode, not its prompt-logprobs prefill); the
+    #: diagnosis's rescans read the primary pair alone (Python API only, not a CLI option)
+    primary_path_only: bool = False
     #: T of the rollout_is_* metrics (weights truncated to <= T) and the k1 rollout_rs_* bounds [1/T, T] (verl's 2.0)
     is_threshold: float = 2.0
 

@@ -164,7 +164,11 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
                 **({"sketched": True} if evidence.sketched else {}),
             }
         )
-    if unresolved:
+    if unresolved and not pair.comparer.wants_replay:
+        warnings.append(f"{pair.infer}: the training path's ops were not replayed on this path's inputs (a scan "
+                        "replays on its primary path's; --replay-all-paths replays on every path's): introducing ops "
+                        f"from equal inputs only, {len(unresolved)} diverged boundaries not separated")
+    elif unresolved:
         warnings.append(f"could not separate introduced from propagated error (inputs differ, op not replayable) "
                         f"at {len(unresolved)} boundaries: {named(unresolved, UNRESOLVED_NAMED)}")
     for n, why in pair.comparer.replay_skipped.items():

@@ -206,13 +206,15 @@ def _run(
                 for s, r in zip(seqs, sampled.response_ids):
                     s.response_ids = r
                 add(sampler, sampled.scores)
-                if sampled.scores and hasattr(sampler, "prefill_scores"):
+                if sampled.scores and hasattr(sampler, "prefill_scores") and not cfg.primary_path_only:
                     add(sampler, [sampler.prefill_scores(seqs)])
         for engine in infers:
             if engine in owners.values():
                 continue
             progress(f"scoring with {engine.name}{rec}", phase=f"score:{engine.name}")
-            add(engine, _score(engine, "infer", seqs, recording, probes))
+            add(engine, _score(engine, "infer", seqs, recording, probes, cfg.primary_path_only))
+        if probes is not None and not cfg.replay_all_paths:
+            probes.replay_paths = {infer_scores[0].path}  # the primary pair's: the one the diagnosis reads
         progress(f"scoring with {train.name} (training path){rec}", phase=f"score:{train.name}")
         train_scores = _score(train, "train", seqs, recording, probes)[0]
         batch_invariance = None
@@ -230,9 +232,10 @@ def _run(
 
 
 def _score(engine: Engine, role: str, seqs: list[sequences.Sequence], recording: Callable[[Engine, str], Any],
-           probes: Any) -> list[PathScores]:
+           probes: Any, primary_only: bool = False) -> list[PathScores]:
     """``engine``'s scores as ``role``'s paths, recorded live in this process; or, where the engine scores
-    elsewhere (a sharded path on ranks of its own), captured there and fed from its bundle into the same probes."""
+    elsewhere (a sharded path on ranks of its own), captured there and fed from its bundle into the same probes.
+    ``primary_only``: the engine's first path alone (``Engine.score_primary``)."""
     import tempfile
     from pathlib import Path
 
@@ -240,7 +243,7 @@ def _score(engine: Engine, role: str, seqs: list[sequences.Sequence], recording:
         bundle = engine.score_captured(seqs, Path(tmp) / "bundle")
         if bundle is None:
             with recording(engine, role):
-                return engine.score(seqs)
+                return [engine.score_primary(seqs)] if primary_only else engine.score(seqs)
         from logdiff.offline import scores_of_capture
         from logdiff.probes.bundle import Bundle
 
@@ -429,7 +432,8 @@ def _diagnose(result: ScanResult, run: PathRun, cfg: ScanConfig, progress: Progr
     owner = run.engine_of(result.primary.infer)
     # Rescans score the primary pair only, on this scan's tokens where the engine can replay them as it
     # sampled them (a lever changes numbers, never the tokens); else they sample again with the same seed.
-    same_tokens = {"infer": [owner.name], "replay": tuple(run.sequences) if owner.replays_as_sampled else None}
+    same_tokens = {"infer": [owner.name], "replay": tuple(run.sequences) if owner.replays_as_sampled else None,
+                   "primary_path_only": True}
     rescanner = Rescanner(lambda c: measure(replace(c, **same_tokens)).result)
     result.classified = True
     record = run.probes.pair(result.primary.train, result.primary.infer) if run.probes is not None else None

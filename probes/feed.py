@@ -235,7 +235,7 @@ class ReplaySink:
         stored, own = self.comparer.store.get(name), self.check.store.get(name)
         if replay is None or stored is None or own is None or name in self.unfaithful:
             return
-        self.check._replay(name, own, rmap, replay)
+        self.check._replay(name, own, rows, rmap, replay)
         reproduced = self.check.local.get(name)
         if reproduced is None:  # no row with all its inputs in the bundle: nothing shows the op is the same
             return
@@ -243,4 +243,4 @@ class ReplaySink:
             self.unfaithful.append(name)
             self.comparer.local.pop(name, None)  # what earlier batches replayed stands on nothing either
             return
-        self.comparer._replay(name, stored, rmap, replay)
+        self.comparer._replay(name, stored, rows, rmap, replay)

@@ -119,6 +119,9 @@ class ProbeSession:
         self.reductions: dict[str, dict[str, int]] = {}
         #: every row of a training path, kept for an offline replay's check (``keep_rows``)
         self.kept: dict[str, StoreSink] = {}
+        #: the stored paths whose comparers replay the training path's ops (None: every one). A scan replays
+        #: against its primary path only, whose pair the diagnosis reads: each replay costs one more forward
+        self.replay_paths: set[str] | None = None
 
     @property
     def max_len(self) -> int:
@@ -184,7 +187,8 @@ class ProbeSession:
         for infer_path, store in self.stores.items():
             key = (path, infer_path)
             if key not in self.comparers:
-                self.comparers[key] = PathComparer(store, self.max_len)
+                replay = self.replay_paths is None or infer_path in self.replay_paths
+                self.comparers[key] = PathComparer(store, self.max_len, replay)
             sinks.append(self.comparers[key])
         self.owners[f"train:{path}"] = owners
         return sinks

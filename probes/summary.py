@@ -280,9 +280,13 @@ class PathComparer:
     into ``summaries[name]``. When the live op comes with a ``ReplaySpec``, the
     op is re-run on the stored path's inputs and compared with the stored
     output: ``local[name]`` is the error the op introduces by itself.
+    ``replay=False``: compare only (no ``local``; the recorder builds no replays for this sink).
     """
 
-    def __init__(self, store: Any, max_len: int):
+    #: run every replay, also where the stored inputs equal the live ones (a test's control)
+    replay_equal_inputs = False
+
+    def __init__(self, store: Any, max_len: int, replay: bool = True):
         self.store = store
         self.max_len = max_len
         self._summaries: dict[str, DiffSummary] = {}
@@ -291,7 +295,8 @@ class PathComparer:
         self._seen: set[str] = set()
         self.not_stored: set[str] = set()
         self.replay_skipped: dict[str, str] = {}
-        self.wants_replay = True
+        self.wants_replay = replay
+        self.replays = {"run": 0, "equal_inputs": 0}  # replays run, and those whose inputs were the live ones
 
     @property
     def summaries(self) -> dict[str, DiffSummary]:
@@ -331,7 +336,7 @@ class PathComparer:
             summ = self._summaries[name] = DiffSummary(self.max_len)
         self._fold(summ, stored, rows, idx[here], seq[here], pos[here])
         if replay is not None:
-            self._replay(name, stored, rmap, replay)
+            self._replay(name, stored, rows, rmap, replay)
 
     def _fold_sketches(self, name: str, rows: Any, rmap: Any) -> None:
         """Compare boundary ``name`` by row sketches (``sketch.py``), where a side kept only those and no whole
@@ -375,30 +380,45 @@ class PathComparer:
                 rows = live[to_device(idx[a:b], live.device)]
             summ.update(stored.read(seq[a:b], pos[a:b]), rows, seq[a:b], pos[a:b])
 
-    def _replay(self, name: str, stored: Any, rmap: Any, spec: Any) -> None:
+    def _replay(self, name: str, stored: Any, live_out: Any, rmap: Any, spec: Any) -> None:
+        """Fold the live op's error on the stored inputs into ``local[name]``. Where every stored input row
+        equals the live one, the replay would repeat the live call itself: its own output (``live_out``, the
+        boundary's live rows) stands in and the op is not run again (``replay_equal_inputs`` forces the run)."""
         import torch
 
         n = len(rmap)
         ok = rmap.valid & stored.has(rmap.seq, rmap.pos)
-        xs = []
+        inputs = []  # (template, layout, live rows, substituted row indices, the stored rows there)
         for in_name, template, layout in spec.inputs:
             source = self.store.get(in_name)
             if source is None:
                 self.replay_skipped[name] = f"input {in_name} was not recorded on the stored path"
                 return
-            rows = layout.to_rows(template, n).clone()
             check = source.has_prefix if spec.causal else source.has
             have = rmap.valid & check(rmap.seq, rmap.pos)
-            if have.any():
-                hidx = np.nonzero(have)[0]
-                rows[hidx] = source.read(rmap.seq[hidx], rmap.pos[hidx]).to(rows.device, rows.dtype)
+            hidx = np.nonzero(have)[0]
+            live = layout.to_rows(template, n)
+            sub = source.read(rmap.seq[hidx], rmap.pos[hidx]).to(live.device, live.dtype) if len(hidx) else None
+            inputs.append((template, layout, live, hidx, sub))
             ok &= have
-            xs.append(layout.from_rows(rows, like=template))
         if not ok.any():
             return
-        with torch.no_grad():
-            out = spec.run(xs)
-        out_rows = spec.out_layout.to_rows(out, n)
+        same = not self.replay_equal_inputs and all(
+            sub is None or torch.equal(sub, live[hidx]) for _, _, live, hidx, sub in inputs
+        )
+        self.replays["equal_inputs" if same else "run"] += 1
+        if same:
+            out_rows = live_out
+        else:
+            xs = []
+            for template, layout, live, hidx, sub in inputs:
+                rows = live.clone()
+                if sub is not None:
+                    rows[hidx] = sub
+                xs.append(layout.from_rows(rows, like=template))
+            with torch.no_grad():
+                out = spec.run(xs)
+            out_rows = spec.out_layout.to_rows(out, n)
         oidx = np.nonzero(ok)[0]
         local = self._local.get(name)
         if local is None:

@@ -110,6 +110,9 @@ def test_vllm_ops_depth(qwen3: Path) -> None:
     first = _check_first_divergence(r)
     assert [p["infer"] for p in r["pairs"]] == ["vllm", "vllm-prefill"]
     assert r["pairs"][1]["first_divergence"]["inputs_equal"] is True
+    # the training path's ops are replayed on the primary path's inputs only (the pair the diagnosis reads)
+    assert any("local" in b for b in r["pairs"][0]["boundaries"])
+    assert not any("local" in b for b in r["pairs"][1]["boundaries"])
     names = [b["boundary"] for b in r["pairs"][0]["boundaries"]]
     assert names == r["divergence_table"]["boundaries"]
     assert {"model.layers.0.self_attn.q_proj", "model.layers.3.residual_mlp", "logits", "log_softmax"} <= set(names)

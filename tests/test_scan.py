@@ -59,6 +59,17 @@ def test_vllm_paths_and_replay(qwen3: Path, tmp_path: Path) -> None:
             for s, lp in zip(seqs, decode.logprobs)
         )
     )
+    # A rescan's primary-only run scores vLLM's decode replay alone, with the same numbers.
+    from dataclasses import replace
+
+    from logdiff.pipeline import measure
+
+    alone = measure(replace(cfg, replay=tuple(seqs), primary_path_only=True)).result
+    assert [p.infer for p in alone.pairs] == ["vllm"]
+    full = measure(replace(cfg, replay=tuple(seqs))).result
+    assert [p.infer for p in full.pairs] == ["vllm", "vllm-prefill"]
+    assert alone.primary.metrics == full.primary.metrics
+
     replay = logdiff.scan(qwen3, infer=["vllm"], sequences=jsonl)
     names = [(p["train"], p["infer"]) for p in replay["pairs"]]
     assert names == [("hf", "vllm"), ("hf", "vllm-prefill"), ("hf", "rollout")]
@@ -122,3 +133,14 @@ def test_text_prompts_use_the_tokenizer_and_chat_template(qwen3: Path, tmp_path:
     assert r["settings"]["sequence_source"] == "prompts"
     assert r["sequences"]["count"] == 2 and r["logprobs"]["abs_diff_max"] == 0.0
     assert isinstance(r["pairs"][0]["worst"]["token_text"], str)
+
+
+@pytest.mark.parametrize("replay_all_paths", [False, True])
+def test_replays_serve_the_primary_path_unless_all_are_asked_for(qwen3: Path, replay_all_paths: bool) -> None:
+    cfg = ScanConfig(model=qwen3, infer=["hf-decode"], depth="modules", replay_all_paths=replay_all_paths, **SMALL)
+    run = run_paths(cfg)
+    try:
+        assert run.probes.replay_paths == (None if replay_all_paths else {"hf-decode"})
+        assert run.probes.comparers[("hf", "hf-decode")].wants_replay
+    finally:
+        run.probes.close()

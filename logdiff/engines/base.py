@@ -142,6 +142,11 @@ class Engine(ABC):
     def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
         """Teacher-forced logprobs of each sequence's response tokens, per path."""
 
+    def score_primary(self, seqs: list[TokenSequence]) -> PathScores:
+        """``score``'s first path alone (a rescan reads the primary pair only); an engine that computes its other
+        paths separately (vLLM's prompt-logprobs prefill) skips them here."""
+        return self.score(seqs)[0]
+
     def score_captured(self, seqs: list[TokenSequence], out_dir: Path) -> Path | None:
         """Score ``seqs`` outside this process and capture them into a bundle at ``out_dir`` (returned), as a
         sharded training path does on ranks of its own; None when the engine scores in this process, where

@@ -6,6 +6,7 @@ import random
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -183,5 +184,63 @@ def test_rows_with_unexpected_token_ids_are_dropped(engines: dict, tiny_qwen3: P
             engines["hf"].score(list(reversed(seqs)))
         assert rec.misaligned_rows > 0
         assert any("expected token ids" in w for w in session.warnings)
+    finally:
+        session.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "qwen3-moe", "deepseek-v2", "phi3"])
+def test_replays_on_equal_inputs_reuse_the_live_output_exactly(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Layer 0 sees equal inputs on both paths (its replays reuse the live output); layer 1's input norm is
+    # changed on the training path (from there on, replays run). Forcing every replay must give the same locals.
+    from tiny_models import build_tiny
+
+    from logdiff.probes.summary import PathComparer
+
+    model = build_tiny(tmp_path / arch, arch)
+    spec = EngineSpec(str(model), "bfloat16")
+    stored, live = HFForward(spec), HFForward(spec)
+    with torch.no_grad():
+        live.model.model.layers[1].input_layernorm.weight.add_(0.25)
+    seqs = _seqs(2)
+    pair, loc, _ = _run_pair(model, stored, live, seqs)
+    monkeypatch.setattr(PathComparer, "replay_equal_inputs", True)
+    forced, forced_loc, _ = _run_pair(model, stored, live, seqs)
+
+    assert pair.comparer.replays["equal_inputs"] > 0 and pair.comparer.replays["run"] > 0
+    assert forced.comparer.replays["equal_inputs"] == 0
+    assert sum(pair.comparer.replays.values()) == forced.comparer.replays["run"]
+    local, forced_local = pair.comparer.local, forced.comparer.local
+    assert set(local) == set(forced_local)
+    for name in local:
+        assert local[name].to_dict() == forced_local[name].to_dict(), name
+        np.testing.assert_array_equal(local[name].per_position, forced_local[name].per_position)
+    assert loc.introducing_ops == forced_loc.introducing_ops
+    assert [op["boundary"] for op in loc.introducing_ops] == ["model.layers.1.input_layernorm"]
+
+
+def test_only_the_named_paths_are_replayed(engines: dict, tiny_qwen3: Path) -> None:
+    seqs = _seqs()
+    other = HFForward(EngineSpec(str(tiny_qwen3), "bfloat16"))
+    with torch.no_grad():
+        other.model.model.layers[1].self_attn.k_proj.weight.mul_(1.5)
+    session = _session(tiny_qwen3, seqs)
+    try:
+        for engine in (engines["hf"], engines["hf-decode"]):
+            with session.record(engine, "infer"):
+                engine.score(seqs)
+        session.replay_paths = {"hf"}
+        with session.record(other, "train"):
+            other.score(seqs)
+        replayed, compared = session.pair("hf", "hf"), session.pair("hf", "hf-decode")
+        assert replayed.comparer.local and not compared.comparer.local
+        assert compared.comparer.summaries.keys() == replayed.comparer.summaries.keys()
+        assert [op["boundary"] for op in locate(replayed).introducing_ops] == ["model.layers.1.self_attn.k_proj"]
+        # without replays, ops are judged on equal inputs only; what follows the change is named as not separated
+        loc = locate(compared)
+        assert all(op["method"] == "equal_inputs" for op in loc.introducing_ops)
+        assert loc.unresolved
+        assert any(w.startswith("hf-decode: the training path's ops were not replayed") for w in loc.warnings)
     finally:
         session.close()

@@ -179,6 +179,10 @@ class VLLMEngine(Engine):
         return str(self.spec.option("logprobs_mode", "raw_logprobs")).startswith("raw")
 
     def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
+        return [self.score_primary(seqs), self.prefill_scores(seqs)]
+
+    def score_primary(self, seqs: list[TokenSequence]) -> PathScores:
+        """The forced decode replay alone (path ``vllm``), without ``prefill_scores``."""
         if not self.replays_as_sampled:
             raise InputError(
                 "vLLM cannot replay given tokens with --set infer.logprobs_mode=processed_*: it computes processed "
@@ -195,7 +199,7 @@ class VLLMEngine(Engine):
         for o, r in zip(outs, responses):
             if list(o.outputs[0].token_ids) != r:
                 raise RuntimeError("vLLM did not follow the forced tokens; the replay is not valid")
-        return [self._decode_scores(outs, responses), self.prefill_scores(seqs)]
+        return self._decode_scores(outs, responses)
 
     def prefill_scores(self, seqs: list[TokenSequence]) -> PathScores:
         """``prompt_logprobs`` of the response tokens, with prompt + response as one prompt."""
