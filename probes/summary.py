@@ -383,7 +383,8 @@ class PathComparer:
     def _replay(self, name: str, stored: Any, live_out: Any, rmap: Any, spec: Any) -> None:
         """Fold the live op's error on the stored inputs into ``local[name]``. Where every stored input row
         equals the live one, the replay would repeat the live call itself: its own output (``live_out``, the
-        boundary's live rows) stands in and the op is not run again (``replay_equal_inputs`` forces the run)."""
+        boundary's live rows) stands in and the op is not run again (on the host; ``replay_equal_inputs``
+        forces the run)."""
         import torch
 
         n = len(rmap)
@@ -403,7 +404,8 @@ class PathComparer:
             ok &= have
         if not ok.any():
             return
-        same = not self.replay_equal_inputs and all(
+        # on an accelerator the test would wait for the device (``device_summary``): there the replay runs
+        same = not self.replay_equal_inputs and live_out.device.type == "cpu" and all(
             sub is None or torch.equal(sub, live[hidx]) for _, _, live, hidx, sub in inputs
         )
         self.replays["equal_inputs" if same else "run"] += 1
