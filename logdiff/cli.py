@@ -171,8 +171,8 @@ def scan(
     ),  # fmt: skip
     attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (rescans)."),
     replay_all_paths: bool = typer.Option(
-        False, "--replay-all-paths", help="At --depth modules|ops, replay the training path's ops on every inference path's inputs "
-        "(default: the primary path's only; each more path costs one training forward).",
+        False, "--replay-all-paths", help="At --depth modules|ops, replay the training path's ops on every "
+        "inference path's inputs (default: the primary path's only; each more path costs one training forward).",
     ),  # fmt: skip
     batch_compositions: Optional[str] = typer.Option(
         None, metavar="SIZES", help="Batch-invariance probe: score the sequences on the inference engine in "
