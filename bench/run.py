@@ -22,9 +22,9 @@ tokens (2x only with ``--quick``). ``--token-scaling``: instead, both on a rando
 model of the demo's shape (positions up to 8192) at 256, 512, ..., 4096 tokens
 per sequence (2 sequences, half prompt, half response), with a least-squares
 line through each workload's wall times: its slope (seconds per 1,000 tokens
-per sequence), intercept and R^2, and the scan's slope over the plain run's. Consistent vs stock kernels: the HF
-forward and vLLM generate, from ``bench/bench_consistent.py`` in its own
-process. Models: the demo Qwen3 (``--demo DIR``, else a random model of its
+per sequence), intercept and R^2, and the scan's slope over the plain run's.
+Consistent vs stock kernels: the HF forward and vLLM generate, from
+``bench/bench_consistent.py`` in its own process. Models: the demo Qwen3 (``--demo DIR``, else a random model of its
 shape), and in the full run a 0.5B-class and a 1.5B-class Qwen3 built from
 config with random bf16 weights.
 
@@ -102,21 +102,22 @@ SCALING_MULTIPLES = [1, 2, 4, 8, 16]
 
 def line_fit(xs: list[float], ys: list[float]) -> dict[str, float]:
     """Least-squares ``y = intercept + slope * x``, with R^2."""
-    n, mx, my = len(xs), statistics.fmean(xs), statistics.fmean(ys)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     intercept = my - slope * mx
     ss_res = sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys))
     ss_tot = sum((y - my) ** 2 for y in ys)
-    return {"slope": slope, "intercept": intercept, "r2": 1 - ss_res / ss_tot if ss_tot else 1.0, "points": n}
+    return {"slope": slope, "intercept": intercept, "r2": 1 - ss_res / ss_tot if ss_tot else 1.0}
 
 
 def token_scaling(rows: list[dict[str, object]]) -> dict[str, object]:
     """Each workload's line through (tokens per sequence, median wall), and the scan's slope over plain's."""
     fits: dict[str, object] = {}
     for name in dict.fromkeys(str(r["workload"]) for r in rows):
-        pts = [(SCALING.times(int(r["scale"])).prompt * 2, float(r["wall_s"])) for r in rows
-               if r["workload"] == name and "wall_s" in r]  # fmt: skip
+        shapes = [(SCALING.times(int(r["scale"])), float(r["wall_s"])) for r in rows
+                  if r["workload"] == name and "wall_s" in r]  # fmt: skip
+        pts = [(s.prompt + s.response, wall) for s, wall in shapes]  # tokens per sequence
         if len(pts) >= 2:
             fit = line_fit([p[0] / 1000 for p in pts], [p[1] for p in pts])
             fits[name] = {"seconds_per_1k_tokens": round(fit["slope"], 3), "intercept_s": round(fit["intercept"], 2),
