@@ -72,7 +72,9 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
 
     arch = adapter_of(model)
     packed, moe_params = arch.packed, arch.moe_params
-    dtype = arch.embed(model).weight.dtype  # the model dtype (vLLM keeps some tensors in fp32)
+    # the model dtype: vLLM keeps some tensors in fp32 (a MoE gate; on AMX hosts the bias of a
+    # linear that its sgl GEMM packed), and ``narrowest`` hashes them at the width they were loaded
+    dtype = arch.embed(model).weight.dtype
     out: dict[str, str | None] = {}
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
@@ -88,7 +90,7 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
             )
             continue
         if leaf == "weight" and param.numel() == 0 and hasattr(layer, "cpu_linear"):
-            recovered = _recovered(lambda: dense_weight(layer), raw=True)
+            recovered = _recovered(lambda: dense_weight(layer, model.modules()), raw=True)  # AMX: MLA's kv_b_proj
             if recovered is None:
                 parts = packed.get(short, (short,))
                 out.update({f"{prefix}.{part}.weight": None for part in parts})
@@ -96,7 +98,7 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
             param = recovered
         if short in packed and leaf in ("weight", "bias"):
             for part, chunk in zip(packed[short], param.split(list(layer.output_sizes), dim=0)):
-                out[f"{prefix}.{part}.{leaf}"] = fingerprint(chunk)
+                out[f"{prefix}.{part}.{leaf}"] = fingerprint(narrowest(chunk, dtype))
             continue
         if hasattr(layer, "num_embeddings_padded") and param.shape[0] > vocab_size:
             param = param[:vocab_size]  # vLLM pads the vocabulary dimension of its embedding and LM head
