@@ -144,9 +144,9 @@ def test_planted_router_differences_are_framework_differences_at_their_layers(qw
     # the renormalisation changes the weights, never which experts win; the stale router changes them all
     assert layers[0]["flips"] == 0 and layers[0]["weight_max_abs_diff"] > 0
     assert layers[1]["flips"] == layers[1]["tokens"] > 0
-    replay = moe["replay"]
-    assert replay["forced_tokens"] > 0
-    assert replay["after"]["abs_diff_mean"] < replay["before"]["abs_diff_mean"]
+    # With the renormalisation also differing downstream, forcing layer 1's experts may widen the gap or close
+    # it, depending on the sampled tokens (so on the CPU): what it must do alone is below.
+    assert moe["replay"]["forced_tokens"] > 0
     assert validate_result(r) == []
     # the reports: one table row per router with its cause, the replay line, one terminal line
     html = render_html(r)
@@ -157,6 +157,15 @@ def test_planted_router_differences_are_framework_differences_at_their_layers(qw
     print_summary(r, console)
     line = next(x for x in console.export_text().splitlines() if x.startswith("moe routing: "))
     assert "framework_difference (moe_routing, weights)" in line and "routing replay" in line
+
+
+def test_replaying_a_stale_routers_choice_closes_part_of_the_gap(qwen3_moe: Path, tmp_path: Path) -> None:
+    """A stale router is the only difference: forcing its experts on the training path narrows the gap."""
+    r = logdiff.scan(qwen3_moe, infer=["hf"], infer_ckpt=stale_router(qwen3_moe, tmp_path, 1), **SMALL)
+    replay = r["moe"]["replay"]
+    assert replay["forced_tokens"] > 0
+    assert 0 < replay["after"]["abs_diff_mean"] < replay["before"]["abs_diff_mean"]  # weights still differ: not all
+    assert replay["share"] == pytest.approx(1 - replay["after"]["abs_diff_mean"] / replay["before"]["abs_diff_mean"])
 
 
 @contextlib.contextmanager
