@@ -52,7 +52,7 @@ FAIL_ON_CLASSES = ("framework_difference", "operator_path", "divergent")
 #: ``kl_k3`` is the deprecated name of ``k3_kl`` (same value), kept so that recorded baselines still apply.
 BASELINE_METRICS = {"abs_diff_max": 0.0, "abs_diff_mean": 0.0, "kl_k3": 0.0, "bitwise_equal_fraction": 1.0}
 #: environment entries about the machine, not software versions (``environment_changes`` compares the rest)
-MACHINE_FACTS = ("device", "platform", "machine", "cpu_isa", "cpu_isa_emulated")
+MACHINE_FACTS = ("device", "platform", "machine", "cpu_isa", "cpu_isa_emulated", "cpu_isa_host")
 #: Key fields whose mismatch makes a baseline inapplicable (exit 2).
 STRICT_KEYS = ("hardware", "architecture", "paths", "dtype", "consistent")
 
@@ -224,12 +224,17 @@ def asked_gates(result: dict[str, Any], thresholds: dict[str, float | None], cla
 
 
 def hardware_key(environment: dict[str, Any]) -> str:
-    """``cpu-x86_64-avx512_bf16`` (``cpu-x86_64-avx2-emulated`` under ``LOGDIFF_EMULATE_ISA``),
-    or the accelerator's name as a slug (``cuda-nvidia-h200``)."""
+    """``cpu-x86_64-avx512_bf16``, or the accelerator's name as a slug (``cuda-nvidia-h200``).
+
+    Under ``LOGDIFF_EMULATE_ISA`` (logdiff/isa.py) the key names the host too,
+    ``cpu-x86_64-avx2-emulated-on-avx512_bf16``: emulation reproduces the kernel
+    choices, not every library's rounding (MKL and oneDNN still read the real
+    processor), so one host's emulated baseline does not stand in for another's.
+    """
     device = str(environment.get("device") or "cpu")
     if device == "cpu":
-        isa = environment.get("cpu_isa")
-        emulated = "-emulated" if environment.get("cpu_isa_emulated") else ""  # logdiff/isa.py
+        isa, host = environment.get("cpu_isa"), environment.get("cpu_isa_host")
+        emulated = ("-emulated" + (f"-on-{host}" if host else "")) if environment.get("cpu_isa_emulated") else ""
         return f"cpu-{environment.get('machine') or 'unknown'}" + (f"-{isa}{emulated}" if isa else "")
     return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
 

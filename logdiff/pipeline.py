@@ -295,6 +295,7 @@ def environment() -> dict[str, Any]:
     return {
         "cpu_isa": isa.cpu_isa(),
         "cpu_isa_emulated": isa.emulated_isa() is not None,
+        **({"cpu_isa_host": isa.host_isa()} if isa.emulated_isa() else {}),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         **versions,

@@ -28,7 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_emulated_runs_get_their_own_hardware_key() -> None:
     env = {"device": "cpu", "machine": "x86_64", "cpu_isa": "avx2"}
     assert hardware_key(env) == "cpu-x86_64-avx2"
-    assert hardware_key({**env, "cpu_isa_emulated": True}) == "cpu-x86_64-avx2-emulated"
+    assert hardware_key({**env, "cpu_isa_emulated": True}) == "cpu-x86_64-avx2-emulated"  # a host unknown
+    emulated = {**env, "cpu_isa_emulated": True, "cpu_isa_host": "amx_bf16"}
+    assert hardware_key(emulated) == "cpu-x86_64-avx2-emulated-on-amx_bf16"  # never another host's baseline
 
 
 def test_an_unknown_emulation_is_an_input_error(monkeypatch: pytest.MonkeyPatch) -> None:
