@@ -13,8 +13,10 @@ Design: **one GEMM shape per call site, whatever M and N are.**
   alignments. A decode step of a few rows pads to 16, not to a prefill-sized
   tile. Prefill would then stream the weight once per 16 rows; so where
   :data:`WIDE_TILE` rows in one GEMM give every row **bitwise** the result of
-  16-row GEMMs (checked on this device, for this weight, thread count and
-  dtype, inside ``kernel_caches()``: a property of the BLAS, never assumed),
+  16-row GEMMs (checked on this device, for this weight shape, thread count and
+  dtype, inside ``kernel_caches()``, on rows that expose any change of the
+  reduction order even through a bf16 rounding: a property of the BLAS, never
+  assumed; oneDNN's bf16 GEMMs on AMX CPUs fail it for K >= 512),
   whole wide tiles go in one call. The result is the 16-row tiles' either way.
 * Columns (N): the weight is cut into tiles of exactly :data:`N_TILE` output
   columns (the last one zero-padded). Each row tile is multiplied by all column
@@ -134,12 +136,44 @@ def tile_gemm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
     return lambda rows, out: torch.bmm(rows.expand(n_tiles, *rows.shape), w_tiles, out=out)
 
 
-def wide_tiles_agree(w: torch.Tensor, gemm: Callable[[torch.Tensor, torch.Tensor], None]) -> bool:
-    """Whether one WIDE_TILE-row GEMM gives every row the bits of M_TILE-row GEMMs, for this weight.
+def _probe_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [WIDE_TILE, K], weight [N, K])`` on which a change of the GEMM's reduction order shows in its output.
+
+    A low-precision GEMM rounds its fp32 accumulator once (bf16: 8 significant bits), so on random rows two
+    kernels that add the K products in different orders give different bf16 bits in only a few of the
+    outputs (measured: 0 to 5 of 16384 for K = 512..1024 on an AMX CPU, whose oneDNN picks another kernel
+    for 64 rows than for 16): a random-rows check passes by luck. So the even rows cancel exactly: the probe
+    weight repeats its columns ``P`` at columns ``Q`` (a fixed random split of K), the row holds ``a`` on
+    ``P`` and ``-a`` on ``Q``; every exact dot product is 0 and the output is the accumulator's rounding
+    error alone, a fingerprint of the order the kernel adds the products in, kept to 8 bits by the
+    rounding. The odd rows are random (a kernel may differ in other ways, e.g. its final rounding).
+    """
+    n, k = w.shape
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    perm = torch.randperm(k, generator=gen, device=w.device)
+    half = k // 2
+    p, q = perm[:half], perm[half : 2 * half]
+    b = torch.randn(n, half, generator=gen, device=w.device).to(w.dtype)
+    weight = torch.zeros(n, k, dtype=w.dtype, device=w.device)
+    weight[:, p] = b
+    weight[:, q] = b
+    rows = torch.randn(WIDE_TILE, k, generator=gen, device=w.device).to(w.dtype)
+    a = rows[0::2, p].clone()
+    rows[0::2] = 0
+    rows[0::2, p] = a
+    rows[0::2, q] = -a
+    return rows, weight
+
+
+def wide_tiles_agree(
+    w: torch.Tensor, make_gemm: Callable[[torch.Tensor], Callable[[torch.Tensor, torch.Tensor], None]] = tile_gemm
+) -> bool:
+    """Whether one WIDE_TILE-row GEMM gives every row the bits of M_TILE-row GEMMs, for weights shaped as ``w``.
 
     A property of the BLAS (its kernel choice and reduction order per shape), checked once per
-    (shape, dtype, device, threads) on random rows inside ``kernel_caches()``; outside one the
-    narrow tiles are used and nothing is checked.
+    (shape, dtype, device, threads) inside ``kernel_caches()`` on the rows and probe weight of
+    :func:`_probe_rows` (``make_gemm(weight)`` is the GEMM under test); outside one the narrow tiles
+    are used and nothing is checked.
     """
     caches = active()
     if caches is None:
@@ -147,8 +181,8 @@ def wide_tiles_agree(w: torch.Tensor, gemm: Callable[[torch.Tensor, torch.Tensor
     key = (tuple(w.shape), w.dtype, str(w.device), torch.get_num_threads())
     agree = caches.wide_tiles.get(key)
     if agree is None:
-        gen = torch.Generator(device=w.device).manual_seed(0)
-        rows = torch.randn(WIDE_TILE, w.shape[1], generator=gen, device=w.device).to(w.dtype)
+        rows, probe = _probe_rows(w)
+        gemm = make_gemm(probe)
         tiled = w.shape[0] <= N_TILED_MAX
 
         def run(r: torch.Tensor) -> torch.Tensor:
@@ -170,7 +204,7 @@ def _tiled_mm(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> tor
     w = _prepare(weight, dtype)
     gemm = tile_gemm(w)
     total = rows.shape[0]
-    wide_end = total - total % WIDE_TILE if total >= WIDE_TILE and wide_tiles_agree(w, gemm) else 0
+    wide_end = total - total % WIDE_TILE if total >= WIDE_TILE and wide_tiles_agree(w) else 0
     starts = [(s, WIDE_TILE) for s in range(0, wide_end, WIDE_TILE)] + [(s, M_TILE) for s in range(wide_end, total, M_TILE)]
     if n > N_TILED_MAX:
         out = torch.empty(total, n, dtype=dtype, device=x2.device)

@@ -160,13 +160,68 @@ def test_wide_tiles_are_refused_where_a_gemm_depends_on_the_row_count():
 
     w = torch.randn(N_TILE, 256, generator=torch.Generator().manual_seed(4))
 
-    def other_kernel_when_narrow(rows: torch.Tensor, out: torch.Tensor) -> None:
-        if len(rows) < matmul.WIDE_TILE:  # a "small-M kernel" that accumulates in another precision
-            out.copy_((rows.double() @ w.double().t()).float().unsqueeze(0))
-        else:
-            out.copy_((rows @ w.t()).unsqueeze(0))
+    def other_kernel_when_narrow(wp: torch.Tensor):
+        def gemm(rows: torch.Tensor, out: torch.Tensor) -> None:
+            if len(rows) < matmul.WIDE_TILE:  # a "small-M kernel" that accumulates in another precision
+                out.copy_((rows.double() @ wp.double().t()).float().unsqueeze(0))
+            else:
+                out.copy_((rows @ wp.t()).unsqueeze(0))
+
+        return gemm
 
     with weight_cache():
         assert not matmul.wide_tiles_agree(w, other_kernel_when_narrow)
     with weight_cache():  # the control's control: each row alone, so the row count cannot matter
-        assert matmul.wide_tiles_agree(w, lambda rows, out: out.copy_(torch.stack([r @ w.t() for r in rows])[None]))
+        assert matmul.wide_tiles_agree(
+            w, lambda wp: lambda rows, out: out.copy_(torch.stack([r @ wp.t() for r in rows])[None])
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_tiles_are_refused_where_only_the_order_of_a_low_precision_gemm_changes(dtype):
+    """Negative control: the same fp32 products added in another order for 64 rows than for 16, rounded to
+    bf16/fp16. On random rows such kernels differ in a handful of outputs at most (oneDNN on AMX CPUs for
+    K >= 512: the check once passed there by luck); the check's cancelling rows make it certain."""
+    from logdiff.kernels import matmul
+
+    w = torch.randn(N_TILE, 768, generator=torch.Generator().manual_seed(4)).to(dtype)
+
+    def summed(order: str):
+        def make(wp: torch.Tensor):
+            def gemm(rows: torch.Tensor, out: torch.Tensor) -> None:
+                products = rows.float()[:, None, :] * wp.float()[None]  # exact for bf16/fp16 operands
+                if order == "reversed" and len(rows) >= matmul.WIDE_TILE:
+                    products = products.flip(-1)
+                out.copy_(products.sum(-1).to(dtype)[None])
+
+            return gemm
+
+        return make
+
+    with weight_cache():
+        assert not matmul.wide_tiles_agree(w, summed("reversed"))
+    with weight_cache():  # the control's control: one order for every row count
+        assert matmul.wide_tiles_agree(w, summed("same"))
+
+
+@pytest.mark.parametrize("k", [256, 512, 768, 1024])
+def test_rows_keep_their_bits_in_a_prefill_sized_bf16_batch_on_order_revealing_rows(k):
+    """A row's bits in a 197-row batch (wide tiles, where the check allows them) are its bits alone, on rows
+    whose outputs are pure fp32 rounding error (exact dot products of 0: columns repeated, ``a`` and ``-a``),
+    so any change of the GEMM's reduction order with M shows through the bf16 rounding. Failed on an AMX
+    CPU (oneDNN's bf16 GEMM adds in another order for 64 rows than for 16 once K >= 512) while the
+    wide-tile check used random rows only."""
+    gen = torch.Generator().manual_seed(11)
+    half = k // 2
+    b = torch.randn(192, half, generator=gen).to(torch.bfloat16)
+    a = torch.randn(197, half, generator=gen).to(torch.bfloat16)
+    w, x = torch.cat([b, b], 1), torch.cat([a, -a], 1)
+    perm = torch.randperm(k, generator=gen)
+    w, x = w[:, perm].contiguous(), x[:, perm].contiguous()
+    with weight_cache():
+        batch = linear(x, w)
+        alone = torch.cat([linear(x[i : i + 1], w) for i in range(len(x))])
+    assert batch.abs().max() > 0  # the outputs do carry the accumulation's rounding error
+    assert torch.equal(batch, alone), f"{int((batch != alone).sum())} of {batch.numel()} outputs differ"
+
+
