@@ -3,7 +3,10 @@
 vLLM's CPU GEMM dispatch keeps the plain weight on some CPUs and packs it into
 a oneDNN/SGL handle (leaving an empty tensor) on others. These tests build the
 packed-away case on purpose, so recovery is exercised on every CPU, not only
-on those whose dispatch happens to remove the weight.
+on those whose dispatch happens to remove the weight. Likewise MLA's
+``kv_b_proj``, which vLLM's AMX MLA backend releases after packing it per head:
+a stand-in impl with the same split and a private (non-AMX) packing exercises
+the recovery on every CPU.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from logdiff.engines.vllm.weights import dense_weight
+from logdiff.engines.vllm.weights import dense_weight, latent_up_weight
 
 
 def _packed_away(weight: torch.Tensor, gemm=None) -> torch.nn.Module:
@@ -43,3 +46,67 @@ def test_a_gemm_that_is_not_linear_in_its_weight_is_refused() -> None:
     layer = _packed_away(weight, gemm=lambda x, _w, bias: F.linear(x, weight, bias) + x.abs().sum(-1, keepdim=True))
     with pytest.raises(RuntimeError, match="could not recover"):
         dense_weight(layer)
+
+
+def _vnni_like(w: torch.Tensor) -> torch.Tensor:
+    """A shape-keeping permutation of each head's matrix (pairs along the last dim moved row-major to column-major)."""
+    return w.unflatten(-1, (-1, 2)).transpose(-2, -3).contiguous().view(w.shape)
+
+
+class _PackingMLAImpl:
+    """``AMXMLAImpl.process_weights_after_loading``'s steps with ``pack`` for ``convert_weight_packed``."""
+
+    pack = staticmethod(_vnni_like)
+
+    def __init__(self, weight: torch.Tensor, heads: int, rank: int, nope: int, v_dim: int) -> None:
+        self.kv_b_proj = torch.nn.Module()
+        self.kv_b_proj.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        self.num_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim = heads, rank, nope, v_dim
+        self.process_weights_after_loading(weight.dtype)
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        w = self.kv_b_proj.weight.to(act_dtype).T.view(self.kv_lora_rank, self.num_heads, -1)
+        w_uk, w_uv = w.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        self._w_uk_packed = self.pack(w_uk.permute(1, 0, 2).contiguous())
+        self._w_uv_packed = self.pack(w_uv.permute(1, 2, 0).contiguous())
+        self._w_scale = None
+
+
+class _HeadsReversed(_PackingMLAImpl):
+    """A packing that is not head by head (a layout is learnt per impl class and shape)."""
+
+    pack = staticmethod(lambda w: _vnni_like(w).flip(0))
+
+
+def _released_mla(heads: int = 3, impl=_PackingMLAImpl, seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor]:
+    """An ``MLAAttention`` stand-in after the AMX backend packed ``kv_b_proj`` and emptied its weight."""
+    rank, nope, v_dim = 16, 8, 6
+    weight = torch.randn(heads * (nope + v_dim), rank, generator=torch.Generator().manual_seed(seed)).bfloat16()
+    mla = torch.nn.Module()
+    mla.impl = impl(weight, heads, rank, nope, v_dim)
+    mla.kv_b_proj = mla.impl.kv_b_proj
+    mla.kv_b_proj.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    mla.kv_b_proj.cpu_linear = F.linear
+    mla.kv_b_proj._cpu_skip_gemm_dispatch = True
+    return mla, weight
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_an_mla_weight_packed_per_head_comes_back_bit_exact(heads: int) -> None:
+    """The packing is learnt from the impl's own method on two heads, inverted, and checked by packing again."""
+    mla, weight = _released_mla(heads, seed=heads)
+    assert torch.equal(latent_up_weight(mla), weight)
+    assert torch.equal(dense_weight(mla.kv_b_proj, [torch.nn.Linear(2, 2), mla]), weight)  # found among owners
+    with pytest.raises(NotImplementedError, match="no MLA layer"):
+        dense_weight(mla.kv_b_proj)
+
+
+def test_an_mla_packing_that_mixes_heads_or_scales_is_refused() -> None:
+    """Negative controls: heads packed out of order, and an FP8 copy (a scale: not the checkpoint's weight)."""
+    mla, _ = _released_mla(3, impl=_HeadsReversed, seed=7)
+    with pytest.raises(NotImplementedError, match="head by head"):
+        latent_up_weight(mla)
+    mla, _ = _released_mla(3, seed=8)
+    mla.impl._w_scale = torch.ones(())
+    with pytest.raises(NotImplementedError, match="FP8"):
+        latent_up_weight(mla)

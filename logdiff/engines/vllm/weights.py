@@ -16,27 +16,52 @@ grouped-GEMM tiling (``experts/cpu_moe.py``: zero-pad the intermediate size,
 then ``cpu_prepack_moe_weight``). We run the experts object's own
 ``process_weights_after_loading`` on a scratch layer holding a known pattern
 (``layout``) and invert the permutation it applies.
+
+MLA's ``kv_b_proj`` skips the CPU GEMM dispatch (``cpu_linear`` is plain
+``F.linear``). On AMX hosts vLLM 0.32 runs MLA on ``AMXMLAImpl``
+(``v1/attention/backends/mla/amx_mla.py``): its ``process_weights_after_loading``
+splits the weight into ``W_UK``/``W_UV`` per head and VNNI-packs both
+(``convert_weight_packed``) for ``bmm_cpu``, then ``MLAAttention`` replaces
+``kv_b_proj.weight`` with an empty tensor. :func:`latent_up_weight` recovers the
+plain ``[heads * (nope + v), kv_lora_rank]`` matrix the same way as the
+experts': the impl's own ``process_weights_after_loading`` on a scratch copy
+of the impl with a known pattern (two heads, checked to repeat head by head),
+inverted; the recovered weight is packed again by that same method and must
+give the live packed tensors bit for bit. Only a bf16/fp16 checkpoint's (no FP8
+``_w_scale``); anything else raises ``NotImplementedError`` (unverified).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from logdiff.engines.vllm.layout import discover_permutation, inverse_gather_index
 
 _DENSE: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _MOE: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Any]] = weakref.WeakKeyDictionary()
+_LATENT: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+_LATENT_GATHER: dict[tuple[Any, ...], Any] = {}  # AMX packing layout: one per shape, not per layer
 _IDENTITY_CHUNK = 1024
 
 
-def dense_weight(layer: Any) -> Any:
-    """The ``[N, K]`` weight that ``layer.cpu_linear`` multiplies by, bit-exact."""
+def dense_weight(layer: Any, owners: Iterable[Any] = ()) -> Any:
+    """The ``[N, K]`` weight that ``layer.cpu_linear`` multiplies by, bit-exact.
+
+    An MLA ``kv_b_proj`` whose weight the MLA backend released (AMX) is recovered from the
+    packed copies of the ``MLAAttention`` among ``owners`` that reads it (:func:`latent_up_weight`).
+    """
     import torch
 
     weight = layer.weight
     if weight.dim() == 2 and weight.numel() > 0:
         return weight.data
+    if getattr(layer, "_cpu_skip_gemm_dispatch", False):  # MLA's kv_b_proj: cpu_linear is F.linear, no handle
+        owner = next((m for m in owners if getattr(m, "kv_b_proj", None) is layer and hasattr(m, "impl")), None)
+        if owner is None:
+            raise NotImplementedError("MLA kv_b_proj without its weight and no MLA layer to recover it from")
+        return latent_up_weight(owner)
     gemm = layer.cpu_linear
     cached = _DENSE.get(layer)
     if cached is not None and cached[0] is gemm:
@@ -126,3 +151,69 @@ def moe_expert_weights(routed_experts: Any, fused_experts: Any, intermediate_siz
         out[name] = packed.reshape(num_experts, -1)[:, gather].reshape(num_experts, rows, cols).contiguous()
     _MOE[routed_experts] = (w13.data_ptr(), out["w13_weight"], out["w2_weight"])
     return out["w13_weight"], out["w2_weight"]
+
+
+def latent_up_weight(mla: Any) -> Any:
+    """The plain ``kv_b_proj`` weight ``[heads * (nope + v), kv_lora_rank]`` of a vLLM ``MLAAttention``.
+
+    The live weight where the layer still holds it; on ``AMXMLAImpl`` (which released it) the inverse of
+    the impl's own VNNI packing of ``_w_uk_packed`` ``[heads, rank, nope]`` and ``_w_uv_packed``
+    ``[heads, v, rank]``, verified by packing the recovery again.
+    """
+    import copy
+
+    import torch
+
+    kv_b = mla.kv_b_proj
+    if kv_b.weight.dim() == 2 and kv_b.weight.numel() > 0:
+        return dense_weight(kv_b)
+    impl = mla.impl
+    uk, uv = getattr(impl, "_w_uk_packed", None), getattr(impl, "_w_uv_packed", None)
+    if uk is None or uv is None:
+        raise NotImplementedError(f"MLA kv_b_proj released by {type(impl).__name__} without packed W_UK/W_UV")
+    if getattr(impl, "_w_scale", None) is not None or uk.dtype not in (torch.bfloat16, torch.float16):
+        raise NotImplementedError("MLA kv_b_proj packed as FP8 (a re-quantized copy, not the checkpoint)")
+    cached = _LATENT.get(impl)
+    if cached is not None and cached[0] == uk.data_ptr():
+        return cached[1]
+    heads, rank = int(impl.num_heads), int(impl.kv_lora_rank)
+    nope, v_dim = int(impl.qk_nope_head_dim), int(impl.v_head_dim)
+    per_head = (nope + v_dim) * rank
+    if uk.shape != (heads, rank, nope) or uv.shape != (heads, v_dim, rank):
+        raise NotImplementedError(f"MLA packed W_UK {tuple(uk.shape)} / W_UV {tuple(uv.shape)}: unexpected shapes")
+
+    def pack(weight: Any, n_heads: int) -> tuple[Any, Any]:
+        """``impl``'s own ``process_weights_after_loading`` on a scratch copy holding ``weight``."""
+        scratch = copy.copy(impl)  # its own attribute dict: the live impl keeps its packed tensors
+        scratch.kv_b_proj = torch.nn.Module()
+        scratch.kv_b_proj.register_parameter("weight", torch.nn.Parameter(weight, requires_grad=False))
+        scratch.kv_b_proj.quant_method = None  # plain weights (get_and_maybe_dequant_weights returns them as is)
+        scratch.num_heads = n_heads
+        type(impl).process_weights_after_loading(scratch, weight.dtype)
+        if scratch._w_scale is not None:
+            raise NotImplementedError("MLA packing of a plain weight gave a quantization scale")
+        return scratch._w_uk_packed, scratch._w_uv_packed
+
+    key = (type(impl), heads, rank, nope, v_dim, uk.dtype)
+    if key not in _LATENT_GATHER:
+        probe = min(heads, 2)
+        source_of = discover_permutation(
+            lambda src: torch.cat([t.reshape(probe, -1) for t in pack(src, probe)], dim=1),
+            (probe * (nope + v_dim), rank),
+            uk.dtype,
+        )
+        first = source_of[0]
+        if probe == 2 and not torch.equal(source_of[1], torch.where(first >= 0, first + per_head, first)):
+            raise NotImplementedError("MLA W_UK/W_UV packing does not repeat head by head")
+        if int((first >= 0).sum()) != per_head:
+            raise NotImplementedError("MLA W_UK/W_UV packing does not hold each head's weight once")
+        _LATENT_GATHER[key] = inverse_gather_index(first, per_head)
+    gather = _LATENT_GATHER[key]
+    with torch.no_grad():
+        packed = torch.cat([uk.reshape(heads, -1), uv.reshape(heads, -1)], dim=1)  # per head, as probed
+        recovered = packed[:, gather].reshape(heads * (nope + v_dim), rank).contiguous()
+        again = pack(recovered.clone(), heads)
+        if not (torch.equal(again[0], uk) and torch.equal(again[1], uv)):
+            raise NotImplementedError("MLA kv_b_proj recovered from W_UK/W_UV does not pack back to them")
+    _LATENT[impl] = (uk.data_ptr(), recovered)
+    return recovered

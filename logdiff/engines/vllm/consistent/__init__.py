@@ -34,7 +34,7 @@ a ``soft_cap`` (Gemma 2)    kernel's cap)
 (CPUAttentionBackendImpl)   cpu_attn.py); the cache write is kept;
                             its ``sinks`` (gpt-oss) go to the kernel
 ``MLAAttention``            ``forward_impl`` (layers/attention/         ``latent_attention``
-(DeepSeek, CPU MLA)         mla_attention.py): every request from the
+(DeepSeek, CPU or AMX MLA)  mla_attention.py): every request from the
                             paged latent cache (``kv_cache.
                             LatentCacheReader``), no absorbed decode;
                             vLLM's cache write is kept; its wrapper

@@ -8,7 +8,13 @@
 * Attention: ``CPUAttentionBackendImpl.forward``, reading every request's context
   back from the paged cache whose private layout ``kv_cache.PagedKVReader`` learns
   from the backend's own write method.
-* MLA: ``CPUMLAImpl`` layers' ``forward_impl`` on the paged latent cache.
+* MLA: ``forward_impl`` of ``CPUMLAImpl`` and ``AMXMLAImpl`` layers (AMX hosts) on the
+  paged latent cache. The whole step, decode and prefill, is the latent kernel,
+  so nothing of the AMX path runs (its ``bmm_cpu`` absorb/de-absorb on packed
+  ``W_UK``/``W_UV``, its decode/extend kernels), only its cache writer (read
+  back through the layout learnt from it); ``kv_b_proj``'s plain weight, which
+  the AMX path releases, is recovered from the packed copies
+  (``weights.latent_up_weight``).
 * MoE: the runner's forward on the experts' weights recovered from their
   prepacked tiling (``weights.moe_runner_weights``); not on zentorch.
 
@@ -27,10 +33,13 @@ class CPUBackend:
     """``plan.Backend`` for ``current_platform.device_type == "cpu"``."""
 
     name = "cpu"
+    #: the engine's attention layers (``check``): where a ``kv_b_proj`` released by AMX MLA is recovered from
+    layers: tuple[Any, ...] = ()
 
     def check(self, config: Any) -> None:
         if config.parallel_config.world_size > 1:
             raise NotImplementedError("consistent mode covers a single-process (TP=1, PP=1) engine only")
+        self.layers = tuple(config.compilation_config.static_forward_context.values())
 
     def linear(self, module: Any, shared_expert: bool = False) -> Patch | str:
         from logdiff.engines.vllm import consistent_ops as ops
@@ -39,7 +48,7 @@ class CPUBackend:
         if not shared_expert and "cpu_linear" not in vars(module):
             return f"{type(module).__name__} without a CPU GEMM"
         sizes = getattr(module, "output_partition_sizes", None)
-        return module, "cpu_linear", ops.linear_gemm(dense_weight(module), sizes)
+        return module, "cpu_linear", ops.linear_gemm(dense_weight(module, self.layers), sizes)
 
     def attention(self, layer: Any) -> Patch | str:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
@@ -53,12 +62,12 @@ class CPUBackend:
 
     def mla(self, layer: Any) -> Patch | str:
         from logdiff.engines.vllm import consistent_ops as ops
-        from logdiff.engines.vllm.weights import dense_weight
+        from logdiff.engines.vllm.weights import latent_up_weight
 
         problem = _mla_problem(layer)
         if problem:
             return problem
-        return layer, "forward_impl", ops.mla_forward_impl(layer, dense_weight(layer.kv_b_proj))
+        return layer, "forward_impl", ops.mla_forward_impl(layer, latent_up_weight(layer))
 
     def moe(self, runner: Any) -> Patch | str:
         experts = runner.routed_experts
@@ -72,11 +81,12 @@ class CPUBackend:
 def _mla_problem(layer: Any) -> str | None:
     """Why the consistent latent attention cannot stand in for ``layer`` (an ``MLAAttention``), or None."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
     impl = layer.impl
-    if not isinstance(impl, CPUMLAImpl):
-        return f"MLA backend {type(impl).__name__}; only the CPU MLA backend is covered"
+    if not isinstance(impl, (CPUMLAImpl, AMXMLAImpl)):
+        return f"MLA backend {type(impl).__name__}; only the CPU and AMX MLA backends are covered"
     if layer.kv_cache_dtype != "auto" or getattr(layer, "use_sparse", False):
         return f"MLA KV cache dtype {layer.kv_cache_dtype} or sparse MLA"
     if layer.sliding_window is not None or layer.non_causal_multi_token_decode:
