@@ -218,7 +218,8 @@ def test_recovered_weights_equal_the_checkpoint(arch: str, llm: Any, tiny_models
     """
     from safetensors.torch import load_file
 
-    from logdiff.engines.vllm.weights import dense_weight, moe_runner_weights
+    from logdiff.engines.vllm.weights import dense_weight, dispatched_fingerprints, moe_runner_weights
+    from logdiff.probes.contracts import fingerprint
 
     sd = load_file(str(tiny_models[arch] / "model.safetensors"))
     holder: list[Any] = []
@@ -227,6 +228,10 @@ def test_recovered_weights_equal_the_checkpoint(arch: str, llm: Any, tiny_models
     qkv = layer.self_attn.qkv_proj
     ref = torch.cat([sd[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(dense_weight(qkv), ref)
+    recorded = dispatched_fingerprints(qkv)  # where the dispatch packed the weight away, hashed as it loaded
+    assert (recorded is None) == (qkv.weight.numel() > 0)
+    if recorded is not None:
+        assert recorded.parts == tuple(fingerprint(sd[f"model.layers.0.self_attn.{p}_proj.weight"]) for p in "qkv")
     if arch == "qwen3-moe":
         runner = layer.mlp.experts
         n = runner.moe_config.num_experts

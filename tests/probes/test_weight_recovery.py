@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from logdiff.engines.vllm.weights import dense_weight, latent_up_weight
+from logdiff.probes.contracts import fingerprint
 
 
 def _packed_away(weight: torch.Tensor, gemm=None) -> torch.nn.Module:
@@ -46,6 +47,39 @@ def test_a_gemm_that_is_not_linear_in_its_weight_is_refused() -> None:
     layer = _packed_away(weight, gemm=lambda x, _w, bias: F.linear(x, weight, bias) + x.abs().sum(-1, keepdim=True))
     with pytest.raises(RuntimeError, match="could not recover"):
         dense_weight(layer)
+
+
+def test_fingerprints_recorded_at_dispatch_stand_for_the_weight_until_the_gemm_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While an engine loads, each weight the CPU dispatch packs away is hashed first, per packed part."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers import utils
+
+    from logdiff.engines.vllm.weights import dispatched_fingerprints, fingerprint_at_dispatch
+
+    def packs_away(layer: torch.nn.Module, remove_weight: bool) -> None:  # the dispatch of a host that packs
+        plain = layer.weight.detach().clone()
+        layer.cpu_linear = lambda x, _weight, bias: F.linear(x, plain, bias)
+        if remove_weight:
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=plain.dtype), requires_grad=False)
+
+    monkeypatch.setattr(utils, "dispatch_cpu_unquantized_gemm", packs_away)
+    weight = torch.randn(12, 8, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    packed, single, kept = (torch.nn.Linear(8, 12, bias=False) for _ in range(3))
+    for layer in (packed, single, kept):
+        layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    packed.output_sizes = [8, 4]
+    with fingerprint_at_dispatch():
+        utils.dispatch_cpu_unquantized_gemm(packed, remove_weight=True)
+        utils.dispatch_cpu_unquantized_gemm(single, remove_weight=True)
+        utils.dispatch_cpu_unquantized_gemm(kept, remove_weight=False)  # an embedding: the weight stays
+    assert utils.dispatch_cpu_unquantized_gemm is packs_away  # the wrapper is gone with the block
+    assert dispatched_fingerprints(packed).parts == (fingerprint(weight[:8]), fingerprint(weight[8:]))
+    assert dispatched_fingerprints(single).whole == fingerprint(weight) and dispatched_fingerprints(single).parts == ()
+    assert dispatched_fingerprints(kept) is None
+    packs_away(packed, remove_weight=True)  # a reload outside the block builds another GEMM: the record is stale
+    assert dispatched_fingerprints(packed) is None
 
 
 def _vnni_like(w: torch.Tensor) -> torch.Tensor:

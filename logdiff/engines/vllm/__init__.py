@@ -122,18 +122,21 @@ class VLLMEngine(Engine):
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(self.tensor_parallel_size))))
         if spec.overrides:
             kwargs["hf_overrides"] = hf_overrides(spec)
+        from logdiff.engines.vllm.weights import fingerprint_at_dispatch
+
         try:
-            self.llm = vllm.LLM(
-                model=spec.model_dir,
-                skip_tokenizer_init=True,
-                enforce_eager=True,
-                dtype=spec.dtype,
-                seed=spec.seed,
-                logits_processors=[ForcedTokens],
-                use_tqdm_on_load=False,
-                trust_remote_code=spec.trust_remote_code,
-                **kwargs,
-            )
+            with fingerprint_at_dispatch():  # the preflight's fingerprints, without identity GEMMs (weights.py)
+                self.llm = vllm.LLM(
+                    model=spec.model_dir,
+                    skip_tokenizer_init=True,
+                    enforce_eager=True,
+                    dtype=spec.dtype,
+                    seed=spec.seed,
+                    logits_processors=[ForcedTokens],
+                    use_tqdm_on_load=False,
+                    trust_remote_code=spec.trust_remote_code,
+                    **kwargs,
+                )
         except Exception as e:  # noqa: BLE001 - vLLM reports config problems as many types
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             from vllm.distributed import parallel_state

@@ -68,7 +68,7 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
     maps to ``None``: unverified, never a guess.
     """
     from logdiff.probes.arch import adapter_of
-    from logdiff.engines.vllm.weights import dense_weight, moe_runner_weights
+    from logdiff.engines.vllm.weights import dense_weight, dispatched_fingerprints, moe_runner_weights
 
     arch = adapter_of(model)
     packed, moe_params = arch.packed, arch.moe_params
@@ -90,6 +90,11 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
             )
             continue
         if leaf == "weight" and param.numel() == 0 and hasattr(layer, "cpu_linear"):
+            known = _known_at_dispatch(dispatched_fingerprints(layer), short in packed, dtype)
+            if known is not None:
+                names = packed[short] if short in packed else (short,)
+                out.update({f"{prefix}.{part}.weight": p for part, p in zip(names, known, strict=True)})
+                continue
             recovered = _recovered(lambda: dense_weight(layer, model.modules()), raw=True)  # AMX: MLA's kv_b_proj
             if recovered is None:
                 parts = packed.get(short, (short,))
@@ -104,6 +109,16 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
             param = param[:vocab_size]  # vLLM pads the vocabulary dimension of its embedding and LM head
         out[name] = fingerprint(narrowest(param, dtype))
     return {arch.hf_name(k): v for k, v in out.items()}
+
+
+def _known_at_dispatch(record: Any, packed: bool, dtype: Any) -> tuple[str, ...] | None:
+    """A packed-away weight's fingerprints recorded by ``weights.fingerprint_at_dispatch``, per part where the
+    layer is ``packed``, or None (no record, another dtype, or not split as asked): recover it then."""
+    if record is None or record.dtype != dtype:
+        return None
+    if packed:
+        return record.parts or None
+    return (record.whole,) if record.whole is not None else None
 
 
 def _recovered(read: Any, raw: bool = False) -> Any:

@@ -17,6 +17,17 @@ then ``cpu_prepack_moe_weight``). We run the experts object's own
 ``process_weights_after_loading`` on a scratch layer holding a known pattern
 (``layout``) and invert the permutation it applies.
 
+The preflight needs only fingerprints, and an identity GEMM per layer is the
+costliest step of a scan's fixed cost on hosts that pack weights away (4.6 s of
+a 0.5B module scan on an AMX host, 2026-12-02). So while the engine loads,
+:func:`fingerprint_at_dispatch` wraps vLLM's dispatch and hashes each weight it
+is about to pack, per part of a packed layer (``output_sizes``), before the
+plain tensor goes: :func:`dispatched_fingerprints` answers from that record as
+long as the layer still runs the GEMM built then (a reload builds another, and
+the identity GEMM is back). It trusts the dispatch to pack the weight it was
+handed, which the identity GEMM would check; consistent mode, which needs the
+plain matrix itself, still recovers it.
+
 MLA's ``kv_b_proj`` skips the CPU GEMM dispatch (``cpu_linear`` is plain
 ``F.linear``). On AMX hosts vLLM 0.32 runs MLA on ``AMXMLAImpl``
 (``v1/attention/backends/mla/amx_mla.py``): its ``process_weights_after_loading``
@@ -33,17 +44,65 @@ give the live packed tensors bit for bit. Only a bf16/fp16 checkpoint's (no FP8
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from logdiff.engines.vllm.layout import discover_permutation, inverse_gather_index
+from logdiff.probes.contracts import fingerprint
 
 _DENSE: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _MOE: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Any]] = weakref.WeakKeyDictionary()
 _LATENT: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _LATENT_GATHER: dict[tuple[Any, ...], Any] = {}  # AMX packing layout: one per shape, not per layer
 _IDENTITY_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """Fingerprints of the weight vLLM's CPU dispatch packed into ``gemm`` (``layer.cpu_linear`` then)."""
+
+    gemm: Any
+    dtype: Any
+    whole: str | None  # of the whole weight, where it has one part
+    parts: tuple[str, ...]  # of its ``output_sizes`` parts, in order
+
+
+#: where the record of a dispatched weight is kept on its layer
+DISPATCHED = "_logdiff_dispatched"
+
+
+@contextlib.contextmanager
+def fingerprint_at_dispatch() -> Iterator[None]:
+    """While the block runs (an engine loading), record the fingerprints of every weight the CPU dispatch removes."""
+    from vllm.model_executor.layers import utils
+
+    from logdiff.probes.patching import Patches
+
+    original = utils.dispatch_cpu_unquantized_gemm
+
+    def dispatch(layer: Any, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        sizes = list(getattr(layer, "output_sizes", None) or [])
+        plain = remove_weight and weight is not None and weight.dim() == 2 and not weight.is_meta
+        if plain:
+            parts = weight.split(sizes, dim=0) if len(sizes) > 1 and sum(sizes) == weight.shape[0] else ()
+            record = (weight.dtype, None if parts else fingerprint(weight), tuple(fingerprint(p) for p in parts))
+        original(layer, remove_weight)
+        if plain and layer.weight.numel() == 0:
+            setattr(layer, DISPATCHED, Dispatched(layer.cpu_linear, *record))
+
+    with Patches() as patches:
+        patches.set(utils, "dispatch_cpu_unquantized_gemm", dispatch)
+        yield
+
+
+def dispatched_fingerprints(layer: Any) -> Dispatched | None:
+    """The fingerprints recorded when ``layer``'s weight was packed away, while its GEMM is still that one."""
+    record = getattr(layer, DISPATCHED, None)
+    return record if record is not None and record.gemm is getattr(layer, "cpu_linear", None) else None
 
 
 def dense_weight(layer: Any, owners: Iterable[Any] = ()) -> Any:
