@@ -139,9 +139,10 @@ class ConformanceCheck:
         if b is None:
             out.unchecked = f"{boundary} is not in the architecture's correspondence map"
             return out
+        widened: dict[Any, Callable[[Any], exact.Exact]] = {}  # a linear's fp64 weight, for both sides
         for side in SIDES:
             try:
-                function = self._function(b, side)
+                function = self._function(b, side, widened)
                 checks = [self._measure(function, site) for site in self._sites(b, side)]
             except NotCheckable as e:
                 out.unchecked = str(e)
@@ -193,16 +194,16 @@ class ConformanceCheck:
 
     # ---- the contracted function of each op kind ---------------------------------------------
 
-    def _function(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
+    def _function(self, b: Any, side: str, widened: dict[Any, Any]) -> Callable[[Site], exact.Exact]:
         contract = self.contracts[side]
         kind = b.kind
-        if kind == "linear":
-            mod = self._module(b.name)
-            return lambda s: exact.linear(s.inputs[0], mod.weight, getattr(mod, "bias", None))
-        if kind == "logits":
-            head = self.adapter.lm_head(self.model)
-            cap = contract.get("final_logit_softcapping")
-            return lambda s: exact.linear(s.inputs[0], head.weight, getattr(head, "bias", None), cap)
+        if kind in ("linear", "logits"):  # the same weight on both sides: widened once for both
+            mod = self._module(b.name) if kind == "linear" else self.adapter.lm_head(self.model)
+            cap = contract.get("final_logit_softcapping") if kind == "logits" else None
+            key = (id(mod.weight), cap)
+            if key not in widened:
+                widened[key] = exact.linear_of(mod.weight, getattr(mod, "bias", None), cap)
+            return lambda s, f=widened[key]: f(s.inputs[0])
         if kind == "norm":
             mod = self._module(b.name)
             key = next((k for k in self.adapter.contract_keys(b.name, "norm")[0] if k.endswith("eps")), None)

@@ -17,6 +17,7 @@ kernels' references have no use for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,21 +45,32 @@ class Exact:
 
 def linear(x: Any, weight: Any, bias: Any | None = None, softcap: float | None = None) -> Exact:
     """``x @ W.T + b`` (then ``cap * tanh(z / cap)`` for soft-capped logits)."""
+    return linear_of(weight, bias, softcap)(x)
+
+
+def linear_of(weight: Any, bias: Any | None = None, softcap: float | None = None) -> Callable[[Any], Exact]:
+    """``linear`` with the weight widened once, for many calls on the same weight (both sides' rows)."""
     import torch
 
-    x64, w64 = _f64(x), _f64(weight)
-    z = x64 @ w64.T
-    scale = (x.detach().float().abs() @ weight.detach().float().abs().T).double()  # a magnitude: fp32 will do
-    if bias is not None:
-        z = z + _f64(bias)
-        scale = scale + _f64(bias).abs()
-    what = f"linear(K={w64.shape[1]})"
-    roundings = 3.0  # a split-K GEMM may round each partial sum to the output dtype, then their sum
-    if softcap:
-        z = softcap * torch.tanh(z / softcap)  # derivative <= 1: the GEMM's scale still bounds its error
-        scale = scale + z.abs()
-        roundings, what = roundings + 1, f"{what} soft-capped at {softcap:g}"
-    return Exact(z, scale, OpBound(roundings, int(w64.shape[1])), what)
+    w64, w_abs = _f64(weight), weight.detach().float().abs()
+    b64 = _f64(bias) if bias is not None else None
+    k = int(w64.shape[1])
+
+    def exact_linear(x: Any) -> Exact:
+        z = _f64(x) @ w64.T
+        scale = (x.detach().float().abs() @ w_abs.T).double()  # a magnitude: fp32 will do
+        if b64 is not None:
+            z = z + b64
+            scale = scale + b64.abs()
+        what = f"linear(K={k})"
+        roundings = 3.0  # a split-K GEMM may round each partial sum to the output dtype, then their sum
+        if softcap:
+            z = softcap * torch.tanh(z / softcap)  # derivative <= 1: the GEMM's scale still bounds its error
+            scale = scale + z.abs()
+            roundings, what = roundings + 1, f"{what} soft-capped at {softcap:g}"
+        return Exact(z, scale, OpBound(roundings, k), what)
+
+    return exact_linear
 
 
 def rms_norm(x: Any, weight: Any, eps: float, offset: bool) -> Exact:
