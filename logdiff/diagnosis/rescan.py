@@ -4,9 +4,9 @@ A ``Rescanner`` is the one object that knows how to scan the same tokens again
 (the pipeline passes ``pipeline.measure`` on the scan's own tokens: the pooled
 engines are reused and only the primary pair is scored, ``primary_path_only``,
 so each costs one pass of each side), and it remembers each configuration's
-metrics (the primary pair's metrics dict, ``compare.token_metrics``) so that no configuration is
-scanned twice: the reference rerun, attribution's subsets of levers and the
-scan being diagnosed itself (``remember``) share one cache.
+metrics (the primary pair's metrics dict, ``compare.token_metrics``) so that no
+configuration is scanned twice: the reference rerun, attribution's subsets of
+levers and the scan being diagnosed itself (``remember``) share one cache.
 """
 
 from __future__ import annotations

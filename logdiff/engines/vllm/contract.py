@@ -90,14 +90,13 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
             )
             continue
         if leaf == "weight" and param.numel() == 0 and hasattr(layer, "cpu_linear"):
+            parts = packed.get(short, (short,))
             known = _known_at_dispatch(dispatched_fingerprints(layer), short in packed, dtype)
             if known is not None:
-                names = packed[short] if short in packed else (short,)
-                out.update({f"{prefix}.{part}.weight": p for part, p in zip(names, known, strict=True)})
+                out.update({f"{prefix}.{part}.weight": p for part, p in zip(parts, known, strict=True)})
                 continue
             recovered = _recovered(lambda: dense_weight(layer, model.modules()), raw=True)  # AMX: MLA's kv_b_proj
             if recovered is None:
-                parts = packed.get(short, (short,))
                 out.update({f"{prefix}.{part}.weight": None for part in parts})
                 continue
             param = recovered

@@ -202,11 +202,7 @@ def moe_expert_weights(routed_experts: Any, fused_experts: Any, intermediate_siz
         per_expert = rows * cols
         if source_of.shape[1] * num_experts != packed.numel():
             raise NotImplementedError(f"MoE {name}: packed size differs from the scratch pack")
-        if probe_experts == 2:
-            first = source_of[0]
-            if not torch.equal(source_of[1], torch.where(first >= 0, first + per_expert, first)):
-                raise NotImplementedError(f"MoE {name}: the packing does not repeat expert by expert")
-        gather = inverse_gather_index(source_of[0], per_expert)
+        gather = _block_gather(source_of, per_expert, f"MoE {name}", "expert")
         out[name] = packed.reshape(num_experts, -1)[:, gather].reshape(num_experts, rows, cols).contiguous()
     _MOE[routed_experts] = (w13.data_ptr(), out["w13_weight"], out["w2_weight"])
     return out["w13_weight"], out["w2_weight"]
@@ -261,12 +257,7 @@ def latent_up_weight(mla: Any) -> Any:
             (probe * (nope + v_dim), rank),
             uk.dtype,
         )
-        first = source_of[0]
-        if probe == 2 and not torch.equal(source_of[1], torch.where(first >= 0, first + per_head, first)):
-            raise NotImplementedError("MLA W_UK/W_UV packing does not repeat head by head")
-        if int((first >= 0).sum()) != per_head:
-            raise NotImplementedError("MLA W_UK/W_UV packing does not hold each head's weight once")
-        _LATENT_GATHER[key] = inverse_gather_index(first, per_head)
+        _LATENT_GATHER[key] = _block_gather(source_of, per_head, "MLA W_UK/W_UV", "head")
     gather = _LATENT_GATHER[key]
     with torch.no_grad():
         packed = torch.cat([uk.reshape(heads, -1), uv.reshape(heads, -1)], dim=1)  # per head, as probed
@@ -276,3 +267,21 @@ def latent_up_weight(mla: Any) -> Any:
             raise NotImplementedError("MLA kv_b_proj recovered from W_UK/W_UV does not pack back to them")
     _LATENT[impl] = (uk.data_ptr(), recovered)
     return recovered
+
+
+def _block_gather(source_of: Any, per_block: int, what: str, block: str) -> Any:
+    """The gather index that unpacks one ``block`` (an expert, a head) of a packing learnt on the first blocks.
+
+    ``source_of`` is ``discover_permutation``'s answer with one row per probed block; every later row must be
+    the first shifted by one block's elements (the packing repeats block by block), and the first must hold
+    each of its block's elements once, else ``NotImplementedError`` (the weight stays unverified).
+    """
+    import torch
+
+    first = source_of[0]
+    for i, row in enumerate(source_of[1:], start=1):
+        if not torch.equal(row, torch.where(first >= 0, first + i * per_block, first)):
+            raise NotImplementedError(f"{what}: the packing does not repeat {block} by {block}")
+    if int((first >= 0).sum()) != per_block:
+        raise NotImplementedError(f"{what}: the packing does not hold each {block}'s weight once")
+    return inverse_gather_index(first, per_block)
