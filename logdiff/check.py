@@ -46,7 +46,7 @@ THRESHOLD_METRICS = {
     "max_clip_fraction": "ratio_outside_band_0.2",
 }
 #: Values ``--fail-on`` accepts: cause classes, and the unclassified ``divergent`` verdict.
-FAIL_ON_CLASSES = ("framework_difference", "operator_path", "divergent")
+FAIL_ON_CLASSES = ("framework_difference", "operator_path", "not_judged", "divergent")
 #: Metrics a baseline records per pair, each with its exact "consistent" value.
 #: A baseline at that value (0 difference, every token bitwise equal) tolerates no change.
 #: ``kl_k3`` is the deprecated name of ``k3_kl`` (same value), kept so that recorded baselines still apply.

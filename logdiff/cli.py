@@ -246,7 +246,8 @@ def check(
     ),
     fail_on: Optional[list[str]] = typer.Option(
         None, "--fail-on", metavar="CLASS",
-        help="Fail when the verdict or a cause is this class: framework_difference, operator_path, divergent. "
+        help="Fail when the verdict or a cause is this class: framework_difference, operator_path, not_judged, "
+        "divergent. "
         "Repeatable or comma-separated.",
     ),  # fmt: skip
     baseline: Optional[Path] = typer.Option(
@@ -281,7 +282,7 @@ def check(
     config_keys = {f.name for f in dataclasses.fields(ScanConfig)} | {"set_", "batch_compositions"}
     classes = gating.parse_fail_on(fail_on or [])
     # a --fail-on class other than `divergent` reads the classified causes: only modules depth has them
-    classify = any(c in ("operator_path", "framework_difference") for c in classes)
+    classify = any(c in ("operator_path", "framework_difference", "not_judged") for c in classes)
     scan_options["depth"] = scan_options.get("depth") or (SCAN_DEPTH if classify else CHECK_DEPTH)
     cfg = _build_config(**{k: v for k, v in scan_options.items() if k in config_keys})
     quiet = bool(scan_options.get("quiet"))

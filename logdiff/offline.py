@@ -76,7 +76,8 @@ class BundleSide:
     def contract(self) -> dict[str, Any]:
         return dict(self.meta.get("contract") or {})
 
-    def fingerprints(self) -> dict[str, str | None]:
+    def fingerprints(self, at: str | None = None) -> dict[str, str | None]:
+        """The bundle's fingerprints, taken at capture in the side's own dtype (``at`` cannot re-round them)."""
         return dict(self.meta.get("fingerprints") or {})
 
     def loaded_config(self) -> Any:

@@ -5,8 +5,34 @@ fingerprints before any numerics. The readers live with their engines
 (``logdiff/engines/hf/contract.py``, ``logdiff/engines/vllm/contract.py``); what
 they share is here: the tensor ``fingerprint`` (dtype-exact), the sampler's
 settings, how a norm spells its eps and how vLLM spells "no window", the
-dtype a widened tensor is compared at, and ``ContractExtras``, the registry type
-of the keys only some architectures have.
+dtype a widened tensor is compared at, ``OFF`` (the value of a switched-off
+feature) and ``ContractExtras``, the registry type of the keys only some
+architectures have.
+
+**Off is a value; None is "not read".** A feature a side switches off (no
+sliding window, no soft cap) reads ``OFF`` (the string ``"off"``, so it
+serialises into result.json as itself), and compares like any other value: off
+on one side and on with a value on the other is a difference the preflight
+names (``differs``). None is kept for a key a reader could not read at all
+(its module or attribute is not where the engine's code keeps it): unknown,
+never equal (``unknown``). Each key's off value, decided once:
+
+* ``OFF``: ``sliding_window`` (HF: the config's active window is None; vLLM: the
+  backend's None, -1 or (-1, -1)), ``attn_logit_softcapping`` and
+  ``final_logit_softcapping`` (None or 0 on either side), a feature an
+  implementation drops (``effective``), and Gemma 3's ``rope_local_base_freq``
+  where no layer slides.
+* an ordinary value that already means off, read explicitly: ``rope_type``
+  ``default`` (no RoPE scaling), ``routed_scaling_factor`` 1.0, ``n_group`` /
+  ``topk_group`` 1 / 1 (greedy top-k: ``expert_groups``), ``norm_topk_prob``
+  False, ``sampling_top_k`` 0, ``sampling_top_p`` 1.0, ``temperature`` 1.0,
+  ``layer_types`` ``full,...`` (no layer slides), ``tie_word_embeddings`` False.
+* None on both sides where the model has no such part (``qk_norm_eps`` without
+  q/k norms, the routing keys of a dense model, ``q_latent_norm_eps`` without a
+  compressed q): equal, since both engines load one architecture.
+
+Consumers that compute with a value (conformance's exact functions, the
+override read-back) take ``applied(value)``: None where the feature is off.
 
 Values are read from the loaded modules, not from config files, because the
 module is what runs: an ``hf_overrides`` eps shows up as the norm's
@@ -70,18 +96,41 @@ def fingerprint(tensor: Any) -> str:
 #: contract keys that name how a side computes, not what: never compared between engines
 IMPLEMENTATION_KEYS = frozenset({"attn_implementation", "dropped"})
 
+#: the value of a contracted feature a side switches off (a value, compared as one; None: not read)
+OFF = "off"
+
+
+def is_off(value: Any) -> bool:
+    """Whether a contract value reads "switched off" (``OFF``)."""
+    return isinstance(value, str) and value == OFF
+
+
+def applied(value: Any) -> Any:
+    """A contract value as a function takes it: None where the feature is off, else the value itself."""
+    return None if is_off(value) else value
+
+
+def off_if_none(value: Any) -> Any:
+    """A feature read where the side's code keeps it, whose absence there means off (HF's config window)."""
+    return OFF if value is None else value
+
+
+def soft_cap(value: Any) -> Any:
+    """A soft cap as either engine holds it: None or 0 mean none (``OFF``), else the cap as a float."""
+    return float(value) if value else OFF
+
 
 def effective(contract: dict[str, Any], drops: dict[str, str]) -> dict[str, Any]:
-    """``contract`` with each feature the running implementation drops set to None, and why under ``dropped``.
+    """``contract`` with each feature the running implementation drops set to ``OFF``, and why under ``dropped``.
 
     A contracted feature an implementation silently ignores is not part of the
-    function that side computes: its effective value is "none", and the reason
+    function that side computes: its effective value is off, and the reason
     travels with the contract so the diagnosis can name it (docs/causes.md).
     """
-    gone = {k: why for k, why in drops.items() if contract.get(k) is not None}
+    gone = {k: why for k, why in drops.items() if applied(contract.get(k)) is not None}
     if not gone:
         return contract
-    return {**contract, **dict.fromkeys(gone), "dropped": gone}
+    return {**contract, **dict.fromkeys(gone, OFF), "dropped": gone}
 
 
 def norm_eps(norm: Any) -> float | None:
@@ -103,11 +152,17 @@ def sampler(options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def window_size(value: Any) -> int | None:
-    """vLLM spells "no sliding window" as None, -1 or (-1, -1)."""
-    if value is None or value == -1 or value == (-1, -1):
-        return None
-    return int(value[0] if isinstance(value, (tuple, list)) else value)
+def window_size(value: Any) -> int | str:
+    """A vLLM attention backend's ``sliding_window`` as the number of keys a query sees, or ``OFF``.
+
+    vLLM spells "no window" None, -1 or (-1, -1); the CPU backend holds the
+    window itself, FlashAttention-like backends ``(window - 1, 0)`` (the keys
+    left of the query's own).
+    """
+    if isinstance(value, (tuple, list)):
+        left = int(value[0])
+        return left + 1 if left >= 0 else OFF
+    return OFF if value is None or int(value) < 0 else int(value)
 
 
 def expert_groups(n_group: Any, topk_group: Any) -> tuple[int, int]:

@@ -17,7 +17,8 @@ from .groups import cause_groups
 
 VERDICT_LINE = {
     "consistent": "The training and inference paths agree bit for bit on every scored token.",
-    "divergent": "The paths disagree, and the scan did not classify why (run with --depth modules).",
+    "divergent": "The paths disagree, and the scan did not classify why (run with --depth modules; an op that "
+    "no exact function could judge is listed as not judged).",
     "operator_path": "The paths compute the same function; they differ only in how kernels do the arithmetic.",
     "framework_difference": "The paths compute different functions: a setting, a weight or a semantic differs.",
     "mixed": "Both kinds of cause are present: a real semantic difference and kernel-level arithmetic differences.",

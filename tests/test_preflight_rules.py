@@ -6,7 +6,11 @@ faults are in test_classify.py.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from logdiff.diagnosis.cause import verdict
 from logdiff.diagnosis.classify import OpEvidence, classify_op
+from logdiff.diagnosis.conformance import Conformance, SideCheck
 from logdiff.diagnosis.preflight import compare_fingerprints
 
 TRAIN = {"a.weight": "01", "b.weight": "02", "experts.gate_up_proj": "03"}
@@ -39,25 +43,47 @@ def _contracts(unverified: list[str]) -> dict:
 
 
 def _persistent(boundary: str = "model.layers.1.mlp.down_proj") -> OpEvidence:
-    """An op whose error persists under the reference kernel: a different function."""
+    """An op whose error persists under the reference kernel, far above reordering noise, unmeasured against
+    its exact function."""
     return OpEvidence(boundary, "linear", 1, 0.5, 3000.0, vanished_under_reference=False)
 
 
-def test_a_different_function_reading_an_unverified_weight_is_a_possible_weights_cause() -> None:
-    c = classify_op(_persistent(), _contracts(["model.layers.1.mlp.down_proj.weight"]), fused_add_norm=True)
+def _outside(side: str) -> Conformance:
+    """Conformance that measured ``side`` far outside its bound and the other side within."""
+    inside, outside = SideCheck(0.5, 3.0, 8, "linear(K=64)"), SideCheck(400.0, 3.0, 8, "linear(K=64)")
+    return Conformance({s: outside if s == side else inside for s in ("train", "infer")})
+
+
+def test_a_side_outside_its_bound_reading_an_unverified_weight_is_a_possible_weights_cause() -> None:
+    ev = replace(_persistent(), conformance=_outside("infer"))
+    c = classify_op(ev, _contracts(["model.layers.1.mlp.down_proj.weight"]), fused_add_norm=True)
     assert (c.class_, c.kind) == ("framework_difference", "weights")
     assert c.differs == ["model.layers.1.mlp.down_proj.weight"]
     assert any("unverified" in line for line in c.evidence)
 
 
-def test_a_different_function_with_everything_verified_names_no_config_key() -> None:
-    c = classify_op(_persistent(), _contracts([]), fused_add_norm=True)
-    assert (c.class_, c.kind) == ("framework_difference", "hidden_difference")
-    assert c.kind != "config_contract" and c.differs == []
+def test_the_kernel_swap_is_evidence_never_a_verdict() -> None:
+    """No exact function measured: persisting under the reference kernel, or vanishing, is not judged."""
+    for vanished in (False, True, None):
+        ev = replace(_persistent(), vanished_under_reference=vanished)
+        c = classify_op(ev, _contracts([]), fused_add_norm=True)
+        assert (c.class_, c.kind) == ("not_judged", "not_judged") and c.differs == []
+        if vanished is not None:
+            assert any(("persists" if not vanished else "vanishes") in line for line in c.evidence)
 
 
-def test_an_unverified_weight_alone_does_not_blame_reordering_noise() -> None:
-    """Negative control: an op whose error vanishes under the reference kernel stays operator_path."""
+def test_an_unverified_weight_alone_blames_nothing() -> None:
+    """Not judged: the unverified weight is said, not blamed."""
     ev = OpEvidence("model.layers.1.mlp.down_proj", "linear", 1, 1e-3, 1.0, vanished_under_reference=True)
     c = classify_op(ev, _contracts(["model.layers.1.mlp.down_proj.weight"]), fused_add_norm=True)
-    assert (c.class_, c.kind) == ("operator_path", "reduction_order")
+    assert c.class_ == "not_judged" and c.differs == []
+    assert any("unverified" in line for line in c.evidence)
+
+
+def test_not_judged_causes_decide_no_verdict() -> None:
+    ev = OpEvidence("model.layers.1.mlp.down_proj", "linear", 1, 1e-3, 1.0, vanished_under_reference=True)
+    inside = replace(ev, conformance=_outside("none"))
+    judged, unjudged = classify_op(inside, _contracts([]), True), classify_op(ev, _contracts([]), True)
+    assert judged.class_ == "operator_path"
+    assert verdict([unjudged], consistent=False) == "divergent"
+    assert verdict([unjudged, judged], consistent=False) == "operator_path"

@@ -171,7 +171,7 @@ def test_hf_sdpa_dropping_the_soft_cap_is_read_from_the_effective_contract(model
     """The stock option: HF's sdpa swallows the soft cap it is passed; the contract says so, naming why."""
     model = models("gemma2", attn_logit_softcapping=5.0)
     r = logdiff.scan(model, infer=["hf-decode"], train_set={"attn_implementation": "sdpa"}, infer_set=EAGER, **SMALL)
-    assert r["contracts"]["train"]["attn_logit_softcapping"] is None
+    assert r["contracts"]["train"]["attn_logit_softcapping"] == "off"  # off: a value (probes.contracts.OFF)
     assert "sdpa" in r["contracts"]["train"]["dropped"]["attn_logit_softcapping"]
     assert "attn_logit_softcapping" in r["contracts"]["differs"]
     cause = next(c for c in r["causes"] if c["boundary"] == "model.layers.0.self_attn.attn_core")

@@ -66,7 +66,7 @@ PERMUTATIONS, SEED = 16, 0
 
 def lever_of(cause: Cause, cfg: ScanConfig) -> Lever | None:
     """The action that neutralises ``cause``, or None when no rescan can."""
-    if cause.class_ == "operator_path":
+    if cause.class_ in ("operator_path", "not_judged"):  # not judged: what its kernel swap closes is still measured
         return ("kernel", cause.family) if cause.family else None
     if cause.kind == "weights":
         return ("weights", "") if cfg.infer_ckpt is not None else None

@@ -37,7 +37,7 @@ class Cause:
     layer: int | None
     op_kind: str  # the boundary's kind: linear, norm, rope, attn, ...
     family: str | None  # the reference-kernel family that neutralises it
-    class_: str  # "class" in JSON: operator_path | framework_difference
+    class_: str  # "class" in JSON: operator_path | framework_difference | not_judged
     kind: str
     evidence: list[str]
     fix: str
@@ -89,10 +89,11 @@ def framework_cause(
 
 
 def verdict(causes: list[Cause], consistent: bool) -> str:
-    """The overall verdict from the classified causes."""
+    """The overall verdict from the classified causes: ``not_judged`` causes decide nothing (only
+    ``not_judged`` causes: ``divergent``, the cause not classified)."""
     if consistent:
         return "consistent"
-    classes = {c.class_ for c in causes}
+    classes = {c.class_ for c in causes} - {"not_judged"}
     if not classes:
         return "divergent"
     if len(classes) == 2:

@@ -13,11 +13,13 @@ Three kinds of evidence per introducing op (docs/causes.md):
    function computed two ways, ``operator_path``. A side outside computes
    another function although its contract reads the same: a
    ``framework_difference`` of kind ``semantic`` that names the side.
-3. **Reference kernel**, only where conformance could not be checked (an op
-   without an exact function here): both engines rerun with the consistent
-   kernels; an op whose divergence vanishes there differed only in how it
-   computed, one immune to it (or far above the noise floor) is a hidden
-   difference.
+3. **Nothing else decides.** An op that conformance could not measure (no
+   exact function for it here, or the contract as read describes neither
+   side) and that reads no differing contract key or weight is ``not_judged``:
+   the reference-kernel rerun (both engines with the consistent kernels) and
+   the noise floor go into its evidence, never into a class, because the
+   reference kernel computes the contracted function and so also repairs a
+   side that computes another one.
 
 A fused operator (vLLM's residual add + RMSNorm in one kernel) is one
 operator: its residual-add boundary and its norm boundary form one cause,
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from logdiff.diagnosis.cause import FAMILY, Cause
+from logdiff.diagnosis.preflight import difference_line, one_sided
 
 if TYPE_CHECKING:
     from logdiff.diagnosis.conformance import Conformance
@@ -154,7 +157,7 @@ def classify_op(
         local += f" ({ev.ulps:.3g} units of the output dtype's spacing)"
     if c_diff or w_diff:
         for k in c_diff:
-            evidence.append(f"contract differs: {k} = {contracts['train'][k]!r} (train) vs {contracts['infer'][k]!r} (infer)")
+            evidence.append(difference_line(k, contracts))
         for w in w_diff:
             evidence.append(f"weight differs: {w} has a different fingerprint on the inference side")
         evidence.append(local)
@@ -178,7 +181,10 @@ def classify_op(
             "mask": "align the attention mask / sliding window between the engines",
             "config_contract": f"set {', '.join(c_diff)} to the same value in both engines' configs",
         }[kind]
-        return _cause(ev, "framework_difference", kind, evidence, fix, c_diff + w_diff)
+        # the side applying a feature the other has off, else the side conformance puts outside its bound
+        conf = ev.conformance
+        sides = one_sided(c_diff, contracts) or (conf.outside if conf is not None and conf.conclusive else None)
+        return _cause(ev, "framework_difference", kind, evidence, fix, c_diff + w_diff, sides=sides)
     evidence.append(local)
     unverified = [w for w in weights if w in w_block.get("unverified", [])]
     checked = [*keys, *(w for w in weights if w not in unverified)]
@@ -202,25 +208,28 @@ def classify_op(
                         "computed in a different order or precision")  # fmt: skip
         kind = _path_kind(ev, fused_add_norm, evidence)
         return _cause(ev, "operator_path", kind, evidence, FIX[kind])
-    above_noise = ev.ulps is not None and ev.ulps > NOISE_ULPS
+    return _not_judged(ev, evidence, unverified)
+
+
+def _not_judged(ev: OpEvidence, evidence: list[str], unverified: list[str]) -> Cause:
+    """A ``not_judged`` cause: no contract or weight it reads differs, and no side could be measured against
+    the exact function (none here for this op, or the contract as read describes neither side). The
+    reference rerun and the noise floor are evidence, never a verdict: the reference kernel computes the
+    contracted function, so it also repairs a side that computes another one."""
     if ev.vanished_under_reference is None:
-        evidence.append("the reference-kernel rerun was not available; judged by the noise floor alone")
-    elif ev.vanished_under_reference:
-        evidence.append("the divergence vanishes with the reference kernel on both sides")
-    if ev.vanished_under_reference is False or (ev.vanished_under_reference is None and above_noise):
-        # Same visible contract, yet immune to the reference kernel (or far above reordering noise):
-        # the op computes a different function in a way the contract does not show.
-        evidence.append(
-            "the divergence persists with the reference kernel on both sides"
-            if ev.vanished_under_reference is False
-            else f"more than {NOISE_ULPS:g} units of the output dtype's spacing: not reordering noise"
-        )
-        if unverified:  # the likeliest different function: a weight nobody could compare
-            return _unverified_weights(ev, evidence, unverified)
-        fix = "compare this op's implementation on both sides: it computes a different function although its visible contract matches"
-        return _cause(ev, "framework_difference", "hidden_difference", evidence, fix)
-    kind = _path_kind(ev, fused_add_norm, evidence)
-    return _cause(ev, "operator_path", kind, evidence, FIX[kind])
+        evidence.append("the reference-kernel rerun was not available")
+    else:
+        verb = "vanishes" if ev.vanished_under_reference else "persists"
+        evidence.append(f"evidence only: the divergence {verb} with the reference kernel on both sides")
+    if ev.ulps is not None and ev.ulps > NOISE_ULPS:
+        evidence.append(f"evidence only: more than {NOISE_ULPS:g} units of the output dtype's spacing, more than "
+                        "reordering noise usually gives")  # fmt: skip
+    if unverified:
+        evidence.append(f"weight unverified: {', '.join(unverified)} could not be read back from the inference "
+                        "engine, so a stale or mis-loaded copy cannot be ruled out")  # fmt: skip
+    fix = ("not judged: no side could be measured against this op's exact function; compare its implementations "
+           "on both sides (docs/causes.md lists the ops with an exact function)")
+    return _cause(ev, "not_judged", "not_judged", evidence, fix)
 
 
 def _cause(
@@ -278,9 +287,11 @@ def merge_fused(causes: list[Cause], adapter: ArchAdapter | None = None) -> list
 
 
 def preflight_only_causes(
-    contracts: dict[str, Any] | None, causes: list[Cause], adapter: ArchAdapter | None = None
+    contracts: dict[str, Any] | None, causes: list[Cause], adapter: ArchAdapter | None = None,
+    paths: dict[str, str] | None = None,
 ) -> list[Cause]:
-    """Contract or weight differences that no introducing op accounts for.
+    """Contract or weight differences that no introducing op accounts for (``paths``: side -> path name, to
+    name the side applying a feature the other has off).
 
     The preflight alone is enough for a framework verdict: a stale expert that no
     probe token was routed to, or an eps whose effect hid below the output's
@@ -299,21 +310,39 @@ def preflight_only_causes(
             continue
         is_weight = item in weights
         boundary, kind = arch.weight_boundary(item) if is_weight else arch.key_boundary.get(item, ("model", "module"))
-        ev = OpEvidence(boundary, kind, None, 0.0, None, None)
+        ev = OpEvidence(boundary, kind, None, 0.0, None, None, paths=paths)
         if is_weight:
             evidence = [f"weight differs: {item} has a different fingerprint on the inference side"]
             fix = f"reload or resync {item} on the inference engine (stale or mis-loaded weights)"
         else:
-            evidence = [f"contract differs: {item} = {contracts['train'][item]!r} (train) vs {contracts['infer'][item]!r} (infer)"]
+            evidence = [difference_line(item, contracts)]
             fix = f"set {item} to the same value in both engines' configs"
         evidence.append("found by the semantic preflight; no probed token exercised a difference at this op, "
                         "so it did not show in these logprobs but will on other inputs")
         kind_name = _framework_kind([] if is_weight else [item], [item] if is_weight else [])
-        out.append(_cause(ev, "framework_difference", kind_name, evidence, fix, [item]))
+        sides = None if is_weight else one_sided([item], contracts)
+        out.append(_cause(ev, "framework_difference", kind_name, evidence, fix, [item], sides=sides))
+    if "dtype" in contracts.get("differs", []):
+        out.append(dtype_cause(contracts))
     semantics = sampling.contract_cause(contracts)
     if semantics is not None and not any((c.boundary, c.kind) == (semantics.boundary, semantics.kind) for c in causes):
         out.append(semantics)  # else the op's own cause takes this evidence (sampling.diagnose merges it)
     return out
+
+
+def dtype_cause(contracts: dict[str, Any]) -> Cause:
+    """A ``framework_difference``/``dtype`` cause: the sides compute in different dtypes (an fp32 trainer against
+    a bf16 engine). Every op differs by the narrower dtype's rounding, so no op is blamed for it, and the
+    weights were compared at the narrower dtype (equal after rounding is equal: no stale weight)."""
+    dt, di = contracts["train"].get("dtype"), contracts["infer"].get("dtype")
+    evidence = [f"contract differs: dtype = {dt!r} (train) vs {di!r} (infer)",
+                "each side's ops are judged in its own dtype's spacing, and the weights compared at the narrower "
+                "dtype: the gap includes the narrower side's rounding of every op"]  # fmt: skip
+    fix = (f"compute both sides in one dtype: load the trainer's model in {di} (e.g. from_pretrained(..., "
+           f"dtype=torch.{di}); TRL: GRPOConfig(model_init_kwargs={{'dtype': '{di}'}})) or run the engine in {dt} "
+           f"(vLLM: LLM(..., dtype='{dt}'))")  # fmt: skip
+    ev = OpEvidence("model", "module", None, 0.0, None, None)
+    return _cause(ev, "framework_difference", "dtype", evidence, fix, ["dtype"])
 
 
 def non_finite_cause(

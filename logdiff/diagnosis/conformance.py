@@ -16,10 +16,11 @@ The local check here decides instead, on recorded tensors alone:
 
 Both sides within their bounds: the same function computed two ways
 (``operator_path``). A side outside: it computes something else
-(``framework_difference``), whatever its contract says. An op this module has
-no exact function for (MoE blocks, MLA, a RoPE style
-other than NeoX) is reported as unchecked, with the reason, and classified by
-the reference rerun instead.
+(``framework_difference``), whatever its contract says. An MoE block is judged
+on its own router logits under each side's own routing rule (``exact_moe``);
+its router is a linear. An op this module has no exact function for (an
+embedding, an unknown activation or RoPE style) is reported as unchecked,
+with the reason, and classified ``not_judged`` (``classify``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from logdiff.diagnosis import exact
-from logdiff.diagnosis.spacing import eps
-from logdiff.probes.contracts import norm_eps
+from logdiff.diagnosis.spacing import EPS32, eps
+from logdiff.probes.contracts import applied, norm_eps
 
 SIDES = ("train", "infer")
 #: rows read per side and op (evenly spaced over the kept sequences); attention reads every key before them
@@ -143,7 +144,7 @@ class ConformanceCheck:
         for side in SIDES:
             try:
                 function = self._function(b, side, widened)
-                checks = [self._measure(function, site) for site in self._sites(b, side)]
+                checks = [self._measure(function, site, self.side_dtype(side)) for site in self._sites(b, side)]
             except NotCheckable as e:
                 out.unchecked = str(e)
                 return out
@@ -161,7 +162,7 @@ class ConformanceCheck:
         """One ``Site`` per kept sequence (attention: its queries and every key before them)."""
         store = self.stores[side]
         target = store.get(b.name)
-        sources = [store.get(n) for n in b.inputs]
+        sources = [store.get(n) for n in self._inputs(b)]
         if target is None or any(s is None for s in sources):
             return []
         sequences = range(_kept(self.record.train_store))
@@ -187,19 +188,25 @@ class ConformanceCheck:
             sites.append(Site(ins, target.read(seqs, pos), seqs, pos))
         return sites
 
-    def _measure(self, function: Callable[[Site], exact.Exact], site: Site) -> SideCheck:
+    def side_dtype(self, side: str) -> str:
+        """The dtype ``side`` computes in (its contract's: an fp32 trainer against a bf16 engine is judged
+        in fp32 spacing, the engine in bf16), else the scan's."""
+        return str(self.contracts[side].get("dtype") or self.dtype)
+
+    @staticmethod
+    def _measure(function: Callable[[Site], exact.Exact], site: Site, dtype: str) -> SideCheck:
         ex = function(site)
-        units = exact.error_units(site.output, ex, eps(self.dtype))
-        return SideCheck(units, ex.bound.units(self.dtype), len(site.pos), ex.function)
+        units = exact.error_units(site.output, ex, eps(dtype))
+        return SideCheck(units, ex.bound.units(dtype), len(site.pos), ex.function)
 
     # ---- the contracted function of each op kind ---------------------------------------------
 
     def _function(self, b: Any, side: str, widened: dict[Any, Any]) -> Callable[[Site], exact.Exact]:
         contract = self.contracts[side]
         kind = b.kind
-        if kind in ("linear", "logits"):  # the same weight on both sides: widened once for both
-            mod = self._module(b.name) if kind == "linear" else self.adapter.lm_head(self.model)
-            cap = contract.get("final_logit_softcapping") if kind == "logits" else None
+        if kind in ("linear", "logits", "router"):  # the same weight on both sides: widened once for both
+            mod = self._module(b.name) if kind != "logits" else self.adapter.lm_head(self.model)
+            cap = applied(contract.get("final_logit_softcapping")) if kind == "logits" else None  # off: None
             key = (id(mod.weight), cap)
             if key not in widened:
                 widened[key] = exact.linear_of(mod.weight, getattr(mod, "bias", None), cap)
@@ -231,7 +238,43 @@ class ConformanceCheck:
             t = float(contract.get("temperature") or 1.0)
             t = t if contract.get("logprobs_mode") == "processed_logprobs" else 1.0
             return lambda s: exact.log_softmax(s.inputs[0], t)
+        if kind == "moe":
+            return self._moe(b, side)
         raise NotCheckable(f"no exact function for a {kind} op")
+
+    def _inputs(self, b: Any) -> tuple[str, ...]:
+        """The boundaries whose rows a check of ``b`` reads: its inputs, and for an MoE block the same
+        layer's router logits last (the routing each side made)."""
+        if b.kind != "moe":
+            return tuple(b.inputs)
+        router = next((r.name for r in self.record.cmap.boundaries if r.kind == "router" and r.layer == b.layer), None)
+        if router is None:
+            raise NotCheckable(f"no router boundary in layer {b.layer} to read the routing from")
+        return (*b.inputs, router)
+
+    def _moe(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
+        """The routed experts' weighted sum (plus the shared expert) under the side's own routing rule
+        (``exact_moe``), with the training model's experts and correction bias."""
+        from logdiff.diagnosis import exact_moe
+        from logdiff.diagnosis.routing_rules import rule_of
+
+        layer = self.adapter.layers(self.model)[b.layer]
+        block = getattr(layer, "mlp", None)
+        try:
+            experts = exact_moe.Experts.of(block.experts, self.adapter.experts_parts, self.adapter.experts_activation)
+        except (AttributeError, ValueError) as e:
+            raise NotCheckable(f"the experts of {b.name} could not be read: {e}") from None
+        experts = replace(experts, fp32_units=EPS32 / eps(self.side_dtype(side)))
+        config = self.model.config.to_dict()
+        rule = rule_of(self.contracts[side], config, getattr(self.adapter, "router_renormalizes", None))
+        bias = self.adapter.router_bias(layer)
+        bias = bias.detach().double().cpu().numpy() if bias is not None else None
+        shared = len(b.inputs) > 1  # (norm, shared expert's output): the block adds it
+
+        def run(s: Site) -> exact.Exact:
+            return exact_moe.routed(s.inputs[0], s.inputs[-1], experts, rule, bias, s.inputs[1] if shared else None)
+
+        return run
 
     def _module(self, name: str) -> Any:
         try:
@@ -280,16 +323,16 @@ class ConformanceCheck:
         layer_module = self.adapter.layers(self.model)[b.layer]
         attn = self.adapter.attention(layer_module)
         if self.adapter.latent_attention(attn):
-            raise NotCheckable("no exact function for this attention (latent attention)")
+            return _latent_attention(attn, contract, side, self.side_dtype(side))
         sinks = getattr(attn, "sinks", None)  # gpt-oss: one logit per head in the denominator
         if contract.get("attention_scale") is None:
             raise NotCheckable(f"the {side} side's attention scale is unknown")
-        scale, cap = float(contract["attention_scale"]), contract.get("attn_logit_softcapping")
+        scale, cap = float(contract["attention_scale"]), applied(contract.get("attn_logit_softcapping"))
         # this layer's window as its module holds it (Gemma, Qwen: None on full-attention layers); a module
         # without one (Mistral) slides on every layer by the config; the side's own contract gives the width
-        window = getattr(attn, "sliding_window", contract.get("sliding_window"))
+        window = getattr(attn, "sliding_window", applied(contract.get("sliding_window")))
         if window is not None:
-            window = contract.get("sliding_window")
+            window = applied(contract.get("sliding_window"))
         heads = int(self.model.config.num_attention_heads)
 
         def run(s: Site) -> exact.Exact:
@@ -297,6 +340,22 @@ class ConformanceCheck:
                                    sinks)  # fmt: skip
 
         return run
+
+
+def _latent_attention(attn: Any, contract: dict[str, Any], side: str, dtype: str) -> Callable[[Site], exact.Exact]:
+    """MLA (``exact_mla``) on the side's (q nope, RoPE'd q, latent, RoPE'd k) with the training model's
+    ``kv_b_proj``; the RoPE'd query is read with the keys (every position up to the last query)."""
+    from logdiff.diagnosis import exact_mla
+
+    if contract.get("attention_scale") is None:
+        raise NotCheckable(f"the {side} side's attention scale is unknown")
+    up, scale = exact_mla.LatentUp.of_module(attn, EPS32 / eps(dtype)), float(contract["attention_scale"])
+
+    def run(s: Site) -> exact.Exact:
+        pos = _tensor(s.pos)
+        return exact_mla.latent_attention(s.inputs[0], s.inputs[1][pos], s.inputs[2], s.inputs[3], up, pos, scale)
+
+    return run
 
 
 def _kept(store: Any) -> int:

@@ -141,17 +141,17 @@ def diagnose(
         )
         causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
     # a boundary locate could not judge (inputs differ, no replay) is an introducing op after all when a
-    # side computes another function there
+    # side computes another function there, or it reads a contract key that differs (a one-sided soft cap)
     unresolved = result.located.unresolved
     checked = _conformance(unresolved, check)
     for u in unresolved:
         conf = checked[u["boundary"]]
-        if conf.conclusive and conf.outside:
+        if (conf.conclusive and conf.outside) or _reads_a_difference(u, contracts, arch):
             kind = u.get("kind") or "module"
             ev = classify.OpEvidence(u["boundary"], kind, u.get("layer"), None, None, None, conf, paths)
             causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
     causes = classify.merge_fused(causes, arch)
-    causes += classify.preflight_only_causes(contracts, causes, arch)
+    causes += classify.preflight_only_causes(contracts, causes, arch, paths)
     progress("attributing the logdiff to its causes", phase="attribute")
     rescanner.remember(cfg, pair.metrics)  # the empty set of levers is this scan itself
     try:

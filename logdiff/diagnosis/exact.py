@@ -95,8 +95,13 @@ def add(a: Any, b: Any) -> Exact:
     return Exact(a64 + b64, a64.abs() + b64.abs(), OpBound(1.0), "add")
 
 
-#: the gated MLP activations ``act_mul`` knows, by HF config name
-ACTIVATIONS = frozenset({"silu", "gelu_pytorch_tanh", "gelu_tanh"})
+#: the gated MLP activations ``act_mul`` knows, by HF config name (``ACT2FN``'s keys): their definitions
+ACTIVATIONS = {
+    "silu": "silu", "swish": "silu",
+    "gelu": "gelu", "gelu_python": "gelu",  # erf
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}  # fmt: skip
 
 
 def act_mul(gate: Any, up: Any, activation: str) -> Exact:
@@ -104,7 +109,13 @@ def act_mul(gate: Any, up: Any, activation: str) -> Exact:
     import torch.nn.functional as F
 
     g, u = _f64(gate), _f64(up)
-    a = F.silu(g) if activation == "silu" else F.gelu(g, approximate="tanh")
+    function = ACTIVATIONS[activation]
+    if function == "silu":
+        a = F.silu(g)
+    elif function == "relu":
+        a = F.relu(g)
+    else:
+        a = F.gelu(g, approximate="tanh" if function == "gelu_tanh" else "none")
     y = a * u
     return Exact(y, y.abs(), OpBound(2.0), f"{activation}(gate) * up")  # act rounded, then the product
 

@@ -26,9 +26,12 @@ importance ratio, however close the kernels are. Two kinds of evidence, both
      (least absolute error over a log grid, then golden-section), so a one-sided
      temperature shows as two different fits (``sampling_semantics``);
    * processed logprobs over a truncated support: what the fit leaves is a
-     per-position offset ``-log(kept mass) >= 0`` that one top-k or one top-p
-     reproduces; a temperature and a truncation together are fitted jointly
-     (``joint_temperature``), since each biases the other's fit alone
+     per-position offset ``-log(kept mass) >= 0``; ``truncation.identify``
+     names the sampler and its parameters that reproduce it (top-k, top-p,
+     min-p, top-k then top-p, typical-p), or reports a renormalisation over a
+     support no sampler it knows describes ("sampler not identified", with the
+     kept mass per token); a temperature and a truncation together are fitted
+     jointly (``joint_temperature``), since each biases the other's fit alone
      (``sampling_semantics``);
    * a BOS on one side only: the trainer's model rescored with its BOS toggled
      matches the path (``tokens``).
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from logdiff.diagnosis import truncation as support
 from logdiff.diagnosis.cause import Cause, Findings, framework_cause
 
 if TYPE_CHECKING:
@@ -71,6 +75,9 @@ MAX_FIT_POSITIONS = 256
 MIN_OFFSET = 1e-3
 #: a truncation is named only from offsets at this many positions at least (one odd token is noise)
 MIN_CUT_POSITIONS = 3
+#: a truncation fitted jointly with a temperature replaces one at the given temperature where a sampler is
+#: named only jointly, or where the closest sampler leaves at most this fraction of its error
+JOINT_BETTER = 0.5
 
 
 # ----------------------------------------------------------------------------- numpy core
@@ -93,12 +100,16 @@ class Reference:
     one by one, the rest in ``BINS`` equal-width bins, each held as its count and
     the log of its mean probability. The log-partition ``log sum_v w exp(v / T)``
     is then exact at T = 1 and close elsewhere, at [N, EXACT + BINS] instead of
-    [N, vocab] (a 150k vocabulary costs the same as a 4k one).
+    [N, vocab] (a 150k vocabulary costs the same as a 4k one). Each column also
+    keeps the log-probability interval it covers (``intervals``), so a
+    truncation that cuts inside a bin keeps its part of it (``truncation``).
     """
 
     chosen: np.ndarray  # [N]
     values: np.ndarray  # [N, M], descending within the exact part
     weights: np.ndarray  # [N, M]
+    tops: np.ndarray | None = None  # [N, M] each column's largest log-probability (None: the values)
+    widths: np.ndarray | None = None  # [N, M] the width of its interval (None: 0, one token per column)
 
     EXACT: ClassVar[int] = 128
     BINS: ClassVar[int] = 256
@@ -112,7 +123,7 @@ class Reference:
         ordered = -np.sort(-lp, axis=-1)
         exact, tail = ordered[:, : cls.EXACT], ordered[:, cls.EXACT :]
         if tail.shape[1] == 0:
-            return cls(chosen, exact, np.ones_like(exact))
+            return cls(chosen, exact, np.ones_like(exact), exact, np.zeros_like(exact))
         hi, lo = tail[:, :1], tail[:, -1:]
         width = np.maximum(hi - lo, 1e-12) / cls.BINS
         idx = np.minimum(((hi - tail) / width).astype(np.int64), cls.BINS - 1) + cls.BINS * np.arange(n)[:, None]
@@ -120,14 +131,26 @@ class Reference:
         mass = np.bincount(idx.ravel(), weights=np.exp(tail - hi).ravel(), minlength=n * cls.BINS).reshape(n, cls.BINS)
         with np.errstate(divide="ignore"):
             binned = np.where(counts > 0, hi + np.log(np.maximum(mass, 1e-300) / np.maximum(counts, 1)), -1e4)
-        return cls(chosen, np.concatenate([exact, binned], 1), np.concatenate([np.ones_like(exact), counts], 1))
+        tops = hi - width * np.arange(cls.BINS)[None, :]  # bin b holds the log-probabilities in (top - width, top]
+        widths = np.concatenate([np.zeros_like(exact), np.broadcast_to(width, tops.shape)], 1)
+        return cls(chosen, np.concatenate([exact, binned], 1), np.concatenate([np.ones_like(exact), counts], 1),
+                   np.concatenate([exact, tops], 1), widths)  # fmt: skip
 
     @classmethod
     def concat(cls, parts: Sequence[Reference]) -> Reference:
-        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("chosen", "values", "weights")))
+        fields = [np.concatenate([getattr(p, f) for p in parts]) for f in ("chosen", "values", "weights")]
+        spans = [np.concatenate(x) for x in zip(*(p.intervals() for p in parts))] if parts else [None, None]
+        return cls(*fields, *spans)
 
     def rows(self, keep: np.ndarray) -> Reference:
-        return Reference(self.chosen[keep], self.values[keep], self.weights[keep])
+        tops, widths = self.intervals()
+        return Reference(self.chosen[keep], self.values[keep], self.weights[keep], tops[keep], widths[keep])
+
+    def intervals(self) -> tuple[np.ndarray, np.ndarray]:
+        """(largest log-probability, width) of each column's interval: ``[top - width, top]``."""
+        if self.tops is None or self.widths is None:
+            return self.values, np.zeros_like(self.values)
+        return self.tops, self.widths
 
     def __len__(self) -> int:
         return len(self.chosen)
@@ -138,12 +161,6 @@ class Reference:
         top = z[:, 0]  # the largest log-probability sits first
         lse = top + np.log((self.weights * np.exp(z - top[:, None])).sum(-1))
         return self.chosen / temperature - lse
-
-    def kept_mass(self, temperature: float) -> tuple[np.ndarray, np.ndarray]:
-        """(number of tokens, their probability mass) of each top-j prefix of every row, at T."""
-        z = self.values / temperature
-        p = self.weights * np.exp(z - z[:, :1])
-        return np.cumsum(self.weights, -1), np.cumsum(p, -1) / p.sum(-1, keepdims=True)
 
 
 def _mean_abs(a: np.ndarray, b: np.ndarray) -> float:
@@ -190,65 +207,48 @@ def alignment_errors(
     return out
 
 
-#: the top-p values a truncation fit tries
-TOP_P_GRID = np.round(np.linspace(0.5, 0.995, 100), 3)
-
-
-def _truncation_fit(ref: Reference, observed: np.ndarray, temperature: float) -> tuple[float, dict[str, Any]]:
-    """(mean |observed - prediction|, {"top_k", "top_p"}) of the best top-k or top-p renormalisation at T.
-
-    Renormalising over the kept tokens adds ``-log(kept mass)`` to every kept
-    token's logprob at that position; top-k keeps a fixed count, top-p the
-    smallest prefix whose mass reaches p (vLLM's rule).
-    """
-    rest = np.asarray(observed, np.float64) - ref.tempered(temperature)
-    counts, kept = ref.kept_mass(temperature)  # [N, M]: each top-j prefix's size and mass
-    exact = min(Reference.EXACT, counts.shape[1])  # top-k is named only where every row counts tokens one by one
-    by_k = np.mean(np.abs(-np.log(np.clip(kept[:, :exact], 1e-300, 1.0)) - rest[:, None]), axis=0)
-    j = int(np.argmin(by_k))
-    first = np.stack([np.minimum(np.searchsorted(row, TOP_P_GRID), len(row) - 1) for row in kept])  # [N, P]
-    offsets = -np.log(np.clip(np.take_along_axis(kept, first, 1), 1e-300, 1.0))
-    by_p = np.mean(np.abs(offsets - rest[:, None]), axis=0)
-    i = int(np.argmin(by_p))
-    if by_k[j] <= by_p[i]:
-        return float(by_k[j]), {"top_k": int(counts[0, j]), "top_p": None}
-    return float(by_p[i]), {"top_k": None, "top_p": float(TOP_P_GRID[i])}
-
-
 def truncation(ref: Reference, observed: np.ndarray, temperature: float, plain: float) -> dict[str, Any] | None:
     """Processed logprobs over a truncated support at T, or None.
 
-    Reported only when one top-k or one top-p reproduces the per-position
-    offsets ``-log(kept mass) >= 0`` at every position, leaving at most
-    ``EXPLAINS`` of the ``plain`` gap and of the gap at T without a
-    truncation: an offset of the right sign alone is not enough.
+    Reported when a sampler reproduces the per-position offsets
+    ``-log(kept mass) >= 0`` (``support.identify``: named with its parameters),
+    or when they are a renormalisation over a support none of them describes
+    (``sampler`` None), leaving at most ``EXPLAINS`` of the ``plain`` gap and of
+    the gap at T without a truncation: an offset of the right sign alone is not
+    enough. ``kept_mass``: per fitted position, ``exp(-offset)``.
     """
     rest = np.asarray(observed, np.float64) - ref.tempered(temperature)
     offset = np.maximum(rest, 0.0)
     if (offset > MIN_OFFSET).sum() < MIN_CUT_POSITIONS:
         return None
-    err, setting = _truncation_fit(ref, observed, temperature)
-    if err > EXPLAINS * min(plain, float(np.mean(np.abs(rest)))):  # better than this T without a truncation, too
+    found = support.identify(ref, observed, temperature, EXPLAINS * min(plain, float(np.mean(np.abs(rest)))))
+    if found is None:  # better than this T without a truncation, too
         return None
     return {"positions": int((offset > MIN_OFFSET).sum()), "offset_max": float(offset.max()),
-            "offset_mean": float(offset.mean()), "explained": err, **setting}  # fmt: skip
+            "offset_mean": float(offset.mean()), "explained": found.error, "closest": found.closest,
+            "sampler": found.sampler, **{k: found.params.get(k) for k in support.PARAMETERS}, "also": found.also,
+            "kept_mass": np.exp(-offset)}  # fmt: skip
 
 
 def joint_temperature(ref: Reference, observed: np.ndarray) -> tuple[float, float]:
     """(T, error) of the best temperature *with* its best truncation: both processed on one side."""
+
+    def err(log_t: float) -> float:
+        return support.cheapest_error(ref, observed, math.exp(log_t))
+
     grid = np.linspace(math.log(0.1), math.log(10.0), 41)
-    errs = [_truncation_fit(ref, observed, math.exp(g))[0] for g in grid]
+    errs = [err(g) for g in grid]
     i = int(np.argmin(errs))
     lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     golden = (math.sqrt(5) - 1) / 2
     for _ in range(20):
         c, d = hi - golden * (hi - lo), lo + golden * (hi - lo)
-        if _truncation_fit(ref, observed, math.exp(c))[0] <= _truncation_fit(ref, observed, math.exp(d))[0]:
+        if err(c) <= err(d):
             hi = d
         else:
             lo = c
-    best = math.exp((lo + hi) / 2)
-    return best, _truncation_fit(ref, observed, best)[0]
+    best = (lo + hi) / 2
+    return math.exp(best), err(best)
 
 
 def analyse_pair(
@@ -288,18 +288,29 @@ def analyse_pair(
         finding["temperature"] = {"train": round(t_train, 3), "other": round(t_other, 3)}
         finding["mean_abs_diff"] = {"as_is": plain, "explained": err_other}
     cut = truncation(R, b, t_other if finding["temperature"] else t_train, plain)
-    if cut is None:  # a temperature and a truncation together bias the temperature-only fit: fit both
-        t_joint, err_joint = joint_temperature(R, b)
-        t_joint = t_train if abs(math.log(t_joint / t_train)) < SAME_TEMPERATURE else t_joint
+    # A temperature and a truncation together bias the temperature-only fit, and a truncation can fit loosely at
+    # a wrong T: fit both, and keep the joint fit where it alone names a sampler, or its closest sampler leaves at
+    # most JOINT_BETTER of the error the closest one leaves at the T fitted alone.
+    t_joint, err_joint = joint_temperature(R, b)
+    t_joint = t_train if abs(math.log(t_joint / t_train)) < SAME_TEMPERATURE else t_joint
+    if cut is None or t_joint != (t_other if finding["temperature"] else t_train):
         joint = truncation(R, b, t_joint, plain)
-        if joint is not None and (finding["temperature"] is None or err_joint <= EXPLAINS * err_other):
+        better = joint is not None and (cut is None or (joint["sampler"] is not None and cut["sampler"] is None)
+                                        or joint["closest"] <= JOINT_BETTER * cut["closest"])  # fmt: skip
+        if better and (finding["temperature"] is None or err_joint <= EXPLAINS * err_other):
             cut = joint
             finding["temperature"] = {"train": round(t_train, 3), "other": round(t_joint, 3)} if t_joint != t_train else None
-    if cut is not None and cut["top_k"] == 1:  # over a single kept token every logprob is 0 whatever T: none to report
+    if cut is not None and cut["top_k"] == 1 and cut["top_p"] is None:  # over one kept token every logprob is 0 whatever T
         finding["temperature"] = None
     if cut is not None:
         finding["truncation"] = cut
         finding["mean_abs_diff"] = {"as_is": plain, "explained": cut.pop("explained")}
+        del cut["closest"]
+        mass, at = cut.pop("kept_mass"), np.cumsum([0, *(int(k.sum()) for k in keep)])
+        cut["kept_mass"] = [[None] * len(k) for k in keep]  # per fitted sequence and response token (null: unscored)
+        for row, k, lo in zip(cut["kept_mass"], keep, at):
+            for j, m in zip(np.flatnonzero(k), mass[lo:]):
+                row[j] = round(float(m), 4)
     return finding if finding["temperature"] or finding["truncation"] else None
 
 
@@ -426,13 +437,34 @@ def _finding_lines(path: str, f: dict[str, Any]) -> tuple[list[str], str]:
             fixes.append(f"use one temperature on both sides (trainer {tt:g}, {path} {to:g})")
     cut = f.get("truncation")
     if cut:
-        support = f"top-k = {cut['top_k']}" if cut["top_k"] else f"top-p = {cut['top_p']:g}"
-        evidence.append(f"the {path} logprobs exceed the trainer's by a per-position offset >= 0 at {cut['positions']} "
-                        f"positions (up to {cut['offset_max']:.3g} nats): processed logprobs renormalised over a "
-                        f"truncated support ({support})")  # fmt: skip
-        fixes.append(f"compare like with like: vLLM logprobs_mode=raw_logprobs against an untruncated trainer, or "
-                     f"apply the sampler's {support} in the trainer")
+        evidence.append(_truncation_line(path, cut))
+        if cut.get("sampler", "named") is None:
+            fixes.append("compare like with like: vLLM logprobs_mode=raw_logprobs against an untruncated trainer, or "
+                         "apply the rollout's own truncation (its sampler settings and logits processors) in the trainer")
+        else:
+            fixes.append(f"compare like with like: vLLM logprobs_mode=raw_logprobs against an untruncated trainer, or "
+                         f"apply the sampler's {_support_label(cut)} in the trainer")
     return evidence, "; ".join(fixes)
+
+
+def _support_label(cut: dict[str, Any]) -> str:
+    """``min-p = 0.1``, ``top-k = 20, then top-p = 0.9`` (results written before min-p name top-k or top-p)."""
+    named = {k: cut[k] for k in support.PARAMETERS if cut.get(k) is not None}
+    return support.Support(cut.get("sampler"), named, 0.0).label()
+
+
+def _truncation_line(path: str, cut: dict[str, Any]) -> str:
+    """The evidence of processed logprobs over a truncated support: the sampler, or the kept mass it left."""
+    head = (f"the {path} logprobs exceed the trainer's by a per-position offset >= 0 at {cut['positions']} positions "
+            f"(up to {cut['offset_max']:.3g} nats): processed logprobs ")  # fmt: skip
+    mass = [m for row in cut.get("kept_mass") or [] for m in row if m is not None]
+    kept = f"; kept mass per token: mean {np.mean(mass):.3g}, min {min(mass):.3g}, max {max(mass):.3g}" if mass else ""
+    if cut.get("sampler", "named") is None:
+        why = (f"{', '.join(cut['also'])} fit about equally, none closely" if cut.get("also") else
+               "no top-k, top-p, min-p, top-k then top-p or typical-p reproduces the offsets")  # fmt: skip
+        return head + f"renormalised over a truncated support, sampler not identified ({why})" + kept
+    also = f" ({', '.join(cut['also'])} fits almost as well)" if cut.get("also") else ""
+    return head + f"renormalised over a truncated support ({_support_label(cut)}){also}" + kept
 
 
 def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[Cause]:
@@ -476,6 +508,12 @@ def _bos_test(run: Any, other: Sequence[np.ndarray], masks: list, ref: list[Refe
     return f
 
 
+def _no_sampler_named(f: dict[str, Any]) -> bool:
+    """A finding of a renormalisation alone, over a support no sampler describes (the least specific one)."""
+    cut = f.get("truncation")
+    return f["kind"] == "sampling_semantics" and not f["temperature"] and bool(cut) and cut["sampler"] is None
+
+
 def diagnose(result: ScanResult, run: Any, infer: Any) -> Findings:
     """The sampling causes of a scan, from the contract and from the numbers of each differing pair.
 
@@ -502,8 +540,8 @@ def diagnose(result: ScanResult, run: Any, infer: Any) -> Findings:
                     found.warnings.append(f"sampling fit skipped ({type(e).__name__}: {e})")
                     ref = []
             f = analyse_pair(run.train.logprobs, scores.logprobs, masks, ref)
-        if f is None and ref:
-            f = _bos_test(run, scores.logprobs, masks, ref, bos_cache)
+        if ref and (f is None or _no_sampler_named(f)):  # a BOS on one side is the more specific explanation
+            f = _bos_test(run, scores.logprobs, masks, ref, bos_cache) or f
         if f is not None:
             fits[scores.path] = f
     found.causes = [c for c in [contract_cause(contracts)] if c is not None] + numeric_causes(fits)

@@ -70,6 +70,24 @@ class EngineSpec:
     def option(self, key: str, default: Any = None) -> Any:
         return dict(self.options).get(key, default)
 
+    def __hash__(self) -> int:
+        """The pool's key; a structured ``--set`` value (a dict, a list) hashes by its items."""
+        return hash((self.model_dir, self.dtype, _hashable(self.overrides), _hashable(self.options), self.seed,
+                     self.trust_remote_code, self.device))  # fmt: skip
+
+
+def _hashable(value: Any) -> Any:
+    """``value`` with its dicts and lists as tuples (equal values, equal results)."""
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(k), _hashable(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
 
 @dataclass
 class PathScores:
@@ -228,8 +246,9 @@ class Engine(ABC):
         """Effective settings the engine computes with (eps, RoPE, scale, sampling mode) (``contract``)."""
         raise NotImplementedError(f"engine {self.name!r} reports no contract")
 
-    def fingerprints(self) -> dict[str, str]:
-        """Hashes of the loaded weights under HF tensor names (``contract``)."""
+    def fingerprints(self, at: str | None = None) -> dict[str, str]:
+        """Hashes of the loaded weights under HF tensor names (``contract``); ``at``: a narrower dtype to hash
+        each wider floating tensor at, rounded (the other side computes in it)."""
         raise NotImplementedError(f"engine {self.name!r} reports no weight fingerprints")
 
     def loaded_config(self) -> Any:

@@ -165,10 +165,10 @@ class HFEngine(Engine):
 
         return hf_contract(self.model, dict(self.spec.options))
 
-    def fingerprints(self) -> dict[str, str]:
+    def fingerprints(self, at: str | None = None) -> dict[str, str]:
         from logdiff.engines.hf.contract import hf_fingerprints
 
-        return hf_fingerprints(self.model)
+        return hf_fingerprints(self.model, at)
 
     def loaded_config(self) -> Any:
         return self.model.config

@@ -3,7 +3,8 @@
 The values are read from the loaded module, not from config files; the architecture adapter
 says where each sits. The keys only some architectures have are read by this engine's
 ``contract_extras.EXTRAS`` (one reader per adapter name). The shared pieces (``fingerprint``,
-``sampler``, the ``ContractExtras`` type) are in ``probes/contracts.py``.
+``sampler``, the ``ContractExtras`` type) are in ``probes/contracts.py``, which also says
+which value of each key means off (``OFF``) and which means "not read" (None).
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from logdiff.engines.hf.contract_extras import EXTRAS
-from logdiff.probes.contracts import ContractExtras, effective, fingerprint, narrowest, norm_eps, sampler
+from logdiff.probes.contracts import (
+    ContractExtras,
+    effective,
+    fingerprint,
+    narrowest,
+    norm_eps,
+    off_if_none,
+    sampler,
+)
 
 
 def hf_contract(model: Any, options: dict[str, Any], extras: ContractExtras = EXTRAS) -> dict[str, Any]:
@@ -25,20 +34,22 @@ def hf_contract(model: Any, options: dict[str, Any], extras: ContractExtras = EX
     rope = getattr(cfg, "rope_parameters", None) or {}
     attn = arch.attention(layer)
     impl = getattr(cfg, "_attn_implementation", None) or "eager"
+    # a router without the config key renormalizes or not by its family (Mixtral's always does)
+    renormalizes = getattr(arch, "router_renormalizes", None) if getattr(arch, "moe", False) else None
     contract = {
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "vocab_size": int(arch.lm_head(model).weight.shape[0]),
         "rms_norm_eps": norm_eps(arch.input_norm(layer)),
         "qk_norm_eps": norm_eps(arch.qk_norm_module(attn)),
         "final_norm_eps": norm_eps(arch.final_norm(model)),
-        "rope_theta": float(rope.get("rope_theta", getattr(cfg, "rope_theta", 0.0))),
+        "rope_theta": _float_or_none(rope.get("rope_theta", getattr(cfg, "rope_theta", None))),
         "rope_type": rope.get("rope_type", "default"),
         "rope_style": "neox",  # transformers' Llama/Qwen families rotate halves
         "attention_scale": float(attn.scaling),
-        "sliding_window": arch.sliding_window(cfg),
+        "sliding_window": off_if_none(arch.sliding_window(cfg)),  # the config is what the modeling code reads
         "tie_word_embeddings": _shared(arch.lm_head(model).weight, arch.embed(model).weight),
         "num_experts_per_tok": getattr(cfg, "num_experts_per_tok", None),
-        "norm_topk_prob": getattr(cfg, "norm_topk_prob", None),
+        "norm_topk_prob": getattr(cfg, "norm_topk_prob", renormalizes),
         "temperature": float(options.get("temperature", 1.0)),  # logits / T before log_softmax
         "logprobs_mode": "processed_logprobs" if options.get("temperature", 1.0) != 1.0 else "raw_logprobs",
         # The distribution it samples from (hf-decode) or scores under (the trainer): full support.
@@ -59,6 +70,10 @@ HF_DROPS = {
 }
 
 
+def _float_or_none(value: Any) -> float | None:
+    return float(value) if value is not None else None
+
+
 def _shared(a: Any, b: Any) -> bool:
     """Whether two weights are one tensor: the same parameter, or the same storage (a sharded weight's local
     shards compared: FSDP2's DTensors have no storage of their own)."""
@@ -68,9 +83,19 @@ def _shared(a: Any, b: Any) -> bool:
     return a.numel() > 0 and a.data_ptr() == b.data_ptr()
 
 
-def hf_fingerprints(model: Any) -> dict[str, str]:
+def hf_fingerprints(model: Any, at: str | None = None) -> dict[str, str]:
     """The fingerprint of every weight under its HF name, of the logical tensor: a DTensor (FSDP2's shards, a
-    tensor-parallel weight) is gathered whole first, one at a time; that is a collective every rank joins."""
+    tensor-parallel weight) is gathered whole first, one at a time; that is a collective every rank joins.
+    ``at``: a narrower dtype name (the other side's) to round every wider floating tensor to first."""
+    import torch
+
     dtype = next(model.parameters()).dtype
-    return {name: fingerprint(narrowest(t.full_tensor() if hasattr(t, "full_tensor") else t, dtype))
-            for name, t in model.state_dict().items()}
+    narrow = getattr(torch, at) if at else None
+
+    def hashed(t: Any) -> str:
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if narrow is not None and t.is_floating_point() and t.element_size() > narrow.itemsize:
+            return fingerprint(t.detach().to(narrow))
+        return fingerprint(narrowest(t, dtype))
+
+    return {name: hashed(t) for name, t in model.state_dict().items()}

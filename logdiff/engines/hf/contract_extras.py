@@ -16,22 +16,24 @@ from __future__ import annotations
 from typing import Any
 
 from logdiff.probes.arch.decoder import ROUTING_KEYS
-from logdiff.probes.contracts import ContractExtras, expert_groups
+from logdiff.probes.contracts import OFF, ContractExtras, expert_groups, soft_cap
 
 
 def gemma2_extras(arch: Any, model: Any) -> dict[str, Any]:
-    """Soft caps (from the config the modules read) and the embedding scale as the embedding module holds it."""
+    """Soft caps (from the config the modules read: None there is no cap, ``OFF``) and the embedding scale as the
+    embedding module holds it."""
     cfg = model.config
     scale = getattr(arch.embed(model), "embed_scale", None)
     return {
-        "attn_logit_softcapping": cfg.attn_logit_softcapping,
-        "final_logit_softcapping": cfg.final_logit_softcapping,
+        "attn_logit_softcapping": soft_cap(cfg.attn_logit_softcapping),
+        "final_logit_softcapping": soft_cap(cfg.final_logit_softcapping),
         "embed_scale": float(scale.to(arch.embed(model).weight.dtype)) if scale is not None else None,
     }
 
 
 def gemma3_extras(arch: Any, model: Any) -> dict[str, Any]:
-    """Gemma 2's keys, both RoPE bases (one rotary module per layer type) and the layer types."""
+    """Gemma 2's keys, both RoPE bases (one rotary module per layer type; the sliding one ``OFF`` where no layer
+    slides) and the layer types."""
     from logdiff.probes.arch.gemma3 import FULL, SLIDING, layer_type_keys
 
     extras = gemma2_extras(arch, model)
@@ -40,7 +42,8 @@ def gemma3_extras(arch: Any, model: Any) -> dict[str, Any]:
     params = cfg.rope_parameters
     theta = {t: float(params[t]["rope_theta"]) for t in (SLIDING, FULL) if t in params and t in types}
     rope_type = {t: params[t].get("rope_type", "default") for t in theta}
-    return {**extras, **layer_type_keys(types, theta, rope_type)}
+    keys = layer_type_keys(types, theta, rope_type)
+    return {**extras, **keys, **({} if SLIDING in types else {"rope_local_base_freq": OFF})}
 
 
 def glm4_moe_extras(arch: Any, model: Any) -> dict[str, Any]:

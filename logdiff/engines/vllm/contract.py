@@ -4,7 +4,9 @@ Values are read from the live module reached through ``apply_model``; packed and
 weights are recovered through the layers' own kernels (``weights``), so the fingerprints use
 HF tensor names and are the same on every CPU. The keys only some architectures have are read
 by this engine's ``contract_extras.EXTRAS`` (one reader per adapter name), which also holds
-vLLM's RoPE class names. The shared pieces are in ``probes/contracts.py``.
+vLLM's RoPE class names. The shared pieces are in ``probes/contracts.py``, which also says which
+value of each key means off (``OFF``: a backend without a window) and which means "not read"
+(None: no attention backend, no rotary module where the adapter says it sits).
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ def vllm_contract(model: Any, options: dict[str, Any], extras: ContractExtras = 
         "qk_norm_eps": norm_eps(arch.qk_norm_module(attn)),
         "final_norm_eps": norm_eps(arch.final_norm(model)),
         "rope_theta": float(getattr(rotary, "base", 0.0)) if rotary is not None else None,
-        "rope_type": VLLM_ROPE_TYPES.get(type(rotary).__name__, type(rotary).__name__),
-        "rope_style": "neox" if getattr(rotary, "is_neox_style", True) else "gptj",
+        "rope_type": VLLM_ROPE_TYPES.get(type(rotary).__name__, type(rotary).__name__) if rotary is not None else None,
+        "rope_style": ("neox" if getattr(rotary, "is_neox_style", True) else "gptj") if rotary is not None else None,
         "attention_scale": float(core.impl.scale) if core is not None and hasattr(core, "impl") else None,
-        "sliding_window": window_size(getattr(getattr(core, "impl", None), "sliding_window", None)),
+        "sliding_window": _backend_window(getattr(core, "impl", None)),
         "tie_word_embeddings": lm_head is not None and lm_head.weight.data_ptr() == embed.weight.data_ptr(),
         "num_experts_per_tok": getattr(experts, "top_k", None),
         "norm_topk_prob": getattr(experts, "renormalize", None),
@@ -52,6 +54,11 @@ def vllm_contract(model: Any, options: dict[str, Any], extras: ContractExtras = 
         **extras.read(arch, model),
         "attn_implementation": type(core.impl).__name__ if core is not None and hasattr(core, "impl") else None,
     }
+
+
+def _backend_window(impl: Any) -> int | str | None:
+    """The window an attention backend masks (``OFF``: none), or None where no backend holds one to read."""
+    return window_size(impl.sliding_window) if hasattr(impl, "sliding_window") else None
 
 
 def _moe_experts(model: Any) -> Any:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from logdiff.probes.arch.decoder import ROUTING_KEYS
-from logdiff.probes.contracts import ContractExtras, expert_groups
+from logdiff.probes.contracts import OFF, ContractExtras, expert_groups, soft_cap, window_size
 
 #: vLLM rotary-embedding class -> the HF ``rope_type`` it implements
 VLLM_ROPE_TYPES = {
@@ -50,11 +50,20 @@ def vllm_routing_rule(block: Any) -> dict[str, Any]:
     if groups is not None and topk_groups is not None:
         groups, topk_groups = expert_groups(groups, topk_groups)  # keeping every group is greedy top-k
     return {
-        "scoring_func": str(getattr(router, "scoring_func", None)),
+        "scoring_func": _str_or_none(getattr(router, "scoring_func", None)),
         "n_group": None if groups is None else int(groups),
         "topk_group": None if topk_groups is None else int(topk_groups),
         "routed_scaling_factor": scale,
     }
+
+
+def _str_or_none(value: Any) -> str | None:
+    return str(value) if value is not None else None
+
+
+def _slides(layer_attention: Any) -> bool:
+    """Whether a layer's attention backend masks a window (CPU: the window or -1; FlashAttention: a pair)."""
+    return window_size(layer_attention.attn.impl.sliding_window) != OFF
 
 
 def vllm_swiglu_constants() -> tuple[float, float]:
@@ -68,34 +77,36 @@ def vllm_swiglu_constants() -> tuple[float, float]:
 
 
 def gemma2_extras(arch: Any, model: Any) -> dict[str, Any]:
-    """Soft caps from the attention backend and the logits processor, the embedding ``normalizer``, and the
-    tying (vLLM's Gemma 2 holds no ``lm_head``: its logits use ``embed_tokens``' weight)."""
+    """Soft caps from the attention backend and the logits processor (None or 0 there: no cap, ``OFF``; no
+    backend or no logits processor: not read), the embedding ``normalizer``, and the tying (vLLM's Gemma 2
+    holds no ``lm_head``: its logits use ``embed_tokens``' weight)."""
     impl = getattr(getattr(arch.attention(arch.layers(model)[0]), "attn", None), "impl", None)
-    soft_cap = getattr(impl, "logits_soft_cap", None)
-    final = getattr(getattr(model, "logits_processor", None), "soft_cap", None)
+    processor = getattr(model, "logits_processor", None)
     normalizer = getattr(model.model, "normalizer", None)
     return {
         "tie_word_embeddings": getattr(model, "lm_head", None) is None,  # logits from embed_tokens' weight
-        "attn_logit_softcapping": float(soft_cap) if soft_cap else None,
-        "final_logit_softcapping": float(final) if final else None,
+        "attn_logit_softcapping": soft_cap(impl.logits_soft_cap) if hasattr(impl, "logits_soft_cap") else None,
+        "final_logit_softcapping": soft_cap(processor.soft_cap) if hasattr(processor, "soft_cap") else None,
         "embed_scale": float(normalizer.to(arch.embed(model).weight.dtype)) if normalizer is not None else None,
     }
 
 
 def gemma3_extras(arch: Any, model: Any) -> dict[str, Any]:
     """Gemma 2's keys but the tying, the RoPE base of each layer type's first layer (each layer has its own
-    rotary module) and the layer types (from each layer's backend window)."""
+    rotary module; the sliding one ``OFF`` where no layer slides) and the layer types (from each layer's
+    backend window)."""
     from logdiff.probes.arch.gemma3 import FULL, SLIDING, layer_type_keys
 
     extras = gemma2_extras(arch, model)
     extras.pop("tie_word_embeddings", None)  # vLLM's Gemma 3 keeps a (tied) lm_head: the generic reading holds
     layers = arch.layers(model)
-    types = [SLIDING if arch.attention(layer).attn.impl.sliding_window != -1 else FULL for layer in layers]
+    types = [SLIDING if _slides(arch.attention(layer)) else FULL for layer in layers]
     firsts = {t: next((i for i, kind in enumerate(types) if kind == t), None) for t in (SLIDING, FULL)}
     rotaries = {t: arch.attention(layers[i]).rotary_emb for t, i in firsts.items() if i is not None}
     theta = {t: float(r.base) for t, r in rotaries.items()}
     rope_type = {t: VLLM_ROPE_TYPES.get(type(r).__name__, type(r).__name__) for t, r in rotaries.items()}
-    return {**extras, **layer_type_keys(types, theta, rope_type)}
+    keys = layer_type_keys(types, theta, rope_type)
+    return {**extras, **keys, **({} if SLIDING in types else {"rope_local_base_freq": OFF})}
 
 
 def glm4_moe_extras(arch: Any, model: Any) -> dict[str, Any]:
@@ -112,8 +123,7 @@ def gpt_oss_extras(arch: Any, model: Any) -> dict[str, Any]:
     and the fixed SwiGLU constants."""
     from logdiff.probes.arch.gpt_oss import FULL, SLIDING
 
-    types = [SLIDING if arch.attention(layer).attn.impl.sliding_window not in (None, -1, (-1, -1)) else FULL
-             for layer in arch.layers(model)]  # fmt: skip
+    types = [SLIDING if _slides(arch.attention(layer)) else FULL for layer in arch.layers(model)]
     alpha, limit = vllm_swiglu_constants()
     return {
         "layer_types": ",".join("sliding" if t == SLIDING else "full" for t in types),
