@@ -53,7 +53,14 @@ def supports_sdpa(config: Any) -> bool:
 
 
 def apply_override(config: Any, key: str, value: Any) -> None:
-    """Set one config key; RoPE keys also live in ``rope_parameters`` in transformers 5."""
+    """Set one config key; RoPE keys also live in ``rope_parameters`` in transformers 5.
+
+    A structured value (a dict, a list) is copied: the config may change it in place,
+    and the ``--set`` value it came from is the engine's key and the result's record.
+    """
+    import copy
+
+    value = copy.deepcopy(value)
     rope = getattr(config, "rope_parameters", None)
     if isinstance(rope, dict) and key in rope:
         rope[key] = value

@@ -60,15 +60,21 @@ def hf_overrides(spec: EngineSpec) -> dict[str, Any]:
     """``--set`` keys as vLLM ``hf_overrides``; RoPE keys go inside ``rope_parameters``.
 
     transformers 5 keeps ``rope_theta`` and friends in ``config.rope_parameters``; a
-    top-level override would be silently ignored by the model.
+    top-level override would be silently ignored by the model. A whole
+    ``rope_parameters`` given with ``--set`` replaces the model's; RoPE keys set
+    beside it then apply to it.
     """
+    import copy
     import json
 
     config = json.loads((Path(spec.model_dir) / "config.json").read_text())
+    overrides = copy.deepcopy(dict(spec.overrides))  # vLLM may change a structured value in place
     rope = dict(config.get("rope_parameters") or {})
+    if isinstance(overrides.get("rope_parameters"), dict):  # a whole new RoPE, then any RoPE key on top
+        rope = overrides["rope_parameters"]
     out: dict[str, Any] = {}
-    for key, value in spec.overrides:
-        if key in rope:
+    for key, value in overrides.items():
+        if key in rope and key != "rope_parameters":
             rope[key] = value
             out["rope_parameters"] = rope
         else:
