@@ -68,7 +68,7 @@ def test_isa_sensitive_tests_pass_as_avx2(demo_model: Callable[[str], Path]) -> 
     env = {**os.environ, **isa.emulation_env("avx2"), "LOGDIFF_TEST_MODELS_NATIVE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "isa_sensitive", "-p", "no:cacheprovider", "-p", "no:randomly",
            str(REPO / "tests")]  # fmt: skip
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=2400)
     tail = "\n".join((run.stdout + run.stderr).splitlines()[-40:])
     assert run.returncode == 0, f"ISA-sensitive tests failed as AVX2 ({' '.join(cmd)}):\n{tail}"
     assert " passed" in tail, tail
