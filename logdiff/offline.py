@@ -7,11 +7,16 @@ safetensors, and the rest is the scan's own code on CPU tensors:
 
 1. both bundles must describe one model (architecture and shape-defining
    config keys), else one line and exit 2;
-2. their sequences are joined by token ids (``probes.feed.match_sequences``);
+2. their sequences are joined by token ids (``probes.feed.match_sequences``), whatever model position
+   each side fed their first token at; those without a partner are counted in one warning line, and
+   a shift one side applied (a left-padded row without ``position_ids``: ``position_offsets`` in its
+   metadata) is a ``position_ids`` warning, and a cause where the logprobs differ;
 3. each bundle is un-sharded record by record and fed into a ``ProbeSession``'s
    sinks, the inference side into stores, the training side into comparers
    (``probes.feed.feed``): the same sinks a live scan's recorders feed;
-4. token logprobs come from each side's own ``log_softmax`` (or logits) rows;
+4. token logprobs come from each side's own ``token_logprobs`` (a fused head's,
+   ``Capture.token_logprobs``), else its ``log_softmax`` (or logits) rows; a side
+   that ran compiled (its module hooks never fired) is one warning line with the fix;
    the metrics, ``locate`` and ``diagnose`` are the scan's.
 
 What needs the live engines is said in the result's warnings rather than
@@ -35,6 +40,7 @@ from logdiff.engines.base import PathScores
 from logdiff.errors import InputError
 from logdiff.phases import Phases, peak_rss_bytes, silent
 from logdiff.probes.bundle import Bundle
+from logdiff.probes.feed import TokenScores
 from logdiff.result import PathInfo, ScanResult, ScanSettings, SequencesInfo
 from logdiff.sequences import Sequence
 
@@ -43,6 +49,9 @@ Progress = Callable[..., None]
 #: config keys that fix the model's shapes: bundles that differ on one recorded different models
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "intermediate_size", "head_dim")
+#: the fix for a vLLM side that ran compiled (its module hooks never fire), in each framework's own terms
+COMPILED_FIX = ("build it with LLM(..., enforce_eager=True); verl: actor_rollout_ref.rollout.enforce_eager=True; "
+                "TRL: trl vllm-serve --enforce_eager true (colocated, no option: patch vllm.LLM)")
 #: what an offline comparison cannot do, said in every result it writes
 NEEDS_ENGINES = ("the reference-kernel rerun, attribution and the sampling-semantics and routing checks need the "
                  "live engines: run `logdiff scan` for them")
@@ -126,7 +135,8 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
     progress = Phases.of(progress)
     progress("reading the bundles and matching their sequences by token ids", phase="stage")
     tb, ib = open_bundles(train_dir, infer_dir)
-    matching = match_sequences(tb.sequence_table(), ib.sequence_table())
+    train_table, infer_table = tb.sequence_table(), ib.sequence_table()
+    matching = match_sequences(train_table, infer_table)
     seqs = _sequences(matching.ids, _prompt_lens(ib, matching.infer) or _prompt_lens(tb, matching.train))
     _check_vocabulary(tb, ib, matching.ids)
     engine = _training_engine(model, tb) if model is not None else None
@@ -172,11 +182,15 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
             located=located,
             warnings=list(located.warnings),
         )
-        _matching_warnings(result, matching.unmatched)
+        _matching_warnings(result, matching.unmatched, {"train": len(train_table), "infer": len(infer_table)})
+        compiled = compiled_warning({"train": tb, "infer": ib})
+        if compiled:
+            result.warn(compiled)
         if (tb.role, ib.role) == ("infer", "train"):
             result.warn("the first bundle was captured as the inference side and the second as the training side: "
                         "logdiff compare takes TRAIN_BUNDLE first")
         _diagnose(result, cfg, train, infer, session, progress)
+        result.add(_offset_findings(tb, ib, matching, session.cmap, result.primary.bitwise_equal))
     finally:
         session.close()
     result.warn(NEEDS_ENGINES)
@@ -213,9 +227,39 @@ def scores_of_capture(bundle: Bundle, seqs: list[Sequence], session: Any, role: 
 
 
 def _response_scores(scores: Any, seqs: list[Sequence], path: str, mode: str) -> PathScores:
-    """Path ``path``'s logprobs and top-1 tokens of each sequence's response tokens, from its ``TokenScores``."""
-    return PathScores(path, mode, [scores.logprobs[c][len(s.prompt_ids):] for c, s in enumerate(seqs)],
-                      [scores.top1[c][len(s.prompt_ids):] for c, s in enumerate(seqs)])
+    """Path ``path``'s logprobs and top-1 tokens of each sequence's response tokens, from its ``TokenScores``
+    (no top-1 tokens from the trainer's own token logprobs: none were given)."""
+    top1 = None if isinstance(scores, _GivenLogprobs) else [scores.top1[c][len(s.prompt_ids):]
+                                                            for c, s in enumerate(seqs)]
+    return PathScores(path, mode, [scores.logprobs[c][len(s.prompt_ids):] for c, s in enumerate(seqs)], top1)
+
+
+def _token_scores(bundle: Bundle, ids: list[list[int]]) -> Any:
+    """The sink of a side's token logprobs: the trainer's own (``Capture.token_logprobs``: a fused head that
+    never calls ``lm_head`` has no logits) where the bundle holds them, which the trainer's loss used; else its
+    ``log_softmax`` rows, else its logits (``feed.score_source``)."""
+    from logdiff.probes.capture import TOKEN_LOGPROBS
+    from logdiff.probes.feed import score_source
+
+    if any(TOKEN_LOGPROBS in step["records"] for part in bundle.ranks for step in part.steps):
+        return _GivenLogprobs(ids, TOKEN_LOGPROBS)
+    return TokenScores(ids, score_source(bundle))
+
+
+class _GivenLogprobs(TokenScores):
+    """A side's ``token_logprobs`` rows: one column, the logprob of the next token as the trainer computed it
+    (no top-1 token: none was given)."""
+
+    def emit(self, name: str, rows: Any, rmap: Any, replay: Any = None) -> None:
+        import numpy as np
+
+        if name != self.source:
+            return
+        values = rows.float().numpy()[:, 0]
+        for j in np.nonzero(rmap.valid)[0]:
+            s, n = int(rmap.seq[j]), int(rmap.pos[j]) + 1
+            if n < len(self.ids[s]):
+                self.logprobs[s][n], self.has[s][n] = values[j], True
 
 
 def _feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], session: Any, role: str,
@@ -223,9 +267,9 @@ def _feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], ses
     """One side's bundle into the session's sinks for ``role``'s path ``path`` (none without a session) and
     ``extra`` sinks, with the sketches of the whole records ``sketch_also`` names (the other side kept only
     those): its token scores, and how many rows disagreed with their sequence's token ids."""
-    from logdiff.probes.feed import TokenScores, feed, reductions, score_source
+    from logdiff.probes.feed import feed, reductions
 
-    scores = TokenScores(ids, score_source(bundle))
+    scores = _token_scores(bundle, ids)
     sinks = session.sinks(role, path, dict(bundle.meta.get("owners") or {})) if session is not None else []
     misaligned = feed(bundle, common, ids, [*sinks, *extra, scores], sketch_also)
     if session is not None:
@@ -316,11 +360,65 @@ def _path_scores(train: BundleSide, infer: BundleSide, scores: dict[str, Any],
             _response_scores(i, seqs, infer.name, str(infer.meta.get("mode") or "forward")))
 
 
-def _matching_warnings(result: ScanResult, unmatched: dict[str, int]) -> None:
-    for side, n in unmatched.items():
-        if n:
-            result.warn(f"{n} {side} sequence(s) have no partner with the same token ids in the other bundle; "
-                        "they were left out")
+def compiled_warning(bundles: dict[str, Bundle]) -> str | None:
+    """One line when a bundle's engine ran its model compiled (vLLM without ``enforce_eager``: torch.compile or
+    CUDA graphs), so that its module hooks did not fire and only its logits were recorded; None otherwise.
+    A rank's ``hooks_fired`` false (a recorded step held logits but no module boundary) says so; its
+    ``compilation.compiled`` (the engine's config) too, unless its steps show the hooks fired after all."""
+    for role, bundle in bundles.items():
+        for part in bundle.ranks:
+            meta = part.meta
+            compilation = meta.get("compilation") or {}
+            hookless = meta.get("hooks_fired") is False
+            if not (hookless or (compilation.get("compiled") and meta.get("hooks_fired") is not True)):
+                continue
+            how = ", ".join(f"{k} {compilation[k]}" for k in ("mode", "cudagraph_mode")
+                            if compilation.get(k) not in (None, "NONE"))
+            what = (f" ({meta.get('hookless_steps', '?')} of {meta.get('recorded_steps', '?')} steps recorded "
+                    "logits only)" if hookless else "")
+            return (f"{role} bundle: {meta.get('engine') or 'the engine'} ran its model compiled"
+                    f"{f' ({how})' if how else ''}, so its module hooks did not fire{what}: {COMPILED_FIX}")
+    return None
+
+
+def _matching_warnings(result: ScanResult, unmatched: dict[str, int], total: dict[str, int]) -> None:
+    """One line counting the captured sequences of both bundles that found no partner by token ids."""
+    if not any(unmatched.values()):
+        return
+    sides = {"train": "training", "infer": "inference"}
+    parts = ", ".join(f"{unmatched[side]} of the {sides[side]} bundle's {total[side]}" for side in ("train", "infer"))
+    result.warn(f"{sum(unmatched.values())} of {sum(total.values())} sequences found no partner with the same token "
+                f"ids in the other bundle: {parts}; they were left out")
+
+
+def _offset_findings(tb: Bundle, ib: Bundle, matching: Any, cmap: Any, bitwise_equal: bool) -> Any:
+    """Paired sequences whose first token one side fed at another model position than the other (a left-padded
+    row without ``position_ids``: ``probes/batching.py``): a warning that counts them and, where the logprobs
+    differ, a ``position_ids`` framework difference at the first RoPE boundary (its inputs are other positions)."""
+    from logdiff.diagnosis.cause import Findings, framework_cause
+
+    offsets: dict[int, dict[str, int]] = {}
+    for side, bundle, common in (("train", tb, matching.train), ("infer", ib, matching.infer)):
+        for (group, seq), c in common.items():
+            offsets.setdefault(c, {})[side] = bundle.position_offset(group, seq)
+    shifted = {c: o for c, o in offsets.items() if o.get("train", 0) != o.get("infer", 0)}
+    if not shifted:
+        return Findings()
+
+    def listed(side: str) -> str:
+        values = sorted({o.get(side, 0) for o in shifted.values()})
+        return ", ".join(map(str, values[:5])) + (", ..." if len(values) > 5 else "")
+
+    line = (f"{len(shifted)} of {len(offsets)} paired sequences were fed at shifted positions: their first token at "
+            f"model position {listed('train')} (train) against {listed('infer')} (infer); a left-padded batch "
+            "without position_ids shifts each row's positions by its pad count")
+    found = Findings(warnings=[f"position_ids: {line}"])
+    if not bitwise_equal:
+        rope = next((n for n in cmap.order if cmap.get(n).kind == "rope"), "position_ids")
+        fix = ("pass position_ids = attention_mask.cumsum(-1) - 1 with left-padded batches, so each sequence's "
+               "positions start at 0 as the inference engine's do")
+        found.causes.append(framework_cause(rope, "rope", "position_ids", [line], fix, ["position_ids"]))
+    return found
 
 
 def _training_engine(model: Path, bundle: Bundle) -> Any:

@@ -258,6 +258,11 @@ class Bundle:
                     out[(g, s)] = known
         return out
 
+    def position_offset(self, group: tuple[int, ...], seq: int) -> int:
+        """The model position sequence ``seq`` of ``group`` was fed its first token at (0 unless the capture saw it
+        shifted: a left-padded row without ``position_ids``; ``meta["position_offsets"]``, ``probes/batching.py``)."""
+        return int((self.part_of(group).meta.get("position_offsets") or {}).get(str(seq), 0))
+
     def sequences(self) -> list[list[int]]:
         """Every captured sequence's token ids in position order (``sequence_table``'s, unfed positions left out)."""
         return [[t for t in ids if t >= 0] for ids in self.sequence_table().values()]

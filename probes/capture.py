@@ -8,8 +8,12 @@ the engine that owns the model (``module()``, ``probes()``: the engine's taps an
 rows; ``logdiff.engines.hf.capture``, ``logdiff.engines.vllm.capture``), and
 sends what it records to a ``BundleSink`` instead of a store or a comparer:
 
-* every top-level forward is a *step*; each of its batch rows becomes a new
-  capture sequence (alignment across bundles is by token ids, later);
+* every top-level forward is a *step*; each sequence its batch holds becomes a
+  new capture sequence (``batching.py``: a padded row is one, its pads invalid; a
+  packed row is one per segment), its tokens numbered from 0, and the model
+  position of its first token, where not 0 (left padding without
+  ``position_ids``), kept in the metadata's ``position_offsets`` (alignment across
+  bundles is by token ids, later);
 * the step's token ids, positions, sequence ids and row validity (the attention
   mask) go to the step's file; each record stores its valid rows and their
   indices into that table, so records computed on a subset of rows (logits)
@@ -24,6 +28,13 @@ sends what it records to a ``BundleSink`` instead of a store or a comparer:
   forward, so its records are replicated within the rank and its ranks differ by
   data: each rank is its own ``tp`` group of one. A record that arrives as a
   DTensor (a row-parallel layer's input) states its own placement.
+
+``Capture.token_logprobs`` takes the trainer's own per-token logprobs instead, for a head
+that never calls ``lm_head`` (a fused or chunked log-prob kernel: TRL's ``chunked_logprob``,
+verl's fused kernels): the logprob of the token at column ``c`` of the step's ``input_ids`` is
+recorded as a one-column ``token_logprobs`` row at the row of column ``c - 1``, where a
+``log_softmax`` row predicting that token would be (HF's causal shift). ``logdiff compare``
+reads a side's token logprobs from that record first, so no logits are needed.
 
 Records outside the capture's ``Window`` (by default every layer past the second)
 keep one sketch per row instead of the row (``sketch.py``), computed on this rank's
@@ -47,6 +58,7 @@ from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement, placemen
 from logdiff.probes.sketch import Window, local_columns
 
 PATH = "capture"
+TOKEN_LOGPROBS = "token_logprobs"  # the trainer's own logprob of each next token, one column (``token_logprobs``)
 
 
 class _Sequence:
@@ -76,6 +88,11 @@ class BundleSink:
 class Capture:
     """``with Capture(model, out_dir, role, layout): model(ids)`` records every forward into a bundle."""
 
+    #: a forward of the model's decoder alone (``model.base_model``: a fused head's trainer calls it, then its
+    #: kernel on ``lm_head.weight``) is a step too; its module boundaries are not recorded (the recorder aligns
+    #: rows on the whole model's forward), its ``token_logprobs`` are
+    base_steps = True
+
     def __init__(self, model: Any, view: Any, out_dir: str | Path, role: str, layout: ParallelLayout | None = None,
                  meta: dict[str, Any] | None = None, window: Window | None = None):
         from logdiff.probes.arch import adapter_of
@@ -93,8 +110,11 @@ class Capture:
         self.modules = dict(model.named_modules())
         self._placements: dict[str, Placement] = {}
         self._keys = self._order = np.zeros(0, dtype=np.int64)  # the step's rows by (sequence, position)
+        self._grid: tuple[np.ndarray, ...] | None = None  # the step's (ids, seq, pos, valid) as [batch, length]
+        self._batch: Any = None  # the running forward's rows as (sequence, position in it), from ``_begin_step``
         self._recorder: Any = None
         self._hook: Any = None
+        self._base_hook: Any = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -103,8 +123,12 @@ class Capture:
 
         # registered before the recorder's own hooks, so each step is announced before it aligns
         self._hook = self.model.register_forward_pre_hook(self._begin_step, with_kwargs=True)
+        base = getattr(self.model, "base_model", None) if self.base_steps else None
+        if base is not None and base is not self.model and hasattr(base, "register_forward_pre_hook"):
+            self._base_hook = base.register_forward_pre_hook(self._begin_base_step, with_kwargs=True)
         self._recorder = Recorder(self.view, self.cmap, lambda path: [BundleSink(self)] if path == PATH else [],
-                                  self.sequences, response_len=0, rows=self.rows)
+                                  self.sequences, response_len=0,
+                                  rows=self.rows if self.rows is not None else self._batch_rows)
         try:
             self._recorder.__enter__()
         except BaseException:
@@ -117,6 +141,8 @@ class Capture:
             self._recorder.__exit__(*exc)
         finally:
             self._hook.remove()
+            if self._base_hook is not None:
+                self._base_hook.remove()
             self.writer.meta_update({"warnings": list(self._recorder.warnings), "owners": dict(self._recorder.owners)})
             self.writer.close()
 
@@ -127,10 +153,68 @@ class Capture:
         rows = logits.reshape(-1, logits.shape[-1])  # a view of the logits' rows, as the engines pass them
         return self.view._logprobs(rows).reshape(*logits.shape[:-1], -1)
 
+    def token_logprobs(self, logprobs: Any, start: int | None = None, token_ids: Any = None) -> Any:
+        """Record the trainer's own logprobs of the tokens it scored in this step (the last forward), for a head
+        that never calls ``lm_head`` (a fused or chunked log-prob kernel); returns ``logprobs`` unchanged.
+
+        ``logprobs`` is ``[batch, n]``: column ``k`` is the logprob of the token at column ``start + k`` of the
+        step's ``input_ids``, given the tokens before it (HF's causal shift: ``logits[:, t]`` scores
+        ``input_ids[:, t + 1]``). ``start`` defaults to ``length - n``, the layouts trainers produce:
+        ``[batch, length - 1]`` from ``log_softmax(logits[:, :-1])`` gathered at ``input_ids[:, 1:]``
+        (``start=1``), and the response-only ``[batch, response_len]`` of TRL (``logits_to_keep``) and verl
+        (``start`` = the padded prompt length). It must be at least 1 (token 0 has no prefix) and the columns
+        must end within the step. ``token_ids``: the ids the trainer gathered at (TRL's ``completion_ids``,
+        verl's ``responses``); when given they must equal ``input_ids[:, start:start + n]``, which catches an
+        off-by-one ``start``. Tokens the attention mask leaves out, or whose previous column it leaves out or
+        gives to another sequence (a packed row's segments), are not recorded. Once per step: each forward is
+        a step.
+        """
+        import torch
+
+        if self._grid is None:
+            raise RuntimeError("token_logprobs() without a recorded forward: call it after the model's forward "
+                               "(or its decoder's), inside the capture")
+        ids, seq, pos, valid = self._grid
+        lp = logprobs.detach() if isinstance(logprobs, torch.Tensor) else torch.as_tensor(logprobs)
+        batch, length = ids.shape
+        if lp.dim() != 2 or lp.shape[0] != batch:
+            raise ValueError(f"token_logprobs: expected [batch={batch}, n] logprobs, got {list(lp.shape)}")
+        n = int(lp.shape[1])
+        first = length - n if start is None else int(start)
+        if first < 1 or first + n > length:
+            raise ValueError(f"token_logprobs: {n} logprobs from column {first} do not fit the step's {length} "
+                             "input ids (column 0 has no prefix; pass start=, the column of the first scored token)")
+        if token_ids is not None:
+            given = (token_ids.detach().cpu() if isinstance(token_ids, torch.Tensor) else torch.as_tensor(token_ids))
+            fed = ids[:, first : first + n]
+            if tuple(given.shape) != fed.shape or not np.array_equal(given.numpy(), fed):
+                raise ValueError(f"token_logprobs: token_ids are not input_ids[:, {first}:{first + n}]: the "
+                                 "logprobs are misaligned with the step (check start=)")
+        cols = np.arange(first, first + n)
+        ok = valid[:, cols] & valid[:, cols - 1] & (seq[:, cols] == seq[:, cols - 1])  # a packed row's segments
+        b, k = np.nonzero(ok)
+        rows = lp.float().cpu()[torch.as_tensor(b), torch.as_tensor(k)][:, None].contiguous()
+        prev = cols[k] - 1  # the row whose prediction each logprob is
+        index = self._order[np.searchsorted(self._keys, row_keys(seq[b, prev], pos[b, prev]))]
+        self.writer.record(TOKEN_LOGPROBS, rows, REPLICATE, rows=index)
+        return logprobs
+
     # ---- steps ----------------------------------------------------------------------------------
 
+    def _begin_base_step(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """The decoder's forward begins a step when the whole model's did not (it is not running)."""
+        if not self._recorder.stack:
+            self._begin_step(module, args, kwargs)
+
     def _begin_step(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """Each forward's rows as the sequences they hold (``batching.py``: left or right padding, packed rows
+        split where their positions restart or ``cu_seqlens`` starts a segment), numbered from the last; a
+        sequence's tokens are numbered from 0, the model position of its first (a left pad's shift) goes to the
+        metadata's ``position_offsets``."""
         import torch
+
+        from logdiff.probes.align import RowMap
+        from logdiff.probes.batching import segment_starts, split_rows
 
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
@@ -141,19 +225,40 @@ class Capture:
         pos = torch.arange(length)[None].expand(batch, -1) if pos is None else pos.detach().cpu().expand(batch, -1)
         mask = kwargs.get("attention_mask")
         valid = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask[:, -length:].detach().cpu().bool()
+        cu = next((kwargs[k] for k in ("cu_seq_lens_q", "cu_seqlens") if kwargs.get(k) is not None), None)
         first = len(self.sequences)
-        for row in range(batch):  # the ids each position of the row was fed (-1: none), for the recorder's check
-            p, t = pos[row][valid[row]], ids[row][valid[row]]
-            known = torch.full((int(p.max()) + 1 if len(p) else 0,), -1, dtype=torch.long)
-            known[p] = t
+        split = split_rows(pos.numpy(), valid.numpy(), first, segment_starts(cu))
+        self._batch = RowMap(split.seq, split.pos, split.valid)
+        self._grid = None  # set below once the step is recorded (for ``token_logprobs``)
+        if not split.count:  # padding only: nothing to record
+            self._recorder.begin_pass(PATH + ":idle", [])
+            return
+        flat = ids.reshape(-1).numpy()
+        for k in range(split.count):  # the ids each position of the sequence was fed (-1: none), for the recorder
+            mine = split.valid & (split.seq == first + k)
+            known = np.full(int(split.pos[mine].max()) + 1, -1, dtype=np.int64)
+            known[split.pos[mine]] = flat[mine]
             self.sequences.append(_Sequence(known.tolist()))
-        seq = torch.arange(first, first + batch)[:, None].expand(batch, length)
-        self.writer.begin_step(ids.reshape(-1), pos.reshape(-1), seq.reshape(-1), valid.reshape(-1))
-        keys = row_keys(seq.reshape(-1).numpy(), pos.reshape(-1).numpy())
+        shifted = {str(first + k): o for k, o in enumerate(split.offsets) if o}
+        if shifted:
+            meta = self.writer.manifest["meta"]
+            self.writer.meta_update({"position_offsets": {**meta.get("position_offsets", {}), **shifted}})
+        self.writer.begin_step(ids.reshape(-1), split.pos, split.seq, split.valid)
+        keys = row_keys(split.seq, split.pos)
         self._order = np.argsort(keys, kind="stable")
         self._keys = keys[self._order]
         self._placements = {}
-        self._recorder.begin_pass(PATH, list(range(first, first + batch)))
+        self._grid = (ids.numpy(), *(np.asarray(a).reshape(batch, length) for a in (split.seq, split.pos, split.valid)))
+        self._recorder.begin_pass(PATH, list(range(first, first + split.count)))
+
+    def _batch_rows(self, args: tuple, kwargs: dict) -> Any:
+        """The recorder's row map of an HF forward: the one ``_begin_step`` split (a copy: the recorder edits it)."""
+        from logdiff.probes.align import RowMap
+
+        rows = self._batch
+        if rows is None:
+            raise RuntimeError("a forward the capture did not announce")
+        return RowMap(rows.seq.copy(), rows.pos.copy(), rows.valid.copy())
 
     def _record(self, name: str, rows: Any, seq: np.ndarray, pos: np.ndarray, placement: Placement | None) -> None:
         index = self._order[np.searchsorted(self._keys, row_keys(seq, pos))]  # each row's place in the step
