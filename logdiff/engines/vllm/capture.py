@@ -32,6 +32,14 @@ engine or in-process.
   from the runner's request state). The last sampled token of a request is never
   fed, so it is only there, not in the row tables (``Bundle.sequences``).
 
+**A compiled engine.** vLLM compiles its model (torch.compile) and replays CUDA graphs unless
+it is built with ``enforce_eager=True``; TRL and verl build it so by default. The compiled code
+runs no module hooks, so only the logits (computed outside the compiled graph) are recorded.
+The metadata says so twice: ``compilation`` (vLLM's compilation mode, CUDA-graph mode and
+``enforce_eager``, read from the runner's config at install) and ``hooks_fired`` (false once a
+recorded step held logits but no module boundary; ``hookless_steps`` counts them), and
+``logdiff compare`` turns either into one warning line with the fix (``COMPILED_FIX``).
+
 Each step is written when vLLM has sampled from it (the model runner's
 ``sample_tokens`` returns), so a killed run leaves a readable bundle; the capture
 closes (last manifest) when the worker shuts down, or at interpreter exit.
@@ -59,6 +67,7 @@ ENV = "LOGDIFF_CAPTURE"
 WINDOW_ENV = "LOGDIFF_CAPTURE_WINDOW"  # decoder layers kept whole, or "all" (``sketch.Window``; default 2)
 _INSTALLED = "_logdiff_capture"  # the worker's capture, as an attribute of the worker
 _IDLE = "idle"  # the recorder's path for forwards that are not recorded
+_HEAD = frozenset({"logits", "log_softmax"})  # what a step records outside the model's modules
 
 
 def register() -> None:
@@ -138,7 +147,8 @@ def worker_meta(runner: Any, tp_size: int) -> dict[str, Any]:
                             "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
                             "model_type": getattr(config, "model_type", None),
                             "config": json.loads(config.to_json_string()),
-                            "logprobs_mode": str(runner.model_config.logprobs_mode)}  # fmt: skip
+                            "logprobs_mode": str(runner.model_config.logprobs_mode),
+                            "compilation": compilation_of(runner)}  # fmt: skip
     from logdiff.engines.vllm.contract import vllm_contract, vllm_fingerprints
 
     try:
@@ -153,6 +163,22 @@ def worker_meta(runner: Any, tp_size: int) -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - as above
         meta["fingerprints_error"] = f"{type(e).__name__}: {e}"
     return meta
+
+
+def compilation_of(runner: Any) -> dict[str, Any]:
+    """How vLLM runs the worker's model: its compilation mode and CUDA-graph mode (names), ``enforce_eager``,
+    and ``compiled``: whether either is on, so that module hooks cannot fire (None where a field is absent)."""
+    model_config = getattr(runner, "model_config", None)
+    config = getattr(getattr(runner, "vllm_config", None), "compilation_config", None)
+    mode, graphs = getattr(config, "mode", None), getattr(config, "cudagraph_mode", None)
+
+    def name(value: Any) -> str | None:
+        return None if value is None else str(getattr(value, "name", value))
+
+    on = [v is not None and name(v) not in ("NONE", "0") for v in (mode, graphs)]
+    eager = getattr(model_config, "enforce_eager", None)
+    return {"mode": name(mode), "cudagraph_mode": name(graphs), "enforce_eager": eager,
+            "compiled": any(on) if config is not None else None}
 
 
 class _Sequence:
@@ -203,6 +229,8 @@ class _WorkerView:
 class VllmCapture(Capture):
     """Records every forward of one vLLM worker's model into its part of a bundle (see the module docstring)."""
 
+    base_steps = False  # vLLM calls the whole model; its steps come from the runner's batch
+
     def __init__(self, runner: Any, out_dir: str | Path, layout: ParallelLayout, meta: dict[str, Any],
                  window: Window | None = None):
         super().__init__(runner.get_model(), _WorkerView(runner), out_dir, "infer", layout, meta, window=window)
@@ -211,6 +239,8 @@ class VllmCapture(Capture):
         self._seq_of: dict[str, int] = {}
         self._step_rows: Any = None
         self._closed = False
+        self._step_names: set[str] | None = None  # the records of the step being recorded (None: not recorded)
+        self._steps = self._hookless = 0  # recorded steps; those with logits but no module boundary
         self.rows = self._rows  # the recorder takes each forward's rows from ``_begin_step``'s request map
 
     def flush(self) -> None:
@@ -219,6 +249,7 @@ class VllmCapture(Capture):
         if self._closed:
             return
         try:
+            self._count_step()
             self.writer.meta_update(self._sequences_meta())
             self.writer.end_step()
         except Exception as e:  # noqa: BLE001 - a probe must never break the engine's own run
@@ -231,6 +262,15 @@ class VllmCapture(Capture):
         self.writer.meta_update(self._sequences_meta())
         self._closed = True
         self.__exit__(None, None, None)
+
+    def _count_step(self) -> None:
+        """Count the step just recorded, and whether it held logits but no module boundary (a compiled model)."""
+        names, self._step_names = self._step_names, None
+        if names:
+            self._steps += 1
+            self._hookless += int(names <= _HEAD)
+            self.writer.meta_update({"hooks_fired": self._hookless == 0, "hookless_steps": self._hookless,
+                                     "recorded_steps": self._steps})
 
     def _sequences_meta(self) -> dict[str, Any]:
         """Per sequence its request id, prompt length and known ids; the prompt lengths by sequence id too."""
@@ -278,6 +318,7 @@ class VllmCapture(Capture):
         self._keys = keys[self._order]
         self._placements = {}
         self._step_rows = RowMap(seq, pos, valid)
+        self._step_names = set()
         self._recorder.begin_pass(PATH, [int(s) for s in np.unique(seq[valid])])
 
     def _warn(self, message: str) -> None:
@@ -306,6 +347,8 @@ class VllmCapture(Capture):
         if name in ("logits", "log_softmax") and self.vocab and rows.shape[-1] > self.vocab:
             rows = rows[..., : self.vocab]  # a vocabulary padded past the config's
         super()._record(name, rows, seq, pos, placement)
+        if self._step_names is not None:
+            self._step_names.add(name)
 
     def _placement(self, name: str, width: int) -> Placement:
         from logdiff.engines.vllm.placements import vllm_placement
