@@ -38,7 +38,10 @@ def test_levers_on_a_consistent_scan_keep_its_kernels() -> None:
 
 
 def test_norm_kind_depends_on_whether_the_engine_fuses_the_residual_add() -> None:
-    ev = classify.OpEvidence("model.layers.0.input_layernorm", "norm", 0, 0.01, 1.0, True)
+    from logdiff.diagnosis.conformance import Conformance, SideCheck
+
+    within = Conformance({s: SideCheck(0.5, 3.0, 8, "rms_norm(eps=1e-06)") for s in ("train", "infer")})
+    ev = classify.OpEvidence("model.layers.0.input_layernorm", "norm", 0, 0.01, 1.0, True, within)
     assert classify.classify_op(ev, None, fused_add_norm=True).kind == "fused_vs_unfused"
     assert classify.classify_op(ev, None, fused_add_norm=False).kind == "reduction_order"
 

@@ -242,17 +242,19 @@ def test_logprobs_routed_through_the_capture_are_recorded(unsharded, tmp_path: P
 # ---- logdiff compare of these bundles (logdiff/offline.py) ----------------------------------------------------------
 
 
-def _compare(train, infer, tmp_path: Path | None = None) -> dict:
+def _compare(train, infer, tmp_path: Path | None = None, model: Path | None = None) -> dict:
+    """``logdiff compare`` of two bundles; with ``model`` (``--model``, the checkpoint both ran) each side's ops
+    are judged against their exact functions, without it no op gets a class but ``not_judged``."""
     from logdiff.offline import compare_bundles
 
-    return compare_bundles(train.root, infer.root).to_dict()
+    return compare_bundles(train.root, infer.root, model=model).to_dict()
 
 
 def test_compare_tp2_against_unsharded_blames_the_row_parallel_sums(unsharded, tp2) -> None:
     """Only the row-parallel outputs introduce error (their inputs equal bit for bit once un-sharded), and each
     is ``collective_order``: the TP=2 side sums over 2 ranks, the unsharded one over 1."""
     _, both, _ = unsharded
-    result = _compare(tp2, both)
+    result = _compare(tp2, both, model=unsharded[0])
     assert result["sequences"]["count"] == 2 and result["settings"]["sequence_source"] == "bundle"
     assert result["paths"][0]["settings"]["tensor_parallel_size"] == 2
     weights = result["contracts"]["weights"]  # the sharded weights, gathered on entry, hash as the whole ones
@@ -295,7 +297,7 @@ def test_compare_fsdp2_with_tp_on_a_2d_mesh(unsharded, tmp_path: Path) -> None:
     bundle = _run(unsharded[0], tmp_path, "2d", world=4)
     assert [(p.layout.group("tp"), p.layout.group("dp")) for p in bundle.ranks] == [
         ((0, 1), (0, 2)), ((0, 1), (1, 3)), ((2, 3), (0, 2)), ((2, 3), (1, 3))]  # fmt: skip
-    result = _compare(bundle, Bundle(unsharded[1].root.parent / "steps"))
+    result = _compare(bundle, Bundle(unsharded[1].root.parent / "steps"), model=unsharded[0])
     assert result["sequences"]["count"] == 2 and result["first_divergence"]["inputs_equal"]
     assert result["contracts"]["differs"] == [] and result["contracts"]["weights"]["differs"] == []
     expect_collective_order_only(result)

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
+from test_sampling_semantics import _replay
 
-from logdiff.cli import app
 from logdiff.diagnosis import sampling, truncation
 
 Keep = Callable[[np.ndarray], np.ndarray]  # [N, V] log-probabilities at T -> the kept tokens [N, V]
@@ -250,12 +249,6 @@ def _record(qwen3: Path, tmp_path: Path, name: str, **sampler: float) -> Path:
     return path
 
 
-def _scan(model: Path, dump: Path, out: Path) -> dict:
-    """``logdiff scan MODEL --infer hf --sequences DUMP``: the trainer against the recorded rollout."""
-    res = CliRunner().invoke(app, ["scan", str(model), "--infer", "hf", "--sequences", str(dump), "--no-attribute",
-                                   "--json", str(out)])  # fmt: skip
-    assert res.exit_code == 0, res.output
-    return json.loads(out.read_text())
 
 
 @pytest.mark.vllm
@@ -266,7 +259,7 @@ def test_vllm_rollouts_under_min_p_and_top_k_top_p_name_their_sampler(qwen3: Pat
         ("min_p", {"min_p": 0.1}, {"sampler": "min_p", "min_p": 0.1}),
         ("top_k_top_p", {"top_k": 20, "top_p": 0.9}, {"sampler": "top_k_top_p", "top_k": 20, "top_p": 0.9}),
     ):
-        r = _scan(qwen3, _record(qwen3, tmp_path, name, **sampler), tmp_path / f"{name}.json")
+        r = _replay(qwen3, _record(qwen3, tmp_path, name, **sampler), tmp_path / f"{name}.json")
         assert r["rollout_replay"]["reproduced"] is False
         (c,) = [c for c in r["causes"] if c["kind"] == "sampling_semantics"]
         assert (c["class"], c["paths"]) == ("framework_difference", ["rollout"])
@@ -275,5 +268,5 @@ def test_vllm_rollouts_under_min_p_and_top_k_top_p_name_their_sampler(qwen3: Pat
         assert any("renormalised over a truncated support" in e for e in c["evidence"])
         assert r["verdict"] == "framework_difference" and validate_result(r) == []
     # negative control: the same engine at T = 1 with no truncation reports processed = raw logprobs
-    r = _scan(qwen3, _record(qwen3, tmp_path, "plain"), tmp_path / "plain.json")
+    r = _replay(qwen3, _record(qwen3, tmp_path, "plain"), tmp_path / "plain.json")
     assert [c for c in r["causes"] if c["kind"] == "sampling_semantics"] == [], r["causes"]

@@ -174,13 +174,14 @@ def test_control_without_the_fixed_order_the_consistent_comparison_fails(runs: d
 
 
 def test_the_offline_comparison_names_the_collective_order_and_finds_consistent_tp_equal(
-        runs: dict[str, Bundle]) -> None:  # fmt: skip
-    """The bundles as ``logdiff compare`` reads them: stock TP = 2 against the unsharded model diverges first at a
-    row-parallel output classified ``operator_path`` / ``collective_order``; consistent TP = 2 against TP = 1 is 0."""
+        runs: dict[str, Bundle], model_dir: Path) -> None:  # fmt: skip
+    """The bundles as ``logdiff compare --model`` reads them: stock TP = 2 against the unsharded model diverges first
+    at a row-parallel output classified ``operator_path`` / ``collective_order`` (each side within its bound of the
+    exact function); consistent TP = 2 against TP = 1 is 0."""
     from logdiff.offline import compare_bundles
 
     assert compare_bundles(runs["tp2-consistent"].root, runs["tp1-consistent"].root).to_dict()["verdict"] == "consistent"
-    stock = compare_bundles(runs["tp2"].root, runs["unsharded"].root).to_dict()
+    stock = compare_bundles(runs["tp2"].root, runs["unsharded"].root, model=model_dir).to_dict()
     if stock["verdict"] == "consistent":
         pytest.skip("this machine's stock row-parallel sums equal one rank's bitwise: no collective order to classify")
     first = stock["first_divergence"]["boundary"]
