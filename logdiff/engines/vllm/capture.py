@@ -38,7 +38,7 @@ runs no module hooks, so only the logits (computed outside the compiled graph) a
 The metadata says so twice: ``compilation`` (vLLM's compilation mode, CUDA-graph mode and
 ``enforce_eager``, read from the runner's config at install) and ``hooks_fired`` (false once a
 recorded step held logits but no module boundary; ``hookless_steps`` counts them), and
-``logdiff compare`` turns either into one warning line with the fix (``COMPILED_FIX``).
+``logdiff compare`` turns either into one warning line with the fix (``logdiff.bundle_checks``).
 
 Each step is written when vLLM has sampled from it (the model runner's
 ``sample_tokens`` returns), so a killed run leaves a readable bundle; the capture
