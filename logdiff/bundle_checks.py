@@ -9,7 +9,10 @@
   one line counting both sides);
 * did one side feed a paired sequence at shifted positions (a left-padded row
   without ``position_ids``: ``offset_findings``, a warning and, where the
-  logprobs differ, a ``position_ids`` cause at the first RoPE boundary).
+  logprobs differ, a cause at the first RoPE boundary: ``operator_path`` /
+  ``position_offset`` where RoPE is the model's only use of positions and its
+  type depends on position differences alone (the same function, rounded at
+  other angles), else ``framework_difference`` / ``position_ids``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from logdiff.result import ScanResult
 
 #: the fix for a vLLM side that ran compiled (its module hooks never fire), in each framework's own terms
 COMPILED_FIX = ("build it with LLM(..., enforce_eager=True); verl: actor_rollout_ref.rollout.enforce_eager=True; "
-                "TRL: trl vllm-serve --enforce_eager true (colocated, no option: patch vllm.LLM)")
+                "TRL: trl vllm-serve --enforce_eager true, or colocated, build the trainer inside "
+                "logdiff.integrations.trl.eager_vllm()")
 
 def compiled_warning(bundles: dict[str, Bundle]) -> str | None:
     """One line when a bundle's engine ran its model compiled (vLLM without ``enforce_eager``: torch.compile or
@@ -57,13 +61,10 @@ def matching_warning(result: ScanResult, unmatched: dict[str, int], total: dict[
 def offset_findings(tb: Bundle, ib: Bundle, matching: Any, cmap: Any, bitwise_equal: bool) -> Any:
     """Paired sequences whose first token one side fed at another model position than the other (a left-padded
     row without ``position_ids``: ``probes/batching.py``): a warning that counts them and, where the logprobs
-    differ, a ``position_ids`` framework difference at the first RoPE boundary (its inputs are other positions)."""
-    from logdiff.diagnosis.cause import Findings, framework_cause
+    differ, a cause at the first RoPE boundary (``shift_invariant`` says which class)."""
+    from logdiff.diagnosis.cause import FAMILY, Cause, Findings
 
-    offsets: dict[int, dict[str, int]] = {}
-    for side, bundle, common in (("train", tb, matching.train), ("infer", ib, matching.infer)):
-        for (group, seq), c in common.items():
-            offsets.setdefault(c, {})[side] = bundle.position_offset(group, seq)
+    offsets = position_offsets(tb, ib, matching)
     shifted = {c: o for c, o in offsets.items() if o.get("train", 0) != o.get("infer", 0)}
     if not shifted:
         return Findings()
@@ -80,5 +81,59 @@ def offset_findings(tb: Bundle, ib: Bundle, matching: Any, cmap: Any, bitwise_eq
         rope = next((n for n in cmap.order if cmap.get(n).kind == "rope"), "position_ids")
         fix = ("pass position_ids = attention_mask.cumsum(-1) - 1 with left-padded batches, so each sequence's "
                "positions start at 0 as the inference engine's do")
-        found.causes.append(framework_cause(rope, "rope", "position_ids", [line], fix, ["position_ids"]))
+        invariant = shift_invariant(tb.meta.get("config") or {})
+        if invariant:
+            kind, cls = "position_offset", "operator_path"
+            evidence = [line, f"the same function: {invariant}, so attention sees only position differences and a "
+                              "whole sequence shifted computes the same logprobs, rounded at other angles"]
+        else:
+            kind, cls = "position_ids", "framework_difference"
+            evidence = [line, "the model's positions are not RoPE's differences alone: shifted positions are "
+                              "another input"]
+        found.causes.append(Cause(rope, None, "rope", FAMILY.get("rope"), cls, kind, evidence, fix,
+                                  differs=["position_ids"]))
     return found
+
+
+def add_offset_findings(result: ScanResult, tb: Bundle, ib: Bundle, matching: Any, cmap: Any) -> None:
+    """``offset_findings`` into ``result``. A shift that computes the same function takes in the RoPE boundaries'
+    own operator-path causes: their outputs differ by the rotation, which the per-op local error (both sides
+    fed the same inputs but not the same positions) cannot tell from rounding; each side's conformance, at its
+    own positions, stays in the evidence."""
+    found = offset_findings(tb, ib, matching, cmap, result.primary.bitwise_equal)
+    shift = next((c for c in found.causes if c.kind == "position_offset"), None)
+    folded = [c for c in result.causes if c.op_kind == "rope" and c.class_ == "operator_path"] if shift else []
+    if folded:
+        result.causes[:] = [c for c in result.causes if c not in folded]
+        names = ", ".join(c.boundary for c in folded[:4]) + (" ..." if len(folded) > 4 else "")
+        shift.evidence.append(f"the RoPE outputs at {len(folded)} boundaries ({names}) differ by the rotation, not "
+                              "by rounding; each side is within its rounding bound of the exact RoPE at its own "
+                              "positions" if all(c.conformance for c in folded) else
+                              f"the RoPE outputs at {len(folded)} boundaries ({names}) differ by the rotation")
+    result.add(found)
+
+
+def position_offsets(tb: Bundle, ib: Bundle, matching: Any) -> dict[int, dict[str, int]]:
+    """Each paired sequence's model position of its first token, per side (0 where the capture saw no shift)."""
+    offsets: dict[int, dict[str, int]] = {}
+    for side, bundle, common in (("train", tb, matching.train), ("infer", ib, matching.infer)):
+        for (group, seq), c in common.items():
+            offsets.setdefault(c, {})[side] = bundle.position_offset(group, seq)
+    return offsets
+
+
+#: RoPE types whose rotation angle is linear in the position (so q.k depends on position differences alone)
+SHIFT_INVARIANT_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def shift_invariant(config: dict[str, Any]) -> str | None:
+    """Why a whole sequence shifted to other positions computes the same function, or None: positions enter
+    only through RoPE (no learned or absolute position table) of a type linear in the position."""
+    if any(k in config for k in ("n_positions", "max_learned_position_embeddings")) or config.get(
+            "position_embedding_type", "rope") not in ("rope", "rotary"):  # fmt: skip
+        return None
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not ("rope_theta" in config or "rope_theta" in params):
+        return None
+    kind = params.get("rope_type") or params.get("type") or "default"
+    return f"RoPE ({kind}) rotates q and k by angles linear in the position" if kind in SHIFT_INVARIANT_ROPE else None

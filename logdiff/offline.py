@@ -26,6 +26,12 @@ needs the weights: ``--model MODEL`` loads them (transformers, on the CPU);
 without it, ops are classified by contract and the noise floor. Where a side
 summed an op across ranks (a row-parallel output) and the other did not sum
 it the same way, the error that op introduces is ``collective_order``.
+
+Weights are judged by the fingerprints of the weight versions the matched
+sequences' steps ran with (a rollout engine synced during its capture), an fp32
+trainer's rounded to the engine's narrower dtype where its capture kept them
+(``logdiff.bundle_weights``); ``--model`` is used only where its weights are the
+training bundle's, else one warning line says so.
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from logdiff.config import ScanConfig
-from logdiff.bundle_checks import compiled_warning, matching_warning, offset_findings
+from logdiff.bundle_checks import add_offset_findings, compiled_warning, matching_warning, position_offsets
+from logdiff.bundle_weights import SideWeights, model_warning
 from logdiff.engines.base import PathScores
 from logdiff.errors import InputError
 from logdiff.phases import Phases, peak_rss_bytes, silent
@@ -62,6 +69,7 @@ class BundleSide:
     bundle: Bundle
     role: str
     engine: Any = None  # the HF path of ``--model``: its weights for conformance, its ops for replay; or None
+    weights: SideWeights | None = None  # the weight versions the matched sequences ran with (None: version 0)
     capabilities = frozenset()  # nothing live: no sampling, full logprobs or forced routing from a bundle
 
     @property
@@ -84,8 +92,11 @@ class BundleSide:
         return dict(self.meta.get("contract") or {})
 
     def fingerprints(self, at: str | None = None) -> dict[str, str | None]:
-        """The bundle's fingerprints, taken at capture in the side's own dtype (``at`` cannot re-round them)."""
-        return dict(self.meta.get("fingerprints") or {})
+        """The fingerprints of the weights the matched sequences ran with (``bundle_weights``), taken at capture:
+        at ``at`` where the capture kept them rounded (``fingerprints_at``), else in the side's own dtype."""
+        if self.weights is None:
+            self.weights = SideWeights(self.bundle, [], self.role)
+        return self.weights.fingerprints(at)
 
     def loaded_config(self) -> Any:
         from types import SimpleNamespace
@@ -124,8 +135,12 @@ def open_bundles(train_dir: Path, infer_dir: Path) -> tuple[Bundle, Bundle]:
 
 
 def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = None, is_threshold: float = 2.0,
-                    progress: Progress = silent, tables: dict[str, Any] | None = None) -> ScanResult:
-    """The scan result of two capture bundles (docs/result-schema.md), computed offline."""
+                    progress: Progress = silent, tables: dict[str, Any] | None = None,
+                    live: Any = None) -> ScanResult:
+    """The scan result of two capture bundles (docs/result-schema.md), computed offline. ``live``: the training
+    side's model itself, in this process (an RL framework's, inside its step), used as ``--model``'s would be:
+    its weights for the conformance check, and one no-grad forward over the common sequences for the replay
+    (nothing that trains: no gradient, no mode change, dropout must be off for it to reproduce the capture)."""
     from logdiff import pipeline
     from logdiff.probes.feed import match_sequences, sketched
     from logdiff.probes.session import ProbeSession
@@ -137,12 +152,19 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
     matching = match_sequences(train_table, infer_table)
     seqs = _sequences(matching.ids, _prompt_lens(ib, matching.infer) or _prompt_lens(tb, matching.train))
     _check_vocabulary(tb, ib, matching.ids)
-    engine = _training_engine(model, tb) if model is not None else None
-    train = BundleSide(tb, "train", engine)
-    infer = BundleSide(ib, "infer")
+    train_weights, infer_weights = SideWeights(tb, matching.train, "train"), SideWeights(ib, matching.infer, "infer")
+    engine = _training_engine(model, tb, live) if model is not None or live is not None else None
+    rejected = (model_warning(engine.fingerprints(), train_weights.fingerprints(_dtype(tb)))
+                if engine is not None else None)  # the live model in the dtype it was loaded in: the bundle's
+    if rejected:
+        engine = None  # its ops and weights are not the captured step's: no replay, no conformance from them
+    train = BundleSide(tb, "train", engine, train_weights)
+    infer = BundleSide(ib, "infer", None, infer_weights)
     architecture, config = str(tb.meta.get("architecture")), dict(tb.meta.get("config") or {})
     session = ProbeSession(seqs, 0, architecture, config,
                            conformance_sequences=pipeline.CONFORMANCE_SEQUENCES if engine is not None else 0)
+    offsets = position_offsets(tb, ib, matching)  # where a side fed a sequence at shifted positions (RoPE's input)
+    session.position_offsets = {side: {c: o[side] for c, o in offsets.items() if o.get(side)} for side in ("train", "infer")}
     try:
         scores, windows = {}, {"train": sketched(tb), "infer": sketched(ib)}
         for side, common in ((infer, matching.infer), (train, matching.train)):  # stored first, then compared
@@ -181,14 +203,17 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
             warnings=list(located.warnings),
         )
         matching_warning(result, matching.unmatched, {"train": len(train_table), "infer": len(infer_table)})
+        for line in (rejected, train_weights.warning(), infer_weights.warning()):
+            if line:
+                result.warn(line)
         compiled = compiled_warning({"train": tb, "infer": ib})
         if compiled:
             result.warn(compiled)
         if (tb.role, ib.role) == ("infer", "train"):
             result.warn("the first bundle was captured as the inference side and the second as the training side: "
                         "logdiff compare takes TRAIN_BUNDLE first")
-        _diagnose(result, cfg, train, infer, session, progress)
-        result.add(offset_findings(tb, ib, matching, session.cmap, result.primary.bitwise_equal))
+        _diagnose(result, cfg, train, infer, session, progress, model_rejected=bool(rejected))
+        add_offset_findings(result, tb, ib, matching, session.cmap)
     finally:
         session.close()
     result.warn(NEEDS_ENGINES)
@@ -276,9 +301,10 @@ def _feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], ses
 
 
 def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: BundleSide, session: Any,
-              progress: Progress) -> None:
+              progress: Progress, model_rejected: bool = False) -> None:
     """``diagnose`` as a scan runs it, with a rescanner that cannot rescan (the reference rerun is then skipped,
-    with its reason in the warnings) and attribution off."""
+    with its reason in the warnings) and attribution off. ``model_rejected``: ``--model`` was given but holds
+    other weights (its own warning says so)."""
     from logdiff.diagnosis.diagnose import diagnose
     from logdiff.diagnosis.rescan import Rescanner
 
@@ -289,7 +315,7 @@ def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: Bun
     record = session.pair(result.primary.train, result.primary.infer)
     found = diagnose(result, cfg, train, infer, Rescanner(no_rescan), progress, record)
     found.warnings = [w for w in found.warnings if not w.startswith("reference-kernel rerun unavailable")]
-    if train.engine is None:
+    if train.engine is None and not model_rejected:
         found.warnings.append("conformance not checked: give --model MODEL (the checkpoint both sides ran) so each "
                               "side's ops can be measured against their exact functions")
     for side in (train, infer):
@@ -358,12 +384,16 @@ def _path_scores(train: BundleSide, infer: BundleSide, scores: dict[str, Any],
             _response_scores(i, seqs, infer.name, str(infer.meta.get("mode") or "forward")))
 
 
-def _training_engine(model: Path, bundle: Bundle) -> Any:
-    """The default training engine on ``model``, on the CPU, in the bundle's dtype: the weights the conformance
-    check reads, and the live ops the replay re-runs."""
+def _training_engine(model: Path | None, bundle: Bundle, live: Any = None) -> Any:
+    """The default training engine on ``model``, on the CPU, in the bundle's dtype (or around ``live``, the
+    trainer's own model, loading nothing): the weights the conformance check reads, and the live ops the
+    replay re-runs."""
     from logdiff.engines import DEFAULT_TRAIN
     from logdiff.engines.base import EngineSpec, get_engine
 
+    if live is not None:
+        name = str(getattr(live.config, "_name_or_path", "") or "live model")
+        return get_engine(DEFAULT_TRAIN)(EngineSpec(name, _dtype(bundle), (), (), 0, False, "cpu"), live)
     if not (Path(model) / "config.json").is_file():
         raise InputError(f"--model {model}: not a model directory (no config.json)")
     return get_engine(DEFAULT_TRAIN)(EngineSpec(str(model), _dtype(bundle), (), (), 0, False, "cpu"))

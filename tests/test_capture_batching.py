@@ -199,13 +199,27 @@ def test_left_padding_without_position_ids_is_reported_as_shifted_positions(capt
     (line,) = [w for w in result["warnings"] if w.startswith("position_ids")]
     assert f"{len(pads)} of {len(SEQS)} paired sequences were fed at shifted positions" in line
     assert "model position 2, 3, 5 (train) against 0 (infer)" in line
-    # a cause where the logprobs differ (RoPE is shift-invariant in exact arithmetic: a shift shows as rounding)
-    causes = [c for c in result["causes"] if c["kind"] == "position_ids"]
+    # a cause where the logprobs differ: Qwen3's RoPE is shift-invariant, so the same function (operator path)
+    causes = [c for c in result["causes"] if c["kind"] in ("position_ids", "position_offset")]
     assert len(causes) == (1 if result["logprobs"]["abs_diff_max"] > 0 else 0)
-    assert all(c["class"] == "framework_difference" and "rope" in c["boundary"] for c in causes)
+    assert all(c["class"] == "operator_path" and c["kind"] == "position_offset" and "rope" in c["boundary"]
+               for c in causes)
     # the other way round: the shifted side is the inference bundle's
     swapped = _compare(captured, "ref", against="left")
     assert any(w.startswith("position_ids") and "0 (train) against 2, 3, 5 (infer)" in w for w in swapped["warnings"])
+
+
+@pytest.mark.parametrize(("config", "invariant"), [
+    ({"rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, True),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, True),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, False),  # reads the length
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "longrope"}}, False),
+    ({"n_positions": 1024}, False),  # a learned position table (GPT-2): a shift is another input
+])
+def test_a_shift_is_the_same_function_only_where_rope_is_linear_in_the_position(config, invariant) -> None:
+    from logdiff.bundle_checks import shift_invariant
+
+    assert bool(shift_invariant(config)) is invariant
 
 
 def test_sequences_with_other_tokens_are_counted_unpaired(captured) -> None:

@@ -109,6 +109,23 @@ def test_a_fused_head_bundle_has_no_logits(bundles) -> None:
     assert {n for n in Bundle(bundles["logits"]).names(0)} & {"logits", "log_softmax"}  # the control has them
 
 
+def test_the_decoder_alone_records_every_boundary_but_the_logits(bundles) -> None:
+    """The fused head's decoder-only forward is a step with the model's boundaries, equal to the normal capture's;
+    so ``compare`` finds the planted weight at the same boundary through either."""
+    import numpy as np
+
+    from logdiff.probes.bundle import Bundle
+
+    fused, normal = Bundle(bundles["fused"]), Bundle(bundles["logits"])
+    names = set(fused.names(0))
+    assert set(normal.names(0)) - names == {"logits", "log_softmax"}
+    for name in sorted(names - {"token_logprobs"}):
+        for (group, a), b in zip(fused.logical(0, name).items(), normal.logical(0, name).values()):
+            assert np.array_equal(a.value, b.value), name
+    first = [_compare(bundles[k], bundles["infer"])["first_divergence"]["boundary"] for k in ("fused", "logits")]
+    assert first[0] == first[1]
+
+
 def test_token_logprobs_equal_the_normal_capture_and_give_the_same_gap(bundles) -> None:
     normal = _train_logprobs(bundles["logits"], bundles["infer"])
     fused = _train_logprobs(bundles["fused"], bundles["infer"])

@@ -112,6 +112,46 @@ def test_rope_within_and_another_base_outside() -> None:
     assert err > 4 * bound
 
 
+def test_rope_in_float32_far_from_position_0_allows_the_angles_rounding_and_no_more() -> None:
+    """In float32 the angle's own rounding (position * inv_freq in float32, as every engine computes it) moves an
+    output by more than the output's spacing at large positions (TRL's left-padded rows start there): allowed,
+    in proportion to the angle; a base 0.1% off is still far outside."""
+    heads, dim = 4, 32
+    x = torch.randn(64, heads * dim, generator=_gen())
+    pos = torch.arange(2000, 2064)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+    def hf_fp32(inv_freq: torch.Tensor) -> torch.Tensor:
+        freqs = pos.float()[:, None] * inv_freq.float()[None]
+        emb = torch.cat([freqs, freqs], -1)
+        q = x.reshape(x.shape[0], heads, -1)
+        turned = torch.cat([-q[..., dim // 2 :], q[..., : dim // 2]], -1)
+        return (q * emb.cos()[:, None] + turned * emb.sin()[:, None]).reshape(x.shape)
+
+    ex, bound = exact.rope(x, pos, inv, 1.0, heads, dim), OpBound(4.0).units("float32")
+
+    def err(actual: torch.Tensor, ex: exact.Exact) -> float:
+        return exact.error_units(actual, ex, eps("float32"))
+
+    assert err(hf_fp32(inv), ex) <= bound
+    assert err(hf_fp32(inv), exact.Exact(ex.value, ex.scale, ex.bound, ex.function)) > bound  # without it: outside
+    other = 1.0 / 10010.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    assert err(hf_fp32(other), ex) > 4 * bound
+
+
+def test_embedding_rows_rounded_once_are_within_and_another_row_outside() -> None:
+    """The embedding's exact function is the training weight's rows: an engine holding them in bf16 (an fp32
+    trainer's weights synced into a bf16 vLLM) is within one rounding; a stale row or a dropped scale is not."""
+    weight = torch.randn(50, 64, generator=_gen(3))
+    tokens = torch.tensor([3, 7, 7, 42])
+    ex = exact.embedding(weight, tokens)
+    assert units(weight.bfloat16()[tokens], ex)[0] <= units(weight.bfloat16()[tokens], ex)[1]
+    assert units(weight.bfloat16()[tokens + 1], ex)[0] > 4 * ex.bound.units("bfloat16")
+    scaled = exact.embedding(weight, tokens, 8.0)
+    assert units((weight[tokens] * 8.0).bfloat16(), scaled)[0] <= scaled.bound.units("bfloat16")
+    assert units(weight.bfloat16()[tokens], scaled)[0] > 4 * scaled.bound.units("bfloat16")
+
+
 def test_rope_interleaved_pairs() -> None:
     """GPT-J style (DeepSeek's complex multiply) rotates (x0, x1), (x2, x3), ... by the i-th frequency."""
     x = torch.randn(6, 2 * 8, generator=_gen()).double()

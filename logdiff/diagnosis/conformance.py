@@ -144,7 +144,7 @@ class ConformanceCheck:
         for side in SIDES:
             try:
                 function = self._function(b, side, widened)
-                checks = [self._measure(function, site, self.side_dtype(side)) for site in self._sites(b, side)]
+                checks = [self._measure(function, site, self.op_dtype(b, side)) for site in self._sites(b, side)]
             except NotCheckable as e:
                 out.unchecked = str(e)
                 return out
@@ -187,6 +187,14 @@ class ConformanceCheck:
                 ins = [s.read(seqs, pos) for s in sources]
             sites.append(Site(ins, target.read(seqs, pos), seqs, pos))
         return sites
+
+    def op_dtype(self, b: Any, side: str) -> str:
+        """The spacing ``side``'s op at ``b`` is judged in: its contract's dtype, or the narrowest dtype its recorded
+        inputs and output hold where narrower (a float32 model under bf16 autocast, TRL's default: its linears
+        return bf16 and a norm fed bf16 rounds its intermediate to bf16)."""
+        store = self.stores[side]
+        held = [getattr(store.get(n), "dtype", None) for n in (b.name, *self._inputs(b))]
+        return max([self.side_dtype(side), *(d for d in held if d in ("float32", "bfloat16", "float16"))], key=eps)
 
     def side_dtype(self, side: str) -> str:
         """The dtype ``side`` computes in (its contract's: an fp32 trainer against a bf16 engine is judged
@@ -240,7 +248,24 @@ class ConformanceCheck:
             return lambda s: exact.log_softmax(s.inputs[0], t)
         if kind == "moe":
             return self._moe(b, side)
+        if kind == "embed":
+            return self._embed(b)
         raise NotCheckable(f"no exact function for a {kind} op")
+
+    def _embed(self, b: Any) -> Callable[[Site], exact.Exact]:
+        """The training model's embedding rows of the tokens each site's rows were fed (the sequences' own ids),
+        times the module's ``embed_scale`` where it has one (Gemma's)."""
+        import torch
+
+        mod = self._module(b.name)
+        scale = getattr(mod, "scalar_embed_scale", None)
+        ids = [list(s.prompt_ids) + list(s.response_ids or []) for s in self.record.seqs]
+
+        def run(s: Site) -> exact.Exact:
+            tokens = torch.tensor([ids[q][p] for q, p in zip(s.seq.tolist(), s.pos.tolist())], dtype=torch.long)
+            return exact.embedding(mod.weight, tokens, None if scale is None else float(scale))
+
+        return run
 
     def _inputs(self, b: Any) -> tuple[str, ...]:
         """The boundaries whose rows a check of ``b`` reads: its inputs, and for an MoE block the same
@@ -307,7 +332,8 @@ class ConformanceCheck:
 
         def run(s: Site) -> exact.Exact:
             heads = s.inputs[0].shape[1] // head_dim
-            ex = exact.rope(s.inputs[0], _tensor(s.pos), inv_freq, factor, heads, params.rotary_dim, style)
+            at = s.pos + self.record.position_offsets.get(side, {}).get(int(s.seq[0]), 0)  # the model positions
+            ex = exact.rope(s.inputs[0], _tensor(at), inv_freq, factor, heads, params.rotary_dim, style)
             return exact.deinterleaved(ex, heads) if split else ex
 
         return run

@@ -49,9 +49,9 @@ class HFEngine(Engine):
     def versions(cls) -> dict[str, str | None]:
         return {"transformers": package_version("transformers")}
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: EngineSpec, model: Any = None):
         super().__init__(spec)
-        self.model = load_model(spec)
+        self.model = load_model(spec) if model is None else model  # ``model``: one already loaded (a trainer's)
         self._scored: ScoredRows | None = None  # the full rows the last score kept, for full_logprobs
         self._consistent = False
         self._consistent_mode: tuple[tuple[str, ...] | None] | None = None  # (only,) while consistent
@@ -260,14 +260,14 @@ class HFForward(HFEngine):
     options = HFEngine.options | {"grad", "tensor_parallel_size", "fsdp_size"}
     capabilities = HFEngine.capabilities | {"captured_scoring"}
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: EngineSpec, model: Any = None):
         self.tensor_parallel_size = int(spec.option("tensor_parallel_size", 1))
         self.fsdp_size = int(spec.option("fsdp_size", 1))
         if self.tensor_parallel_size > 1 or self.fsdp_size > 1:  # refused before the model loads, in one line
             from logdiff.engines.hf.sharded import check_sizes
 
             check_sizes(spec, self.tensor_parallel_size, self.fsdp_size)
-        super().__init__(spec)
+        super().__init__(spec, model)
 
     def score_captured(self, seqs: list[TokenSequence], out_dir: Path) -> Path | None:
         """On ``tensor_parallel_size`` or ``fsdp_size`` ranks of its own (``sharded.score_sharded``), in the consistent

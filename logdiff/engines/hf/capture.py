@@ -4,7 +4,9 @@ The public face of ``logdiff.probes.capture.Capture`` (see there for what is
 recorded and how each record's placement is read). What the HF engine adds: the
 parallel layout read from the model itself, and the model's effective contract
 (``contract.py``, as a scan reads it) and the fingerprints of the logical weights a scan compares
-(a sharded model's gathered one at a time on entry), in the bundle's metadata::
+(a sharded model's gathered one at a time on entry), in the bundle's metadata; a model whose weights are
+wider than bfloat16 (TRL's float32 trainer) also keeps them rounded to bfloat16 and float16
+(``fingerprints_at``), so that ``logdiff compare`` can compare them with a bf16 engine's, as a scan does::
 
     with logdiff.capture(model, "bundles/train", role="train"):
         logits = model(input_ids).logits
@@ -25,6 +27,9 @@ from typing import Any
 
 from logdiff.engines.hf.taps import TAPS
 from logdiff.probes.errors import InputError
+
+#: the dtypes an engine may run a wider (float32) trainer's weights in: the capture hashes them rounded to each
+NARROWER = ("bfloat16", "float16")
 
 
 class ModelView:
@@ -62,7 +67,8 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
     (embeddings, final norm, logits, log-softmax); every other record keeps one sketch per row (a digest and
     two magnitudes: ``probes/sketch.py``), so the bundle stays small on a real model. ``"all"`` keeps every
     record whole. ``fingerprints``: hash the logical weights into the bundle (a sharded model's are gathered
-    one at a time, a collective every rank joins here); False skips it, and the comparison then names the
+    one at a time, a collective every rank joins here; weights wider than bfloat16 are hashed rounded to
+    bfloat16 and float16 too, ``fingerprints_at``); False skips it, and the comparison then names the
     weights unverified. ``log_softmax``: the trainer's own (a temperature, a consistent kernel) for
     ``Capture.logprobs``.
     """
@@ -88,9 +94,15 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
     except Exception as e:  # noqa: BLE001 - a contract the reader cannot take from a wrapped model is noted, not fatal
         meta["contract_error"] = f"{type(e).__name__}: {e}"
     if fingerprints:
-        from logdiff.engines.hf.contract import hf_fingerprints
+        from logdiff.engines.hf.contract import hf_fingerprint_sets
 
-        meta["fingerprints"] = hf_fingerprints(model)  # of the logical weights: a collective on a sharded model
+        # of the logical weights (a collective on a sharded model); a wide model's rounded too, in the same pass
+        wide = next(model.parameters()).element_size() > 2
+        narrow = NARROWER if wide else ()
+        sets = hf_fingerprint_sets(model, (None, *narrow))
+        meta["fingerprints"] = sets[None]
+        if narrow:
+            meta["fingerprints_at"] = {at: sets[at] for at in narrow}
     return Capture(model, ModelView(model, log_softmax), out_dir, role, layout, meta, kept)
 
 

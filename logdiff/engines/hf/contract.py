@@ -87,15 +87,25 @@ def hf_fingerprints(model: Any, at: str | None = None) -> dict[str, str]:
     """The fingerprint of every weight under its HF name, of the logical tensor: a DTensor (FSDP2's shards, a
     tensor-parallel weight) is gathered whole first, one at a time; that is a collective every rank joins.
     ``at``: a narrower dtype name (the other side's) to round every wider floating tensor to first."""
+    return hf_fingerprint_sets(model, (at,))[at]
+
+
+def hf_fingerprint_sets(model: Any, ats: tuple[str | None, ...]) -> dict[str | None, dict[str, str]]:
+    """``hf_fingerprints`` at each of ``ats`` (None: the model's own dtype) in one pass: each DTensor is gathered
+    once and hashed at every dtype (a capture keeps an fp32 model's at bfloat16 and float16 too)."""
     import torch
 
     dtype = next(model.parameters()).dtype
-    narrow = getattr(torch, at) if at else None
+    narrow = {at: getattr(torch, at) if at else None for at in ats}
 
-    def hashed(t: Any) -> str:
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        if narrow is not None and t.is_floating_point() and t.element_size() > narrow.itemsize:
-            return fingerprint(t.detach().to(narrow))
+    def hashed(t: Any, to: Any) -> str:
+        if to is not None and t.is_floating_point() and t.element_size() > to.itemsize:
+            return fingerprint(t.detach().to(to))
         return fingerprint(narrowest(t, dtype))
 
-    return {name: hashed(t) for name, t in model.state_dict().items()}
+    out: dict[str | None, dict[str, str]] = {at: {} for at in ats}
+    for name, t in model.state_dict().items():
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        for at, to in narrow.items():
+            out[at][name] = hashed(t, to)
+    return out

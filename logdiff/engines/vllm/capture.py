@@ -32,6 +32,17 @@ engine or in-process.
   from the runner's request state). The last sampled token of a request is never
   fed, so it is only there, not in the row tables (``Bundle.sequences``).
 
+**Weight syncs.** An RL loop loads the trainer's weights into the running engine through the
+model's ``load_weights`` (TRL: once per tensor; verl's ``_update_weights``;
+``logdiff.sync_vllm_weights`` inside vLLM's layer-wise reload) or the runner's ``reload_weights``.
+``install`` wraps both on the worker's model instance: a load only marks the weights dirty, and the
+next recorded step's start hashes them again (one re-fingerprint per sync, however many calls) as
+the next weight *version* (0: as loaded). Each step's manifest entry carries its
+``weight_version``; the metadata's ``weight_versions`` holds each version's ``fingerprints`` (or
+``fingerprints_error``), its ``first_step`` and the ``loads`` (calls) that made it, and
+``fingerprints`` stays the current version's. ``logdiff compare`` judges weights against the
+versions the matched sequences' steps ran with (``logdiff.bundle_weights``).
+
 **A compiled engine.** vLLM compiles its model (torch.compile) and replays CUDA graphs unless
 it is built with ``enforce_eager=True``; TRL and verl build it so by default. The compiled code
 runs no module hooks, so only the logits (computed outside the compiled graph) are recorded.
@@ -53,6 +64,7 @@ import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +77,7 @@ from logdiff.probes.sketch import Window
 
 ENV = "LOGDIFF_CAPTURE"
 WINDOW_ENV = "LOGDIFF_CAPTURE_WINDOW"  # decoder layers kept whole, or "all" (``sketch.Window``; default 2)
-_INSTALLED = "_logdiff_capture"  # the worker's capture, as an attribute of the worker
+_INSTALLED = "_logdiff_capture"  # the worker's (capture, the ExitStack holding its recording)
 _IDLE = "idle"  # the recorder's path for forwards that are not recorded
 _HEAD = frozenset({"logits", "log_softmax"})  # what a step records outside the model's modules
 
@@ -89,9 +101,9 @@ def register() -> None:
         return out
 
     def shutdown_and_close(self: Any) -> Any:
-        capture = getattr(self, _INSTALLED, None)
-        if capture is not None:
-            capture.close()
+        installed = getattr(self, _INSTALLED, None)
+        if installed is not None:
+            installed[1].close()  # the capture's last manifest, and the patches undone
         return shutdown(self)
 
     load_model_and_capture._logdiff = True  # type: ignore[attr-defined]
@@ -99,23 +111,57 @@ def register() -> None:
 
 
 def install(worker: Any, out_dir: str | Path) -> VllmCapture:
-    """Start recording every forward of ``worker`` (a vLLM worker whose model is loaded) into ``out_dir``."""
-    runner = worker.model_runner
-    layout = vllm_layout()
-    meta = worker_meta(runner, len(layout.group("tp")))
-    capture = VllmCapture(runner, out_dir, layout, meta, Window.parse(os.environ.get(WINDOW_ENV) or 2))
-    capture.__enter__()
-    setattr(worker, _INSTALLED, capture)
-    sample_tokens = runner.sample_tokens
+    """Start recording every forward of ``worker`` (a vLLM worker whose model is loaded) into ``out_dir``, for the
+    worker's life (``recording``, never left: the worker's shutdown or the interpreter's exit closes it)."""
+    lifetime = contextlib.ExitStack()  # held by the worker: a collected generator would undo the recording's patches
+    capture = lifetime.enter_context(recording(worker.model_runner, out_dir, Window.parse(os.environ.get(WINDOW_ENV) or 2)))
+    setattr(worker, _INSTALLED, (capture, lifetime))
+    atexit.register(capture.close)
+    return capture
 
+
+@contextlib.contextmanager
+def recording(runner: Any, out_dir: str | Path, window: Window | None = None) -> Iterator[VllmCapture]:
+    """Record every forward of the worker whose model runner is ``runner`` into ``out_dir`` while the block runs
+    (an in-process engine's, for one RL step: ``logdiff.integrations.trl``), then put everything back:
+
+    * each step is written when vLLM has sampled from it (the runner's ``sample_tokens`` returns): its logits
+      and log_softmax are recorded by then;
+    * every weight load marks the capture's weights dirty (``VllmCapture.weights_loaded``): the model's
+      ``load_weights`` (the instance's, which a CUDA-graph wrapper forwards to) and the runner's
+      ``reload_weights`` (vLLM's in-place reload, whose kernel-format path copies without ``load_weights``)."""
+    from logdiff.probes.patching import Patches
+
+    layout = vllm_layout()
+    capture = VllmCapture(runner, out_dir, layout, worker_meta(runner, len(layout.group("tp"))), window)
+    with Patches() as patches:
+        capture.__enter__()
+        patches.on_exit(capture.close)
+        for owner, name in ((runner.get_model(), "load_weights"), (runner, "reload_weights")):
+            method = getattr(owner, name, None)
+            if method is not None:
+                patches.set(owner, name, _notifying(method, capture))
+        patches.set(runner, "sample_tokens", _flushing(runner.sample_tokens, capture))
+        yield capture
+
+
+def _notifying(load: Any, capture: VllmCapture) -> Any:
+    def loading(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return load(*args, **kwargs)
+        finally:
+            capture.weights_loaded()
+
+    return loading
+
+
+def _flushing(sample_tokens: Any, capture: VllmCapture) -> Any:
     def sample_and_flush(*args: Any, **kwargs: Any) -> Any:
         out = sample_tokens(*args, **kwargs)
         capture.flush()
         return out
 
-    runner.sample_tokens = sample_and_flush  # the step's logits and log_softmax are recorded by now
-    atexit.register(capture.close)
-    return capture
+    return sample_and_flush
 
 
 def vllm_layout() -> ParallelLayout:
@@ -149,20 +195,27 @@ def worker_meta(runner: Any, tp_size: int) -> dict[str, Any]:
                             "config": json.loads(config.to_json_string()),
                             "logprobs_mode": str(runner.model_config.logprobs_mode),
                             "compilation": compilation_of(runner)}  # fmt: skip
-    from logdiff.engines.vllm.contract import vllm_contract, vllm_fingerprints
+    from logdiff.engines.vllm.contract import vllm_contract
 
     try:
         meta["contract"] = vllm_contract(model, {"logprobs_mode": meta["logprobs_mode"]})
     except Exception as e:  # noqa: BLE001 - a contract this worker cannot read is noted, not fatal
         meta["contract_error"] = f"{type(e).__name__}: {e}"
-    if tp_size > 1:
-        meta["fingerprints_error"] = f"weights sharded over {tp_size} ranks: not hashed on one rank"
-        return meta
-    try:
-        meta["fingerprints"] = vllm_fingerprints(model, int(config.vocab_size))
-    except Exception as e:  # noqa: BLE001 - as above
-        meta["fingerprints_error"] = f"{type(e).__name__}: {e}"
+    meta.update(weight_fingerprints(model, int(config.vocab_size), tp_size))
     return meta
+
+
+def weight_fingerprints(model: Any, vocab_size: int, tp_size: int) -> dict[str, Any]:
+    """``{"fingerprints": ...}`` of the weights the worker's model holds now, or ``{"fingerprints_error": why}``
+    (at TP > 1 a rank holds slices: none are hashed)."""
+    if tp_size > 1:
+        return {"fingerprints_error": f"weights sharded over {tp_size} ranks: not hashed on one rank"}
+    from logdiff.engines.vllm.contract import vllm_fingerprints
+
+    try:
+        return {"fingerprints": vllm_fingerprints(model, vocab_size)}
+    except Exception as e:  # noqa: BLE001 - a worker whose weights cannot be hashed is noted, not fatal
+        return {"fingerprints_error": f"{type(e).__name__}: {e}"}
 
 
 def compilation_of(runner: Any) -> dict[str, Any]:
@@ -179,6 +232,11 @@ def compilation_of(runner: Any) -> dict[str, Any]:
     eager = getattr(model_config, "enforce_eager", None)
     return {"mode": name(mode), "cudagraph_mode": name(graphs), "enforce_eager": eager,
             "compiled": any(on) if config is not None else None}
+
+
+def _hashed(meta: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprints (or why none) of ``meta``, as a ``weight_versions`` entry holds them."""
+    return {k: meta[k] for k in ("fingerprints", "fingerprints_error") if k in meta}
 
 
 class _Sequence:
@@ -242,6 +300,27 @@ class VllmCapture(Capture):
         self._step_names: set[str] | None = None  # the records of the step being recorded (None: not recorded)
         self._steps = self._hookless = 0  # recorded steps; those with logits but no module boundary
         self.rows = self._rows  # the recorder takes each forward's rows from ``_begin_step``'s request map
+        self.tp_size = len(layout.group("tp"))
+        self.weight_version, self._loads = 0, 0  # weight loads since the version was hashed (dirty when > 0)
+        self._versions = [{**_hashed(meta), "first_step": None, "loads": 0}]
+        self.writer.meta_update({"weight_versions": self._versions})
+
+    def weights_loaded(self) -> None:
+        """A weight load into the model (a sync): hashed again at the next recorded step's start, not here (TRL
+        loads one tensor per call)."""
+        self._loads += 1
+
+    def _next_weight_version(self) -> None:
+        """The weights loaded since the last version, hashed as the next one (its fingerprints become the
+        metadata's ``fingerprints``)."""
+        hashed = weight_fingerprints(self.model, int(self.runner.model_config.hf_config.vocab_size), self.tp_size)
+        self.weight_version += 1
+        self._versions.append({**hashed, "first_step": None, "loads": self._loads})
+        self._loads = 0
+        meta = self.writer.manifest["meta"]
+        for key in ("fingerprints", "fingerprints_error"):
+            meta.pop(key, None)
+        self.writer.meta_update({**hashed, "weight_versions": self._versions})
 
     def flush(self) -> None:
         """Write the step recorded so far (vLLM has sampled from it) and the manifest; a step that cannot be
@@ -312,7 +391,12 @@ class VllmCapture(Capture):
         for s in np.unique(seq[valid]):
             mine = valid & (seq == s)
             self.sequences[s].feed(pos[mine], ids[mine])
-        self.writer.begin_step(ids, pos, seq, valid)
+        if self._loads:
+            self._next_weight_version()
+        self.writer.begin_step(ids, pos, seq, valid, {"weight_version": self.weight_version})
+        version = self._versions[self.weight_version]
+        if version["first_step"] is None:
+            version["first_step"] = len(self.writer.manifest["steps"])  # the step begun (the one before is written)
         keys = row_keys(seq, pos)
         self._order = np.argsort(keys, kind="stable")
         self._keys = keys[self._order]

@@ -233,6 +233,27 @@ def log_softmax() -> Callable[..., Any]:
     return compute_logprobs
 
 
+def processed_log_softmax(sampler: Any) -> Callable[..., Any]:
+    """``TopKTopPSampler.forward`` replacement: with ``logprobs_mode="processed_logprobs"`` (TRL's, verl's) a
+    sampling (not greedy) step takes its logprobs inside the top-k/top-p sampler with torch's ``log_softmax``,
+    past ``compute_logprobs``. The sampler returns its processed logits instead (``processed_logits``) and the
+    consistent ``log_softmax`` runs on them: the same values, in the kernel's fixed order."""
+    kernels = _kernels()
+    forward = sampler.forward
+
+    def sample(*args: Any, **kwargs: Any) -> Any:
+        if sampler.logprobs_mode != "processed_logprobs":
+            return forward(*args, **kwargs)
+        sampler.logprobs_mode = "processed_logits"
+        try:
+            sampled, logits = forward(*args, **kwargs)
+        finally:
+            sampler.logprobs_mode = "processed_logprobs"
+        return sampled, None if logits is None else kernels.log_softmax(logits)
+
+    return sample
+
+
 def attention_forward(impl: Any, reader: Callable[..., Any] | None = None, window: Any = "impl") -> Callable[..., Any]:
     """``CPUAttentionBackendImpl.forward`` replacement over the paged KV cache.
 

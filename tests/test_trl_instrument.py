@@ -1,0 +1,65 @@
+"""``logdiff.integrations.trl`` without a TRL run: what it refuses, what it logs, what it puts in the logs.
+
+The real loop is ``tests/test_trl_grpo.py``; these are the parts a failing or misused run reaches.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from logdiff.integrations import trl as logdiff_trl
+
+
+def _trainer() -> SimpleNamespace:
+    generation = SimpleNamespace(llm=object(), generate=lambda *a, **k: "generated")
+    return SimpleNamespace(vllm_generation=generation, state=SimpleNamespace(global_step=0),
+                           _get_per_token_logps_and_entropies=lambda *a, **k: "logps")
+
+
+def test_a_trainer_without_a_colocated_engine_or_a_bad_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="no colocated vLLM engine"):
+        logdiff_trl.instrument(SimpleNamespace(vllm_generation=None), "out")
+    with pytest.raises(ValueError, match="every=0"):
+        logdiff_trl.instrument(_trainer(), "out", every=0)
+
+
+def test_close_puts_the_trainers_own_functions_back() -> None:
+    trainer = _trainer()
+    generate, logps = trainer.vllm_generation.generate, trainer._get_per_token_logps_and_entropies
+    run = logdiff_trl.instrument(trainer, "out", every=2)
+    assert trainer.vllm_generation.generate is not generate
+    trainer.state.global_step = 1  # not a captured step: TRL's own function runs, nothing is recorded
+    assert trainer.vllm_generation.generate() == "generated" and run._armed is None
+    run.close()
+    assert trainer.vllm_generation.generate is generate and trainer._get_per_token_logps_and_entropies is logps
+
+
+def test_a_failure_is_logged_and_the_run_goes_on_unless_strict(caplog: pytest.LogCaptureFixture) -> None:
+    run = logdiff_trl.instrument(_trainer(), "out")
+    with caplog.at_level("WARNING", logger="logdiff.trl"):
+        run._failed("step 3: no comparison (InputError: nothing common)", RuntimeError("x"))
+    assert run.errors == ["step 3: no comparison (InputError: nothing common)"]
+    assert "logdiff step 3: no comparison" in caplog.text
+    strict = logdiff_trl.instrument(_trainer(), "out", strict=True)
+    with pytest.raises(RuntimeError, match="x"):
+        strict._failed("step 3", RuntimeError("x"))
+
+
+def test_the_summary_counts_causes_per_class_and_says_where_it_starts() -> None:
+    result = {"logprobs": {"abs_diff_max": 0.03, "abs_diff_mean": 0.002}, "verdict": "mixed",
+              "first_divergence": {"boundary": "model.layers.1.self_attn.rope_q", "layer": 1},
+              "causes": [{"class": "operator_path", "kind": "reduction_order", "boundary": "a"},
+                         {"class": "operator_path", "kind": "position_offset", "boundary": "b"},
+                         {"class": "framework_difference", "kind": "dtype", "boundary": "model"}]}
+    out = logdiff_trl.summarize(result)
+    assert out["metrics"] == {"gap_max": 0.03, "gap_mean": 0.002, "first_divergence_layer": 1.0,
+                              "causes/operator_path": 2.0, "causes/framework_difference": 1.0,
+                              "causes/not_judged": 0.0}
+    assert "first divergence at model.layers.1.self_attn.rope_q" in out["line"]
+    assert "1 framework_difference, 2 operator_path" in out["line"] and out["line"].endswith("mixed")
+    equal = logdiff_trl.summarize({"logprobs": {"abs_diff_max": 0.0, "abs_diff_mean": 0.0}, "causes": [],
+                                   "first_divergence": None, "verdict": "consistent"})
+    assert math.isnan(equal["metrics"]["first_divergence_layer"]) and "no divergence; no cause" in equal["line"]
