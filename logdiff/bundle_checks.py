@@ -1,12 +1,14 @@
 """What two capture bundles say about how they were captured, before any numbers are compared.
 
-``logdiff compare`` (``offline.py``) asks three things of the bundles themselves:
+``logdiff compare`` (``offline.py``) asks four things of the bundles themselves:
 
 * did an engine run compiled, so that its module hooks never fired and only its
   logits were recorded (``compiled_warning``: one line with the fix, in each
   framework's own terms);
 * which captured sequences found no partner by token ids (``matching_warning``:
   one line counting both sides);
+* was a side read from a foreign dump (msprobe), and what could it not give
+  (``dump_warning``);
 * did one side feed a paired sequence at shifted positions (a left-padded row
   without ``position_ids``: ``offset_findings``, a warning and, where the
   logprobs differ, a cause at the first RoPE boundary: ``operator_path`` /
@@ -46,6 +48,28 @@ def compiled_warning(bundles: dict[str, Bundle]) -> str | None:
             return (f"{role} bundle: {meta.get('engine') or 'the engine'} ran its model compiled"
                     f"{f' ({how})' if how else ''}, so its module hooks did not fire{what}: {COMPILED_FIX}")
     return None
+
+
+def dump_warning(bundles: dict[str, Bundle]) -> str | None:
+    """One line naming what the sides converted from msprobe dumps (``logdiff/msprobe/``: ``source: msprobe`` in
+    their metadata) could not give, and what they left out; None when neither side is a dump."""
+    parts = []
+    for role, bundle in bundles.items():
+        meta = bundle.meta
+        if meta.get("source") != "msprobe":
+            continue
+        counts = meta.get("msprobe") or {}
+        left = [f"{counts[k]} {what}" for k, what in (("unmatched_rows", "rows no sequence continued"),
+                                                      ("not_kept", "tensors whose file was not kept"),
+                                                      ("logits_unplaced", "logits records not placed on rows"),
+                                                      ("other_shape", "tensors of another row count"))
+                if counts.get(k)]
+        parts.append(f"{role} ({meta.get('engine')}){': left out ' + ', '.join(left) if left else ''}")
+    if not parts:
+        return None
+    missing = next(b.meta.get("missing") for b in bundles.values() if b.meta.get("source") == "msprobe")
+    return (f"msprobe dumps read for {'; '.join(parts)}: a dump holds no {', '.join(missing)}, so what depends on "
+            "them is not judged")
 
 
 def matching_warning(result: ScanResult, unmatched: dict[str, int], total: dict[str, int]) -> None:

@@ -407,13 +407,17 @@ def _load_valid_result(path: Path) -> dict[str, Any]:
 @app.command("compare")
 @handle_errors
 def compare_bundles(
-    train_bundle: Path = typer.Argument(..., help="The training side's capture bundle (logdiff.capture, role train)."),
+    train_bundle: Path = typer.Argument(
+        ..., help="The training side's capture bundle (logdiff.capture, role train), or an msprobe tensor dump "
+        "directory (docs/msprobe.md; needs --model).",
+    ),
     infer_bundle: Path = typer.Argument(
-        ..., help="The inference side's capture bundle (LOGDIFF_CAPTURE in vLLM, or logdiff.capture, role infer)."
+        ..., help="The inference side's capture bundle (LOGDIFF_CAPTURE in vLLM, or logdiff.capture, role infer), or "
+        "an msprobe tensor dump directory."
     ),
     model: Optional[Path] = typer.Option(
         None, help="The HF model directory both sides ran: with its weights each op that introduces error is "
-        "measured against its exact function (the conformance check).",
+        "measured against its exact function (the conformance check). An msprobe dump needs its config.json.",
     ),  # fmt: skip
     is_threshold: float = typer.Option(2.0, metavar="T", help="T of the rollout_is_* and k1 rollout_rs_* metrics."),
     out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
@@ -431,11 +435,19 @@ def compare_bundles(
 
     if isinstance(is_threshold, bool) or not 1.0 < is_threshold < float("inf"):
         raise InputError(f"--is-threshold must be a finite number > 1 (bounds [1/T, T]), not {is_threshold!r}")
-    outputs.prepare(out, json_path)
+    import tempfile
+
+    from logdiff.msprobe.source import as_bundle, live_model
+
     tables: dict[str, Any] = {}
-    result = _with_progress(
-        lambda progress: run(train_bundle, infer_bundle, model=model, is_threshold=is_threshold, progress=progress,
-                             tables=tables), quiet)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="logdiff-msprobe-") as scratch:  # an msprobe dump's bundle, then gone
+        train, infer = (as_bundle(p, role, model, Path(scratch)) for p, role in ((train_bundle, "train"),
+                                                                                (infer_bundle, "infer")))
+        outputs.prepare(out, json_path)
+        weights = live_model(model, (train, infer), (train_bundle, infer_bundle))
+        result = _with_progress(
+            lambda progress: run(train, infer, model=weights, is_threshold=is_threshold, progress=progress,
+                                 tables=tables), quiet)  # fmt: skip
     outputs.write_result(result, out, json_path, tables)
     print_summary(result, Console(), quiet=quiet)
 

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from logdiff.config import ScanConfig
-from logdiff.bundle_checks import add_offset_findings, compiled_warning, matching_warning, position_offsets
+from logdiff.bundle_checks import (add_offset_findings, compiled_warning, dump_warning, matching_warning,
+                                   position_offsets)
 from logdiff.bundle_weights import SideWeights, model_warning
 from logdiff.engines.base import PathScores
 from logdiff.errors import InputError
@@ -206,6 +207,9 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
         for line in (rejected, train_weights.warning(), infer_weights.warning()):
             if line:
                 result.warn(line)
+        dumps = dump_warning({"train": tb, "infer": ib})  # a side read from an msprobe dump: what it lacks
+        if dumps:
+            result.warn(dumps)
         compiled = compiled_warning({"train": tb, "infer": ib})
         if compiled:
             result.warn(compiled)
@@ -320,8 +324,8 @@ def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: Bun
                               "side's ops can be measured against their exact functions")
     for side in (train, infer):
         if not any(side.fingerprints().values()):
-            found.warnings.append(f"{side.role} weights unverified: its bundle holds no weight fingerprints (a "
-                                  "sharded capture cannot hash the logical weights on one rank)")
+            why = side.meta.get("fingerprints_error") or "a sharded capture cannot hash the logical weights on one rank"
+            found.warnings.append(f"{side.role} weights unverified: its bundle holds no weight fingerprints ({why})")
     result.add(found)
 
 

@@ -1,0 +1,94 @@
+"""An msprobe dump on disk: its step and rank directories, each ``dump.json``, and its tensor files.
+
+``DUMP/step{S}/{rank{R}|proc{PID}}/`` holds ``dump.json`` (``{"task", "level", "framework", "data"}``),
+``construct.json`` (each entry's parent entry) and, in tensor mode, ``dump_tensor_data/{data_name}``: one
+``torch.save`` per tensor. A tensor whose file is absent was not kept (statistics mode, a slimmed dump, an
+empty tensor): ``load`` returns None for it, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from logdiff.probes.errors import InputError
+
+#: a module entry: ``Module.{path}.{class}.forward.{call count}``
+ENTRY = re.compile(r"^Module\.(?P<path>.+)\.(?P<cls>[A-Za-z0-9_]+)\.forward\.(?P<count>\d+)$")
+_STEP = re.compile(r"^step(\d+)$")
+
+
+def dump_files(root: Path) -> list[Path]:
+    """The ``dump.json`` files of a dump directory (the dump root, a step directory or a rank directory)."""
+    root = Path(root)
+    return sorted({*root.glob("dump.json"), *root.glob("*/dump.json"), *root.glob("step*/*/dump.json")})
+
+
+def is_dump(path: Path) -> bool:
+    """Whether ``path`` is a directory with an msprobe ``dump.json`` under it (and no logdiff ``bundle.json``)."""
+    path = Path(path)
+    return path.is_dir() and not (path / "bundle.json").exists() and bool(dump_files(path))
+
+
+@dataclass
+class RankDump:
+    """One step's dump of one rank: its entries, their parents, and where its tensors lie."""
+
+    step: int
+    dir: Path
+    data: dict[str, Any]
+    parents: dict[str, str | None] = field(default_factory=dict)
+
+    def load(self, desc: Any) -> Any:
+        """The tensor a description names (``data_name``), or None where no file was kept."""
+        if not isinstance(desc, dict) or not desc.get("data_name"):
+            return None
+        f = self.dir / "dump_tensor_data" / desc["data_name"]
+        if not f.is_file():
+            return None
+        import torch
+
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - a file torch cannot read is the user's input
+            raise InputError(f"{f}: not a tensor msprobe wrote ({type(e).__name__})") from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: not readable JSON ({type(e).__name__})") from None
+
+
+def read_dump(root: Path) -> list[RankDump]:
+    """Every step of a one-rank tensor-mode dump, in step order; a one-line InputError for anything else."""
+    root = Path(root)
+    files = dump_files(root)
+    if not files:
+        raise InputError(f"{root}: not an msprobe dump (no dump.json under it)")
+    steps: dict[int, list[Path]] = {}
+    for f in files:
+        m = _STEP.match(f.parent.parent.name)
+        steps.setdefault(int(m.group(1)) if m else 0, []).append(f)
+    out = []
+    for step, found in sorted(steps.items()):
+        if len(found) > 1:
+            raise InputError(f"{root}: step {step} holds {len(found)} ranks' dumps; one rank is read (TP > 1 is not "
+                             "supported yet)")
+        f = found[0]
+        head = _read_json(f)
+        if not isinstance(head, dict) or not isinstance(head.get("data"), dict) or "task" not in head:
+            raise InputError(f"{f}: not an msprobe dump.json (no task and data)")
+        if head.get("framework", "pytorch") != "pytorch":
+            raise InputError(f"{f}: a {head.get('framework')} dump; logdiff reads PyTorch dumps")
+        if head["task"] != "tensor":
+            raise InputError(f"{f}: a {head['task']!r} dump holds no tensors; dump with \"task\": \"tensor\" "
+                             "(docs/msprobe.md)")
+        construct = f.parent / "construct.json"
+        parents = _read_json(construct) if construct.is_file() else {}
+        out.append(RankDump(step, f.parent, head["data"], parents if isinstance(parents, dict) else {}))
+    return out
