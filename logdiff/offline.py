@@ -17,7 +17,8 @@ safetensors, and the rest is the scan's own code on CPU tensors:
 4. token logprobs come from each side's own ``token_logprobs`` (a fused head's,
    ``Capture.token_logprobs``), else its ``log_softmax`` (or logits) rows; a side
    that ran compiled (its module hooks never fired) is one warning line with the fix;
-   the metrics, ``locate`` and ``diagnose`` are the scan's.
+   the metrics, ``locate`` and ``diagnose`` are the scan's, and so is a NaN or inf in a record or a logprob
+   (``nonfinite.py``: the ``non_finite`` block and cause, the first boundary holding it and on which side).
 
 What needs the live engines is said in the result's warnings rather than
 guessed: the reference-kernel rerun, attribution, the sampling-semantics and
@@ -132,6 +133,11 @@ def open_bundles(train_dir: Path, infer_dir: Path) -> tuple[Bundle, Bundle]:
         k = differs[0]
         raise InputError(f"the bundles recorded different models: {k} = {ct.get(k)!r} (train) vs {ci.get(k)!r} "
                          "(infer)")
+    wt, wi = train.widths(), infer.widths()  # partners must be of one width per row, else none compares
+    name = next((n for n in wt if n in wi and wt[n] != wi[n]), None)
+    if name is not None:
+        raise InputError(f"record {name!r} holds {wt[name]} values a row in {train_dir} but {wi[name]} in "
+                         f"{infer_dir}: its partners cannot be compared")
     return train, infer
 
 
@@ -203,6 +209,7 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
             located=located,
             warnings=list(located.warnings),
         )
+        pipeline.add_non_finite(result, cfg, [train_scores, infer_scores], {})  # NaN/inf in a record: a finding
         matching_warning(result, matching.unmatched, {"train": len(train_table), "infer": len(infer_table)})
         for line in (rejected, train_weights.warning(), infer_weights.warning()):
             if line:

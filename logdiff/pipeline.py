@@ -333,7 +333,7 @@ def localize(pairs: list[Pair], probes: Any, progress: Progress, tables: dict[st
     return out
 
 
-def _non_finite(result: ScanResult, cfg: ScanConfig, scores: list[PathScores], weights: dict[str, list[str]]) -> None:
+def add_non_finite(result: ScanResult, cfg: ScanConfig, scores: list[PathScores], weights: dict[str, list[str]]) -> None:
     """Record NaN/inf as a finding: ``non_finite``, a first warning and a ``non_finite`` cause."""
     from logdiff import nonfinite
 
@@ -397,7 +397,7 @@ def measure(
         batch_invariance=run.batch_invariance,
         rollout_replay=rollout_replay(infers, [s.response_mask for s in seqs], layout),
     )
-    _non_finite(result, cfg, [train, *infers], run.nonfinite_weights)
+    add_non_finite(result, cfg, [train, *infers], run.nonfinite_weights)
     return Measured(result, run)
 
 

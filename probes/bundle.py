@@ -31,6 +31,10 @@ no versions). A capture of weights wider than bfloat16 also keeps them rounded:
 ``fingerprints_at`` (``{"bfloat16": {...}, "float16": {...}}``), since a bundle cannot
 re-round. ``RankPart.fingerprints`` reads either, ``Bundle.versions_of`` says which
 versions the steps of given sequences ran with.
+
+**Untrusted input.** A bundle is read as untrusted input (``bundle_input.py``): its JSON is type-checked on
+open, every file a manifest names must stay inside its rank directory, and every array read is checked
+against its manifest entry; anything wrong is one ``InputError`` naming the file.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from logdiff.probes import bundle_input as checked
 from logdiff.probes.errors import InputError
 from logdiff.probes.layout import ParallelLayout, Placement
 from logdiff.probes.unshard import Logical, unshard
@@ -168,25 +173,41 @@ class RankPart:
     steps: list[dict[str, Any]]
     dir: Path
     _names: dict[int, set[str]] = field(default_factory=dict, repr=False)
+    _rows: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def file(self, step: int) -> Path:
+        """Step ``step``'s file, inside the rank directory (``bundle_input.inside``)."""
+        return checked.inside(self.dir, self.steps[step]["file"], f"{self.dir / 'manifest.json'}: step {step}")
 
     def load(self, step: int, names: list[str]) -> dict[str, np.ndarray]:
-        from safetensors import safe_open
-
-        with safe_open(str(self.dir / self.steps[step]["file"]), framework="numpy") as f:
-            return {n: f.get_tensor(n) for n in names}
+        """Arrays ``names`` of step ``step``, each checked against the manifest (``bundle_input.read_step``)."""
+        return checked.read_step(self.file(step), names, self.steps[step]["records"])
 
     def names(self, step: int) -> set[str]:
         """Every array in the step's file (read once per step: a comparison asks for each record's)."""
         if step not in self._names:
             from safetensors import safe_open
 
-            with safe_open(str(self.dir / self.steps[step]["file"]), framework="numpy") as f:
-                self._names[step] = set(f.keys())
+            try:
+                with safe_open(str(self.file(step)), framework="numpy") as f:
+                    self._names[step] = set(f.keys())
+            except InputError:
+                raise
+            except Exception:  # read_step names the file and what safetensors says of it
+                checked.read_step(self.file(step), [], {})
+                raise
         return self._names[step]
 
     def table(self, step: int) -> dict[str, np.ndarray]:
-        """The step's row table: ``tokens``, ``positions`` and, from a capture, ``sequences`` and ``valid``."""
-        return self.load(step, [n for n in RESERVED if n in self.names(step)])
+        """The step's row table: ``tokens``, ``positions`` and, from a capture, ``sequences`` and ``valid``
+        (each one row per step row)."""
+        names = [n for n in RESERVED if n in self.names(step)]
+        if "tokens" not in names or "positions" not in names:
+            raise InputError(f"{self.file(step)}: no tokens and positions arrays (not a capture's step file)")
+        table = self.load(step, names)
+        if len({a.shape for a in table.values()}) > 1 or table["tokens"].ndim != 1:
+            raise InputError(f"{self.file(step)}: its row arrays ({', '.join(names)}) are not one row each")
+        return table
 
     def weight_version(self, step: int) -> int:
         """The weight version step ``step`` ran with (0 where the bundle numbers none)."""
@@ -218,17 +239,19 @@ class Bundle:
             head = json.loads(head_path.read_text())
         except (OSError, ValueError) as e:
             raise InputError(f"{self.root} is not a capture bundle (no readable bundle.json: {e})") from None
+        if not isinstance(head, dict):
+            raise InputError(f"{head_path}: not a bundle.json (a JSON {type(head).__name__}, expected an object)")
         if head.get("format") != FORMAT:
             raise InputError(f"{head_path}: format {head.get('format')!r}, expected {FORMAT!r}")
         if head.get("version") != VERSION:
             raise InputError(f"{head_path}: bundle version {head.get('version')!r}, this logdiff reads {VERSION}")
+        checked.check_head(head_path, head, ROLES)
         self.role: str = head["role"]
         self.world_size = int(head["world_size"])
         self.ranks: list[RankPart] = []
         for part in sorted(self.root.glob("rank-*/manifest.json")):
-            m = json.loads(part.read_text())
-            self.ranks.append(RankPart(ParallelLayout.from_json(m["layout"]), m.get("meta", {}), m["steps"],
-                                       part.parent))
+            m = checked.read_json(part, "manifest.json")
+            self.ranks.append(RankPart(checked.check_manifest(part, m), m.get("meta", {}), m["steps"], part.parent))
         if not self.ranks:
             raise InputError(f"{self.root}: a bundle with no rank's records")
         if {r.layout.rank for r in self.ranks} != set(range(self.world_size)):
@@ -323,8 +346,14 @@ class Bundle:
     def record_rows(self, step: int, name: str, group: tuple[int, ...] | None = None) -> np.ndarray | None:
         """The index into the step's rows of each row of record ``name`` (None: one row per step row)."""
         part = self.ranks[0] if group is None else self.part_of(group)
-        key = f"{name}#rows"
-        return part.load(step, [key])[key] if key in part.names(step) else None
+        key, entry = f"{name}#rows", part.steps[step]["records"].get(name)
+        index = part.load(step, [key])[key] if key in part.names(step) else None
+        if entry is not None and not entry.get("sketch"):
+            if index is None and step not in part._rows:
+                part._rows[step] = len(part.table(step)["tokens"])
+            rows = len(index) if index is not None else part._rows[step]
+            checked.check_rows(part.file(step), name, entry, rows)
+        return index
 
     def logical(self, step: int, name: str, group: tuple[int, ...] | None = None) -> dict[tuple[int, ...], Logical]:
         """Record ``name`` of ``step`` rebuilt into logical tensors (``unshard``), one per ``tp`` group (only
@@ -339,8 +368,29 @@ class Bundle:
             raise InputError(f"{self.root}: ranks disagree on how {name!r} is placed or typed")
         pieces = [(part.layout, part.load(step, [name])[name]) for part in ranks]
         placement = Placement.from_json(entries[0]["placement"])
-        if entries[0].get("sketch"):
-            from logdiff.probes.sketch import unshard_sketches
+        try:
+            if entries[0].get("sketch"):
+                from logdiff.probes.sketch import unshard_sketches
 
-            return unshard_sketches(pieces, placement)
-        return unshard(name, pieces, placement, entries[0]["dtype"])
+                return unshard_sketches(pieces, placement)
+            return unshard(name, pieces, placement, entries[0]["dtype"])
+        except (ValueError, IndexError, KeyError) as e:
+            raise InputError(f"{self.root}: step {step}, record {name!r}: the ranks' pieces do not make one "
+                             f"tensor ({type(e).__name__}: {e})") from None
+
+    def widths(self) -> dict[str, int]:
+        """Each whole record's logical values per row (``bundle_input.row_width``), from the first step that has
+        it (each step file's header read until every record's is known)."""
+        out: dict[str, int] = {}
+        for part in self.ranks:
+            tp = len(part.layout.group("tp"))
+            for step, entry in enumerate(part.steps):
+                todo = [n for n in entry["records"] if n not in out]
+                if not todo:
+                    continue
+                shapes = checked.header_shapes(part.file(step))
+                for name in todo:
+                    width = checked.row_width(part.file(step), name, entry["records"][name], tp, shapes)
+                    if width is not None:
+                        out[name] = width
+        return out

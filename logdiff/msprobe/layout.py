@@ -4,6 +4,12 @@
 ``construct.json`` (each entry's parent entry) and, in tensor mode, ``dump_tensor_data/{data_name}``: one
 ``torch.save`` per tensor. A tensor whose file is absent was not kept (statistics mode, a slimmed dump, an
 empty tensor): ``load`` returns None for it, never an error.
+
+A dump is untrusted input: ``dump.json`` and ``construct.json`` must be JSON of msprobe's types (each entry an
+object, its ``input_args``/``output`` lists, its ``input_kwargs`` an object, each parent a name or null), a
+``data_name`` must name a file inside ``dump_tensor_data/`` (no ``..``, no absolute path, no link out of it),
+and what ``torch.load`` reads (``weights_only``) must be a tensor; anything else is one ``InputError`` naming
+the file.
 """
 
 from __future__ import annotations
@@ -46,15 +52,38 @@ class RankDump:
         """The tensor a description names (``data_name``), or None where no file was kept."""
         if not isinstance(desc, dict) or not desc.get("data_name"):
             return None
-        f = self.dir / "dump_tensor_data" / desc["data_name"]
+        f = _inside(self.dir / "dump_tensor_data", desc["data_name"], self.dir / "dump.json")
         if not f.is_file():
             return None
         import torch
 
         try:
-            return torch.load(f, map_location="cpu", weights_only=True)
+            t = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - a file torch cannot read is the user's input
             raise InputError(f"{f}: not a tensor msprobe wrote ({type(e).__name__})") from None
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{f}: holds a {type(t).__name__}, not a tensor msprobe wrote")
+        return t
+
+
+def _inside(directory: Path, name: Any, where: Path) -> Path:
+    """``directory / name``, refused unless it resolves inside ``directory`` (links followed)."""
+    root = Path(directory).resolve()
+    path = (root / name).resolve() if isinstance(name, str) and not Path(name).is_absolute() else root
+    if root not in path.parents:
+        raise InputError(f"{where}: data_name {name!r} is not a file inside {directory}")
+    return path
+
+
+def _check_entries(path: Path, data: dict[str, Any]) -> None:
+    """Each entry of a dump.json's ``data`` as msprobe writes it: an object of lists and objects."""
+    for name, entry in data.items():
+        if not isinstance(entry, dict):
+            raise InputError(f"{path}: entry {name!r} is not an object (a JSON {type(entry).__name__})")
+        for key, kind in (("input_args", list), ("output", list), ("input_kwargs", dict)):
+            if entry.get(key) is not None and not isinstance(entry[key], kind):
+                raise InputError(f"{path}: entry {name!r}: {key} is not a {kind.__name__} (a JSON "
+                                 f"{type(entry[key]).__name__})")
 
 
 def _read_json(path: Path) -> Any:
@@ -88,7 +117,10 @@ def read_dump(root: Path) -> list[RankDump]:
         if head["task"] != "tensor":
             raise InputError(f"{f}: a {head['task']!r} dump holds no tensors; dump with \"task\": \"tensor\" "
                              "(docs/msprobe.md)")
+        _check_entries(f, head["data"])
         construct = f.parent / "construct.json"
         parents = _read_json(construct) if construct.is_file() else {}
-        out.append(RankDump(step, f.parent, head["data"], parents if isinstance(parents, dict) else {}))
+        if not isinstance(parents, dict) or not all(v is None or isinstance(v, str) for v in parents.values()):
+            raise InputError(f"{construct}: not an msprobe construct.json (each entry's parent: a name or null)")
+        out.append(RankDump(step, f.parent, head["data"], parents))
     return out

@@ -1,5 +1,5 @@
 """Shared inputs for the msprobe fixtures: the logdiff demo Qwen3 and fixed token ids."""
-import glob, os
+import os
 MODEL = os.path.expanduser("~/.cache/logdiff/test-models/qwen3-552b137b6ecf")  # model_type qwen3 (not qwen3-moe)
 # three prompts of 12, 9 and 16 tokens (ids in [5, 4096)); step 0: right-padded batch; step 1: one unpadded prompt
 PROMPTS = [
