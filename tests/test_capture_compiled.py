@@ -26,6 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hf_bundles import capture_hf as _capture
 
 FIX = "LLM(..., enforce_eager=True)"
 SCRIPT = """
@@ -60,19 +61,6 @@ def test_compilation_is_read_from_the_runner_config() -> None:
     assert compilation_of(SimpleNamespace())["compiled"] is None  # a runner without the config: unknown
 
 
-def _hf_capture(model_dir: Path, out: Path, role: str, batches: list[list[list[int]]]) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import logdiff
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
-    with logdiff.capture(model, out, role, window="all") as cap, torch.no_grad():
-        for ids in batches:
-            cap.logprobs(model(torch.tensor(ids)).logits)
-    return out
-
-
 def _set_meta(bundle: Path, meta: dict) -> None:
     for manifest in bundle.glob("rank-*/manifest.json"):
         data = json.loads(manifest.read_text())
@@ -94,8 +82,8 @@ def test_compare_warns_once_from_the_bundle_metadata(demo_model: Callable[[str],
     from logdiff.offline import compare_bundles
 
     model = demo_model("qwen3")
-    train = _hf_capture(model, tmp_path / "train", "train", [[ids] for ids in reversed(IDS)])
-    infer = _hf_capture(model, tmp_path / "infer", "infer", [[ids] for ids in IDS])
+    train = _capture(model, tmp_path / "train", "train", [[ids] for ids in reversed(IDS)])
+    infer = _capture(model, tmp_path / "infer", "infer", [[ids] for ids in IDS])
     assert _compiled_warnings(compare_bundles(train, infer).to_dict()) == []  # the plain pair: no warning
     compiled = tmp_path / "compiled"
     shutil.copytree(infer, compiled)
@@ -124,8 +112,9 @@ def _vllm_bundle(model: Path, out: Path, mode: str) -> Path:
 @pytest.mark.slow
 def test_a_compiled_engine_is_detected_and_an_eager_one_is_not(demo_model: Callable[[str], Path],
                                                               tmp_path: Path) -> None:
-    from logdiff.offline import compare_bundles
     from logdiff.probes.bundle import Bundle
+
+    from logdiff.offline import compare_bundles
 
     model = demo_model("qwen3")
     compiled = Bundle(_vllm_bundle(model, tmp_path / "compiled", "compiled"))
@@ -140,7 +129,7 @@ def test_a_compiled_engine_is_detected_and_an_eager_one_is_not(demo_model: Calla
     assert control["compilation"]["compiled"] is False and control["compilation"]["enforce_eager"] is True
     assert control["hooks_fired"] is True and control["hookless_steps"] == 0
     # compare: one line for the compiled engine, none for the eager one (the same training capture)
-    train = _hf_capture(model, tmp_path / "train", "train", [[ids] for ids in compiled.sequences()])
+    train = _capture(model, tmp_path / "train", "train", [[ids] for ids in compiled.sequences()])
     (warning,) = _compiled_warnings(compare_bundles(train, compiled.root).to_dict())
     assert warning.startswith("infer bundle: vllm ran its model compiled") and FIX in warning
     assert _compiled_warnings(compare_bundles(train, eager.root).to_dict()) == []

@@ -16,25 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hf_bundles import capture_hf as _capture
 
 IDS = [[5, 17, 3, 9, 42, 7, 11, 2, 8, 1], [8, 1, 30, 4, 6, 19, 23, 13, 3, 3], [8, 1, 30, 4, 9, 9, 9, 9]]
 PLANTED = "model.layers.1.post_attention_layernorm"
 
 
-def _capture(model_dir: Path, out: Path, role: str, batches: list[list[list[int]]], plant: bool = False) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import logdiff
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
-    if plant:
-        with torch.no_grad():
-            model.get_submodule(PLANTED).weight.mul_(1.01)
-    with logdiff.capture(model, out, role, window="all") as cap, torch.no_grad():
-        for ids in batches:
-            cap.logprobs(model(torch.tensor(ids)).logits)
-    return out
+def _plant(model) -> None:
+    model.get_submodule(PLANTED).weight.mul_(1.01)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +34,7 @@ def bundles(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPath
         "model": model_dir,
         "train": _capture(model_dir, root / "train", "train", [IDS[:2], [IDS[2]]]),
         "infer": _capture(model_dir, root / "infer", "infer", [[ids] for ids in reversed(IDS)]),
-        "stale": _capture(model_dir, root / "stale", "infer", [[ids] for ids in IDS], plant=True),
+        "stale": _capture(model_dir, root / "stale", "infer", [[ids] for ids in IDS], edit=_plant),
         "other": _capture(model_dir, root / "other", "infer", [[[7, 7, 7, 7, 7, 7]]]),
     }
 

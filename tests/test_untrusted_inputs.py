@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hf_bundles import capture_hf as _capture
 from typer.testing import CliRunner
 
 from logdiff.cli import app
@@ -23,19 +24,6 @@ DATA = Path(__file__).parent / "data" / "msprobe"
 HF, VLLM = DATA / "hf-tensor-L0", DATA / "vllm-tensor-L0"
 STEP = "rank-00000/step-000000.safetensors"
 MANIFEST = "rank-00000/manifest.json"
-
-
-def _capture(model_dir: Path, out: Path, role: str, batches: list[list[list[int]]]) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    import logdiff
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
-    with logdiff.capture(model, out, role, window="all") as cap, torch.no_grad():
-        for ids in batches:
-            cap.logprobs(model(torch.tensor(ids)).logits)
-    return out
 
 
 @pytest.fixture(scope="module")
