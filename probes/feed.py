@@ -206,7 +206,11 @@ def reductions(bundle: Bundle, cmap: Any) -> dict[str, int]:
             if source is None:
                 continue
             into, out_of = Placement.from_json(source["placement"]), Placement.from_json(entry["placement"])
-            if into.kind == "shard" and into.dim in (-1, len(source["shape"]) - 1) and out_of.kind == "replicate":
+            # replicated after the all-reduce, or each rank's summand (an msprobe dump's DTensor ``Partial``), or
+            # each rank's rows of the sum (sequence parallel's reduce-scatter: Megatron's ``shard(-2)`` records)
+            rows = out_of.kind == "shard" and out_of.dim in (-2, len(entry["shape"]) - 2)
+            if into.kind == "shard" and into.dim in (-1, len(source["shape"]) - 1) and (
+                    rows or out_of.kind in ("replicate", "partial")):
                 out[name] = max(out.get(name, 1), len(group))
     return out
 
