@@ -52,7 +52,8 @@ def bench_model(name: str, model_dir: Path, repeats: int) -> list[tuple[str, str
     import torch
 
     from logdiff.probes import checkpoint
-    from logdiff.engines.base import EngineSpec, acquire, release_all
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.pool import acquire, release_all
 
     staged = checkpoint.stage(model_dir)
     spec = EngineSpec(str(staged.path))

@@ -163,7 +163,8 @@ def _line(mode: str, s: dict[str, Any]) -> str:
 
 def open_engine(args: argparse.Namespace) -> Any:
     """The in-process vLLM engine for ``args`` (logdiff's engine layer: it evicts any other vLLM first)."""
-    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.pool import acquire
 
     options = (("max_model_len", args.prompt_len + args.response_len + 8), ("max_num_seqs", args.prompts * args.group))
     return acquire("vllm", EngineSpec(str(args.model), "bfloat16", options=options, seed=args.seed))
@@ -205,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, engine: Any = None) -> int:
     """The command line; ``engine`` reuses a loaded vLLM engine (tests), else one is loaded and released."""
-    from logdiff.engines.base import engine_pool
+    from logdiff.engines.pool import engine_pool
 
     args = parse_args(argv)
     if engine is None:

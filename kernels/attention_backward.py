@@ -9,7 +9,7 @@ gradient (zeroed for padding queries):
   ``dS = P * (dP - delta)`` (exact zeros where the forward had them: masked keys).
   With a soft cap (scores ``c = cap * tanh(s / cap)``) the chain rule adds the cap's slope:
   ``dS *= 1 - t^2`` with ``t = tanh(s / cap)`` recomputed by :func:`fixed_order.tanh` from the
-  forward's own score GEMM (:func:`attention._scaled_scores`), so the same bits; elementwise.
+  forward's own score GEMM (:func:`attention_tiles._scaled_scores`), so the same bits; elementwise.
 * ``dq = scale * sum_blocks dS K``: one ``[Q_TILE, KV_BLOCK] @ [KV_BLOCK, D]`` GEMM
   per (tile, block), blocks added with :func:`pairwise_sum` exactly like the
   forward's value blocks. A query's gradient is therefore invariant in the same
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import (
+from .attention_tiles import (
     _MASKED,
     KV_BLOCK,
     Q_TILE,

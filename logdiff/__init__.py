@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__version__ = "0.1.0"
+from logdiff.version import __version__  # noqa: F401 - logdiff.__version__
 
 
 def scan(model: str | Path, ckpt: str | Path | None = None, **options: Any) -> dict[str, Any]:

@@ -241,7 +241,7 @@ def hardware_key(environment: dict[str, Any]) -> str:
 
 def current_hardware() -> str:
     """The hardware key of this machine (imports torch)."""
-    from logdiff.pipeline import environment
+    from logdiff.environment import environment
 
     return hardware_key(environment())
 

@@ -409,7 +409,7 @@ def _load_valid_result(path: Path) -> dict[str, Any]:
 def compare_bundles(
     train_bundle: Path = typer.Argument(
         ..., help="The training side's capture bundle (logdiff.capture, role train), or an msprobe tensor dump "
-        "directory (docs/msprobe.md; needs --model).",
+        "directory (docs/msprobe.md; needs --model), or a statistics dump (a statistics-only comparison).",
     ),
     infer_bundle: Path = typer.Argument(
         ..., help="The inference side's capture bundle (LOGDIFF_CAPTURE in vLLM, or logdiff.capture, role infer), or "
@@ -423,6 +423,10 @@ def compare_bundles(
     out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
+    tp: Optional[int] = typer.Option(None, "--tp", metavar="N", help="The tensor-parallel size of an msprobe dump "
+                                     "with several ranks per step (docs/msprobe.md); same as --parallel tp=N."),
+    parallel: Optional[str] = typer.Option(None, "--parallel", metavar="tp=N[,pp=M]", help="The parallel sizes of a "
+                                           "multi-rank msprobe dump (msprobe writes none); only tp is un-sharded yet."),
 ) -> None:
     """Compare two capture bundles offline, as scan compares its paths: un-shard, align by token ids, locate, classify.
 
@@ -437,11 +441,24 @@ def compare_bundles(
         raise InputError(f"--is-threshold must be a finite number > 1 (bounds [1/T, T]), not {is_threshold!r}")
     import tempfile
 
-    from logdiff.msprobe.source import as_bundle, live_model
+    from logdiff.msprobe.source import as_bundle, live_model, statistics_only, statistics_result
 
+    if statistics_only(train_bundle, infer_bundle):  # an msprobe statistics dump: no tensors (docs/msprobe.md)
+        from logdiff.environment import environment
+
+        if tp is not None or parallel is not None:
+            raise InputError("--tp/--parallel: a statistics-only comparison reads one rank per dump (docs/msprobe.md)")
+        result = statistics_result(train_bundle, infer_bundle, model, environment())
+        outputs.prepare(out, json_path)
+        outputs.write_result(result, out, json_path)
+        print_summary(result, Console(), quiet=quiet)
+        return
     tables: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="logdiff-msprobe-") as scratch:  # an msprobe dump's bundle, then gone
-        train, infer = (as_bundle(p, role, model, Path(scratch)) for p, role in ((train_bundle, "train"),
+        from logdiff.msprobe.ranks import parse_parallel
+
+        sizes = parse_parallel(parallel, tp)
+        train, infer = (as_bundle(p, role, model, Path(scratch), sizes) for p, role in ((train_bundle, "train"),
                                                                                 (infer_bundle, "infer")))
         outputs.prepare(out, json_path)
         weights = live_model(model, (train, infer), (train_bundle, infer_bundle))
@@ -450,6 +467,32 @@ def compare_bundles(
                                  tables=tables), quiet)  # fmt: skip
     outputs.write_result(result, out, json_path, tables)
     print_summary(result, Console(), quiet=quiet)
+
+
+@app.command("msprobe-config")
+@handle_errors
+def msprobe_config(
+    path: Path = typer.Argument(..., help="The msprobe config JSON file to write."),
+    side: str = typer.Option(..., help="hf (transformers, the training side) or vllm (in-process, enforce_eager)."),
+    dump_path: Path = typer.Option(..., help="The directory msprobe writes the dump into."),
+    layers: Optional[str] = typer.Option(None, help="Decoder layers to dump, e.g. 0,3 (default: every layer)."),
+    steps: Optional[str] = typer.Option(None, help="msprobe steps to dump, e.g. 0,1 (default: every step)."),
+    level: str = typer.Option("L0", help="L0 (module boundaries) or mix (HF only: also the tensor ops inside "
+                              "modules, which hold HF's RoPE)."),
+    statistics: bool = typer.Option(False, "--statistics", help="Task statistics (summary_mode md5) instead of "
+                                    "tensor: a same-or-not gate, no rows to align."),
+) -> None:
+    """Write the msprobe config logdiff needs for a usable dump (docs/msprobe.md)."""
+    import json
+
+    from logdiff import outputs
+    from logdiff.msprobe.config import msprobe_config as build
+    from logdiff.msprobe.config import parse_ints, usage
+
+    config = build(side, str(dump_path), layers=parse_ints(layers, "--layers"), steps=parse_ints(steps, "--steps"),
+                   statistics=statistics, level=level)
+    outputs.write_text(path, json.dumps(config, indent=1) + "\n", "the config")
+    _say(Console(), usage(side, str(path)))
 
 
 @app.command()

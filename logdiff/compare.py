@@ -17,6 +17,9 @@ metrics its actor logs, per micro-batch and then averages. Sources (volcengine/v
 ``compute_is_metrics``, ``compute_rollout_rejection_mask``), ``verl/trainer/ppo/core_algos.py``
 (``compute_policy_loss_vanilla``: ``ppo_kl``, ``pg_clipfrac``). Definitions: docs/result-schema.md#metrics.
 Samples come from the inference engine, so ``r = exp(lp_train - lp_infer)``.
+
+``compare_pair`` is the comparison of one (train, infer) pair of paths, the ``Pair`` of the result: a scan
+(``pipeline``) and a comparison of bundles (``offline``) both call it.
 """
 
 from __future__ import annotations
@@ -289,3 +292,22 @@ def worst(train: list[np.ndarray], infer: list[np.ndarray], masks: list[Any] | N
     s, p = np.unravel_index(int(np.argmax(d)), d.shape)
     return {"sequence": int(s), "position": int(p),
             "train_logprob": float(train[s][p]), "infer_logprob": float(infer[s][p])}
+
+
+def compare_pair(train: Any, infer: Any, seqs: list[Any], tok: Any, is_threshold: float) -> Any:
+    """The logprob comparison of one (train, infer) pair of paths (``PathScores``) over the scored response
+    tokens of ``seqs``, as the result's ``Pair``; ``tok`` (a tokenizer, or None) spells the worst token."""
+    from logdiff.result import Pair
+
+    masks = [s.response_mask for s in seqs]  # masked tokens were replayed; they are not scored
+    w = worst(train.logprobs, infer.logprobs, masks)
+    w["token_id"] = int(seqs[w["sequence"]].response_ids[w["position"]])
+    w["token_text"] = tok.decode([w["token_id"]]) if tok is not None else None
+    return Pair(
+        train=train.path,
+        infer=infer.path,
+        metrics=token_metrics(train.logprobs, infer.logprobs, train.top1, infer.top1, masks, is_threshold),
+        per_position=per_position(train.logprobs, infer.logprobs, masks),
+        histogram=histogram(train.logprobs, infer.logprobs, masks),
+        worst=w,
+    )

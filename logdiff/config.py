@@ -94,7 +94,7 @@ class ScanConfig:
 
     def _check_engines(self) -> None:
         """What the chosen engines say they cannot do with these settings, refused before anything loads."""
-        from logdiff.engines.base import get_engine
+        from logdiff.engines.registry import get_engine
 
         needs = {"capture": f"--depth {self.depth}"} if self.depth != "logprobs" else {}
         if self.consistent:

@@ -22,7 +22,8 @@ def collect() -> dict[str, Any]:
     """Versions, device, CPU kernels, then each registered engine's own report (``Engine.doctor``)."""
     import torch
 
-    from logdiff.engines.base import engine_names, get_engine, package_version
+    from logdiff.engines.base import package_version
+    from logdiff.engines.registry import engine_names, get_engine
 
     info: dict[str, Any] = {
         "logdiff": package_version("logdiff"),

@@ -22,6 +22,9 @@ the training path's op makes on the inference path's own inputs (``local``).
   order) and in the result's JSON form.
 * **Op drill-down** (``--depth ops``): both paths' op traces of the module that
   produced the first divergence and the first op where they part.
+
+``localize`` runs ``locate`` on every probed pair of a scan or of a comparison of bundles and puts the
+findings on the result's ``Pair``s and ``Located``.
 """
 
 from __future__ import annotations
@@ -332,3 +335,33 @@ def _is_response(pair: Any, first: dict[str, Any]) -> bool:
         return True
     s = seqs[first["sequence"]]
     return first["position"] >= len(s.prompt_ids)
+
+
+def localize(pairs: list[Any], probes: Any, progress: Any, tables: dict[str, Any]) -> Any:
+    """Run ``locate`` on every probed pair of ``pairs`` (the result's ``Pair``s, onto each pair) from the
+    ``ProbeSession`` ``probes``; the primary pair's findings are returned (the result's ``Located``) and
+    each pair's divergence table goes into ``tables``."""
+    from logdiff.result import Located
+
+    found = {(p.train, p.infer): p for p in probes.pairs()}
+    out = Located()
+    for i, pair in enumerate(pairs):
+        record = found.get((pair.train, pair.infer))
+        if record is None:
+            if i == 0:
+                out.warnings.append(f"no operator probes for path {pair.infer}; nothing to localize")
+            continue
+        progress(f"locating the divergence between {pair.train} and {pair.infer}", phase="locate")
+        loc = locate(record)
+        pair.first_divergence, pair.introducing_ops, pair.boundaries = (
+            loc.first_divergence, loc.introducing_ops, loc.boundaries)  # fmt: skip
+        out.warnings += [w for w in loc.warnings if w not in out.warnings]
+        if out.first_nonfinite is None:
+            out.first_nonfinite = loc.first_nonfinite
+        tables["divergence_table" if i == 0 else f"divergence_table_{pair.infer}"] = loc.table
+        if i == 0:
+            out.first_divergence, out.introducing_ops = loc.first_divergence, loc.introducing_ops
+            out.divergence_table, out.op_trace = loc.table_json(), loc.op_trace
+            out.unresolved = loc.unresolved
+    out.warnings += [w for w in probes.warnings if w not in out.warnings]
+    return out

@@ -11,6 +11,7 @@ Three sources, whatever the depth:
 Any of them makes ``result["non_finite"]`` (with a one-line ``summary``), a
 warning first in ``warnings``, and a ``framework_difference``/``non_finite``
 cause, so the verdict is never a clean-looking one and ``check`` fails.
+``add_non_finite`` puts them on a result, a scan's or a comparison of bundles'.
 """
 
 from __future__ import annotations
@@ -88,3 +89,14 @@ def cause(found: dict[str, Any], localized: bool) -> Cause:
     out = classify.non_finite_cause(first, names, evidence, fix)
     out.paths = list(first["paths"]) if first is not None else list(found["paths"])
     return out
+
+
+def add_non_finite(result: Any, cfg: Any, scores: list[Any], weights: dict[str, list[str]]) -> None:
+    """Record NaN/inf as a finding on ``result`` (a ``ScanResult`` of ``cfg``): ``non_finite``, a first warning
+    and a ``non_finite`` cause, from the paths' ``scores`` (``PathScores``) and the weights' names holding any."""
+    recorded = [p for p in scores if p.mode != "recorded"]  # validated input, finite by construction
+    found = finding(path_counts(recorded), weights, result.located.first_nonfinite, cfg.dtype)
+    result.non_finite = found
+    if found is not None:
+        result.warnings.insert(0, found["summary"])
+        result.causes = [cause(found, localized=cfg.depth != "logprobs")]

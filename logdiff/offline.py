@@ -1,9 +1,14 @@
 """``logdiff compare TRAIN_BUNDLE INFER_BUNDLE``: a scan's comparison and diagnosis of two capture bundles.
 
 The bundles were recorded apart (``logdiff.capture`` in a trainer, the vLLM
-worker plugin in a rollout engine; docs/capture.md), on any ranks, in any
-batching. Nothing here imports an engine: the bundles are read with numpy and
-safetensors, and the rest is the scan's own code on CPU tensors:
+worker plugin in a rollout engine, an msprobe dump read by ``logdiff.msprobe``;
+docs/capture.md), on any ranks, in any batching. Nothing here imports an engine's
+folder or a source (``engines.base``, the interface, is all it names): the bundles are read with numpy and safetensors, and the rest is the
+comparison a scan runs too (``compare.compare_pair``, ``locate.localize``,
+``nonfinite.add_non_finite``, ``bundle_feed``, ``diagnosis``), on CPU tensors. This
+module and those sit below the scan (``pipeline``), which imports them and is
+never imported back; ``--model`` asks the engine registry for the training engine
+by name (``registry.get_engine``), never an engine module:
 
 1. both bundles must describe one model (architecture and shape-defining
    config keys), else one line and exit 2;
@@ -37,20 +42,22 @@ training bundle's, else one warning line says so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from logdiff.config import ScanConfig
 from logdiff.bundle_checks import (add_offset_findings, compiled_warning, dump_warning, matching_warning,
                                    position_offsets)
+from logdiff.bundle_feed import feed_side, replay, response_scores
 from logdiff.bundle_weights import SideWeights, model_warning
+from logdiff.compare import compare_pair
+from logdiff.config import ScanConfig
 from logdiff.engines.base import PathScores
+from logdiff.environment import environment
 from logdiff.errors import InputError
 from logdiff.phases import Phases, peak_rss_bytes, silent
 from logdiff.probes.bundle import Bundle
-from logdiff.probes.feed import TokenScores
 from logdiff.result import PathInfo, ScanResult, ScanSettings, SequencesInfo
 from logdiff.sequences import Sequence
 
@@ -92,6 +99,10 @@ class BundleSide:
 
     def contract(self) -> dict[str, Any]:
         return dict(self.meta.get("contract") or {})
+
+    def judged_contract(self) -> dict[str, Any]:
+        """The contract read at capture, else the one a foreign dump's source declared from the config."""
+        return self.contract() or dict(self.meta.get("declared_contract") or {})
 
     def fingerprints(self, at: str | None = None) -> dict[str, str | None]:
         """The fingerprints of the weights the matched sequences ran with (``bundle_weights``), taken at capture:
@@ -148,9 +159,10 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
     side's model itself, in this process (an RL framework's, inside its step), used as ``--model``'s would be:
     its weights for the conformance check, and one no-grad forward over the common sequences for the replay
     (nothing that trains: no gradient, no mode change, dropout must be off for it to reproduce the capture)."""
-    from logdiff import pipeline
+    from logdiff.locate import localize
+    from logdiff.nonfinite import add_non_finite
     from logdiff.probes.feed import match_sequences, sketched
-    from logdiff.probes.session import ProbeSession
+    from logdiff.probes.session import CONFORMANCE_SEQUENCES, ProbeSession
 
     progress = Phases.of(progress)
     progress("reading the bundles and matching their sequences by token ids", phase="stage")
@@ -169,7 +181,7 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
     infer = BundleSide(ib, "infer", None, infer_weights)
     architecture, config = str(tb.meta.get("architecture")), dict(tb.meta.get("config") or {})
     session = ProbeSession(seqs, 0, architecture, config,
-                           conformance_sequences=pipeline.CONFORMANCE_SEQUENCES if engine is not None else 0)
+                           conformance_sequences=CONFORMANCE_SEQUENCES if engine is not None else 0)
     offsets = position_offsets(tb, ib, matching)  # where a side fed a sequence at shifted positions (RoPE's input)
     session.position_offsets = {side: {c: o[side] for c, o in offsets.items() if o.get(side)} for side in ("train", "infer")}
     try:
@@ -179,18 +191,18 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
                      phase=f"feed:{side.role}")
             extra = (session.keep_rows(side.name),) if engine is not None and side is train else ()
             other = windows["infer" if side is train else "train"]
-            scores[side.role], misaligned = _feed_side(side.bundle, common, matching.ids, session, side.role,
+            scores[side.role], misaligned = feed_side(side.bundle, common, matching.ids, session, side.role,
                                                        side.name, extra, other - windows[side.role])
             if misaligned:
                 session.warnings.append(f"{side.role} bundle: {misaligned} rows held another token id than the "
                                         "matched sequence at their position; they were left out")
         if engine is not None:
             progress("replaying the training side's ops on the inference side's inputs", phase="replay")
-            _replay(engine, session, train.name, seqs)
+            replay(engine, session, train.name, seqs)
         train_scores, infer_scores = _path_scores(train, infer, scores, seqs)
         progress("comparing the logprobs", phase="compare")
-        pairs = [pipeline.compare_pair(train_scores, infer_scores, seqs, None, is_threshold)]
-        located = pipeline.localize(pairs, session, progress, tables if tables is not None else {})
+        pairs = [compare_pair(train_scores, infer_scores, seqs, None, is_threshold)]
+        located = localize(pairs, session, progress, tables if tables is not None else {})
         cfg = ScanConfig(model=Path(model or train_dir), dtype=_dtype(tb), depth="modules", attribute=False,
                          is_threshold=is_threshold)
         result = ScanResult(
@@ -200,7 +212,7 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
             architecture=architecture,
             dtype=cfg.dtype,
             settings=ScanSettings(0, "modules", False, {"train": {}, "infer": {}}, "bundle", False, is_threshold),
-            environment=pipeline.environment(),
+            environment=environment(),
             paths=[PathInfo.of(train.name, "train", "forward", train.info()),
                    PathInfo.of(infer.name, "infer", str(ib.meta.get("mode") or "forward"), infer.info())],
             sequences=SequencesInfo(len(seqs), "bundle", None, [len(s.prompt_ids) for s in seqs],
@@ -209,7 +221,7 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
             located=located,
             warnings=list(located.warnings),
         )
-        pipeline.add_non_finite(result, cfg, [train_scores, infer_scores], {})  # NaN/inf in a record: a finding
+        add_non_finite(result, cfg, [train_scores, infer_scores], {})  # NaN/inf in a record: a finding
         matching_warning(result, matching.unmatched, {"train": len(train_table), "infer": len(infer_table)})
         for line in (rejected, train_weights.warning(), infer_weights.warning()):
             if line:
@@ -231,84 +243,6 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
     result.conclude()
     result.timings, result.peak_rss_bytes = progress.close(), peak_rss_bytes()
     return result
-
-
-def scores_of_capture(bundle: Bundle, seqs: list[Sequence], session: Any, role: str, path: str,
-                      live: Any = None) -> PathScores:
-    """A scan's path that ran elsewhere and was captured (a sharded training path on its own ranks): its
-    records fed into the scan's ``session`` (None at ``--depth logprobs``) as ``role``'s path ``path``, and its
-    logprobs of the scan's response tokens, read from its own ``log_softmax`` rows. ``live``: an engine of
-    the same path in this process, whose ops are replayed where they reproduce the capture (``_replay``)."""
-    from logdiff.probes.feed import match_sequences
-
-    ids = [s.ids for s in seqs]
-    matching = match_sequences(bundle.sequence_table(), {((-1,), i): x for i, x in enumerate(ids)})
-    scan_index = {c: key[1] for key, c in matching.infer.items()}
-    if matching.unmatched["infer"] or any(len(matching.ids[c]) != len(ids[scan_index[c]]) for c in scan_index):
-        raise RuntimeError(f"the capture of path {path} does not hold every sequence of the scan whole")
-    common = {key: scan_index[c] for key, c in matching.train.items()}
-    replay = session is not None and live is not None and role == "train"
-    scores, misaligned = _feed_side(bundle, common, ids, session, role, path,
-                                    (session.keep_rows(path),) if replay else ())
-    if misaligned:
-        raise RuntimeError(f"the capture of path {path} fed {misaligned} rows another token id than the scan's")
-    if replay:
-        _replay(live, session, path, seqs)
-    missing = [i for i, s in enumerate(seqs) if not scores.has[i][len(s.prompt_ids):].all()]
-    if missing:
-        raise RuntimeError(f"the capture of path {path} has no logprobs for sequences {missing[:5]}")
-    return _response_scores(scores, seqs, path, "forward")
-
-
-def _response_scores(scores: Any, seqs: list[Sequence], path: str, mode: str) -> PathScores:
-    """Path ``path``'s logprobs and top-1 tokens of each sequence's response tokens, from its ``TokenScores``
-    (no top-1 tokens from the trainer's own token logprobs: none were given)."""
-    top1 = None if isinstance(scores, _GivenLogprobs) else [scores.top1[c][len(s.prompt_ids):]
-                                                            for c, s in enumerate(seqs)]
-    return PathScores(path, mode, [scores.logprobs[c][len(s.prompt_ids):] for c, s in enumerate(seqs)], top1)
-
-
-def _token_scores(bundle: Bundle, ids: list[list[int]]) -> Any:
-    """The sink of a side's token logprobs: the trainer's own (``Capture.token_logprobs``: a fused head that
-    never calls ``lm_head`` has no logits) where the bundle holds them, which the trainer's loss used; else its
-    ``log_softmax`` rows, else its logits (``feed.score_source``)."""
-    from logdiff.probes.capture import TOKEN_LOGPROBS
-    from logdiff.probes.feed import score_source
-
-    if any(TOKEN_LOGPROBS in step["records"] for part in bundle.ranks for step in part.steps):
-        return _GivenLogprobs(ids, TOKEN_LOGPROBS)
-    return TokenScores(ids, score_source(bundle))
-
-
-class _GivenLogprobs(TokenScores):
-    """A side's ``token_logprobs`` rows: one column, the logprob of the next token as the trainer computed it
-    (no top-1 token: none was given)."""
-
-    def emit(self, name: str, rows: Any, rmap: Any, replay: Any = None) -> None:
-        import numpy as np
-
-        if name != self.source:
-            return
-        values = rows.float().numpy()[:, 0]
-        for j in np.nonzero(rmap.valid)[0]:
-            s, n = int(rmap.seq[j]), int(rmap.pos[j]) + 1
-            if n < len(self.ids[s]):
-                self.logprobs[s][n], self.has[s][n] = values[j], True
-
-
-def _feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], session: Any, role: str,
-               path: str, extra: tuple[Any, ...] = (), sketch_also: Collection[str] = ()) -> tuple[Any, int]:
-    """One side's bundle into the session's sinks for ``role``'s path ``path`` (none without a session) and
-    ``extra`` sinks, with the sketches of the whole records ``sketch_also`` names (the other side kept only
-    those): its token scores, and how many rows disagreed with their sequence's token ids."""
-    from logdiff.probes.feed import feed, reductions
-
-    scores = _token_scores(bundle, ids)
-    sinks = session.sinks(role, path, dict(bundle.meta.get("owners") or {})) if session is not None else []
-    misaligned = feed(bundle, common, ids, [*sinks, *extra, scores], sketch_also)
-    if session is not None:
-        session.reductions[role] = reductions(bundle, session.cmap)
-    return scores, misaligned
 
 
 def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: BundleSide, session: Any,
@@ -391,8 +325,8 @@ def _path_scores(train: BundleSide, infer: BundleSide, scores: dict[str, Any],
         s.response_mask = (t.has[c][n:] & i.has[c][n:]).astype(int).tolist()
     if not any(any(s.response_mask) for s in seqs):
         raise InputError("no token has a logprob on both sides: the bundles hold no common logits rows")
-    return (_response_scores(t, seqs, train.name, "forward"),
-            _response_scores(i, seqs, infer.name, str(infer.meta.get("mode") or "forward")))
+    return (response_scores(t, seqs, train.name, "forward"),
+            response_scores(i, seqs, infer.name, str(infer.meta.get("mode") or "forward")))
 
 
 def _training_engine(model: Path | None, bundle: Bundle, live: Any = None) -> Any:
@@ -400,7 +334,8 @@ def _training_engine(model: Path | None, bundle: Bundle, live: Any = None) -> An
     trainer's own model, loading nothing): the weights the conformance check reads, and the live ops the
     replay re-runs."""
     from logdiff.engines import DEFAULT_TRAIN
-    from logdiff.engines.base import EngineSpec, get_engine
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.registry import get_engine
 
     if live is not None:
         name = str(getattr(live.config, "_name_or_path", "") or "live model")
@@ -408,20 +343,3 @@ def _training_engine(model: Path | None, bundle: Bundle, live: Any = None) -> An
     if not (Path(model) / "config.json").is_file():
         raise InputError(f"--model {model}: not a model directory (no config.json)")
     return get_engine(DEFAULT_TRAIN)(EngineSpec(str(model), _dtype(bundle), (), (), 0, False, "cpu"))
-
-
-def _replay(engine: Any, session: Any, path: str, seqs: list[Sequence]) -> None:
-    """One live pass of ``engine`` over the common sequences that only replays (``feed.ReplaySink``): each op
-    re-run on the inference side's inputs where the live model reproduces the training bundle's values."""
-    from logdiff.locate import named
-    from logdiff.probes.feed import ReplaySink
-    from logdiff.probes.record import Recorder
-
-    kept = session.keep_rows(path)
-    sinks = [ReplaySink(comparer, kept) for (train, _), comparer in session.comparers.items() if train == path]
-    with Recorder(engine, session.cmap, lambda _path: sinks, seqs, 0):
-        engine.score(seqs)
-    unfaithful = list(dict.fromkeys(n for sink in sinks for n in sink.unfaithful))
-    if unfaithful:
-        session.warnings.append(f"the {path} ops in this process do not reproduce the captured {path} path at "
-                                f"{len(unfaithful)} boundaries ({named(unfaithful, 4)}), so those were not replayed")

@@ -66,7 +66,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
 
 def all_options() -> dict[str, list[str]]:
     """Option key -> the registered engines that read it."""
-    from logdiff.engines.base import engine_names, get_engine
+    from logdiff.engines.registry import engine_names, get_engine
 
     owners: dict[str, list[str]] = {}
     for name in engine_names():
@@ -77,7 +77,7 @@ def all_options() -> dict[str, list[str]]:
 
 def validate_side(side: str, engines: list[str], settings: dict[str, Any]) -> None:
     """InputError for an option with a bad value, or one that none of this side's engines reads."""
-    from logdiff.engines.base import get_engine
+    from logdiff.engines.registry import get_engine
 
     owners = all_options()
     for key, value in settings.items():

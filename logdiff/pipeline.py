@@ -3,6 +3,10 @@
 The flow follows docs (../shared/design.md): token sequences -> paths ->
 compare -> (locate -> classify -> attribute) -> a ``ScanResult``
 (logdiff/result.py), whose ``to_dict()`` is docs/result-schema.md.
+The comparison it runs (``compare.compare_pair``, ``locate.localize``,
+``nonfinite.add_non_finite``, ``bundle_feed`` for a path captured elsewhere,
+``diagnosis``) is the one ``logdiff compare`` runs on bundles (``offline``): it
+sits below this module and never imports it back.
 ``measure`` is the undiagnosed first half, and what diagnosis rescans run.
 Engines come from a process-wide pool, so repeated scans in one process
 (tests, a training loop calling ``logdiff.scan``) load each engine once.
@@ -12,23 +16,26 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import platform
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from logdiff import compare, isa, sequences
+from logdiff import sequences
+from logdiff.compare import compare_pair
 from logdiff.config import ScanConfig
-from logdiff.engines.base import Engine, EngineSpec, PathScores, acquire, engine_names, get_engine
+from logdiff.engines.base import Engine, EngineSpec, PathScores
+from logdiff.engines.pool import acquire
+from logdiff.engines.registry import get_engine
+from logdiff.environment import environment
 from logdiff.errors import InputError
 from logdiff.options import is_option
 from logdiff.phases import Phases, peak_rss_bytes, silent
 from logdiff.probes import checkpoint
 from logdiff.reproduce import rollout_replay
-from logdiff.result import Located, Pair, PathInfo, ScanResult, ScanSettings, SequencesInfo
+from logdiff.result import Located, PathInfo, ScanResult, ScanSettings, SequencesInfo
+
 Progress = Callable[[str], None]
 
 
@@ -103,10 +110,6 @@ class PathRun:
         """The inference engine that produced ``path`` (the first one for a recorded path)."""
         name = next((p.engine for p in self.paths[1:] if p.name == path), None)
         return next((e for e in self.infer_engines if e.name == name), self.infer_engines[0])
-
-
-#: sequences whose training-path rows the probes keep for the conformance check (docs/causes.md)
-CONFORMANCE_SEQUENCES = 2
 
 
 def run_paths(cfg: ScanConfig, progress: Progress = silent, conformance_sequences: int = 0) -> PathRun:
@@ -244,7 +247,7 @@ def _score(engine: Engine, role: str, seqs: list[sequences.Sequence], recording:
         if bundle is None:
             with recording(engine, role):
                 return [engine.score_primary(seqs)] if primary_only else engine.score(seqs)
-        from logdiff.offline import scores_of_capture
+        from logdiff.bundle_feed import scores_of_capture
         from logdiff.probes.bundle import Bundle
 
         return [scores_of_capture(Bundle(bundle), seqs, probes, role, engine.name, live=engine)]
@@ -253,24 +256,6 @@ def _score(engine: Engine, role: str, seqs: list[sequences.Sequence], recording:
 def _path_info(engine: Engine | None, scores: PathScores, role: str) -> PathInfo:
     info = engine.info() if engine is not None else {"engine": "recorded", "version": None, "settings": {}}
     return PathInfo.of(scores.path, role, scores.mode, info)
-
-
-def compare_pair(
-    train: PathScores, infer: PathScores, seqs: list[sequences.Sequence], tok: Any, is_threshold: float
-) -> Pair:
-    """The logprob comparison of one (train, infer) pair of paths over the scored response tokens."""
-    masks = [s.response_mask for s in seqs]  # masked tokens were replayed; they are not scored
-    w = compare.worst(train.logprobs, infer.logprobs, masks)
-    w["token_id"] = int(seqs[w["sequence"]].response_ids[w["position"]])
-    w["token_text"] = tok.decode([w["token_id"]]) if tok is not None else None
-    return Pair(
-        train=train.path,
-        infer=infer.path,
-        metrics=compare.token_metrics(train.logprobs, infer.logprobs, train.top1, infer.top1, masks, is_threshold),
-        per_position=compare.per_position(train.logprobs, infer.logprobs, masks),
-        histogram=compare.histogram(train.logprobs, infer.logprobs, masks),
-        worst=w,
-    )
 
 
 def _tokenizer(cfg: ScanConfig) -> Any:
@@ -282,67 +267,6 @@ def _tokenizer(cfg: ScanConfig) -> Any:
         return AutoTokenizer.from_pretrained(str(cfg.model), trust_remote_code=cfg.trust_remote_code)
     except Exception:  # noqa: BLE001 - token text is a nicety; ids are the truth
         return None
-
-
-def environment() -> dict[str, Any]:
-    """Versions (every registered engine's packages: ``Engine.versions``) and the device, for the report."""
-    import torch
-
-    device = "cuda:" + torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    versions: dict[str, Any] = {}
-    for name in engine_names():
-        versions.update(get_engine(name).versions())
-    return {
-        "cpu_isa": isa.cpu_isa(),
-        "cpu_isa_emulated": isa.emulated_isa() is not None,
-        **({"cpu_isa_host": isa.host_isa()} if isa.emulated_isa() else {}),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        **versions,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "device": device,
-    }
-
-
-def localize(pairs: list[Pair], probes: Any, progress: Progress, tables: dict[str, Any]) -> Located:
-    """Run ``locate`` on every probed pair (onto the pair); the primary pair's findings are returned."""
-    from logdiff import locate
-
-    found = {(p.train, p.infer): p for p in probes.pairs()}
-    out = Located()
-    for i, pair in enumerate(pairs):
-        record = found.get((pair.train, pair.infer))
-        if record is None:
-            if i == 0:
-                out.warnings.append(f"no operator probes for path {pair.infer}; nothing to localize")
-            continue
-        progress(f"locating the divergence between {pair.train} and {pair.infer}", phase="locate")
-        loc = locate.locate(record)
-        pair.first_divergence, pair.introducing_ops, pair.boundaries = (
-            loc.first_divergence, loc.introducing_ops, loc.boundaries)  # fmt: skip
-        out.warnings += [w for w in loc.warnings if w not in out.warnings]
-        if out.first_nonfinite is None:
-            out.first_nonfinite = loc.first_nonfinite
-        tables["divergence_table" if i == 0 else f"divergence_table_{pair.infer}"] = loc.table
-        if i == 0:
-            out.first_divergence, out.introducing_ops = loc.first_divergence, loc.introducing_ops
-            out.divergence_table, out.op_trace = loc.table_json(), loc.op_trace
-            out.unresolved = loc.unresolved
-    out.warnings += [w for w in probes.warnings if w not in out.warnings]
-    return out
-
-
-def add_non_finite(result: ScanResult, cfg: ScanConfig, scores: list[PathScores], weights: dict[str, list[str]]) -> None:
-    """Record NaN/inf as a finding: ``non_finite``, a first warning and a ``non_finite`` cause."""
-    from logdiff import nonfinite
-
-    recorded = [p for p in scores if p.mode != "recorded"]  # validated input, finite by construction
-    found = nonfinite.finding(nonfinite.path_counts(recorded), weights, result.located.first_nonfinite, cfg.dtype)
-    result.non_finite = found
-    if found is not None:
-        result.warnings.insert(0, found["summary"])
-        result.causes = [nonfinite.cause(found, localized=cfg.depth != "logprobs")]
 
 
 @dataclass
@@ -363,6 +287,10 @@ def measure(
     ``diagnosing``: a diagnosis follows, so the probes keep both sides' rows for its
     conformance check and stay open (``run.probes``; the caller closes them).
     """
+    from logdiff.locate import localize
+    from logdiff.nonfinite import add_non_finite
+    from logdiff.probes.session import CONFORMANCE_SEQUENCES
+
     progress = Phases.of(progress)
     run = run_paths(cfg, progress, CONFORMANCE_SEQUENCES if diagnosing else 0)
     seqs, train, infers = run.sequences, run.train, run.infers

@@ -84,6 +84,11 @@ class ContractExtras:
         return ContractExtras({**self.readers, **readers})
 
 
+#: the key of a contract a side could not read but declares (an msprobe dump: its config's), naming where from;
+#: conformance judges such a side under it and says so, the preflight never compares it
+DECLARED = "declared"
+
+
 def fingerprint(tensor: Any) -> str:
     """A short hash of a tensor's bytes (dtype-exact: a 1-ulp change alters it)."""
     import torch

@@ -41,7 +41,7 @@ class DeviceChunks:
         """Reduce one chunk (``[rows, width]`` on both sides, ``other`` on ``self.device``) without a host sync."""
         import torch
 
-        from logdiff.probes.summary import _INT_OF, ulp_distance
+        from logdiff.probes.ulps import INT_OF, ulp_distance
 
         ref = ref.to(self.device, non_blocking=True)  # from the host without waiting on the device
         a, b = ref.detach().to(work), other.detach().to(work)
@@ -55,7 +55,7 @@ class DeviceChunks:
         odd_rows = (~finite_a | ~finite_b).reshape(a.shape[0], -1).any(dim=1)
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         ulp = zero
-        if dtype in _INT_OF:
+        if dtype in INT_OF:
             ulp = torch.where(unequal, ulp_distance(ref, other, dtype), 0).amax().to(torch.float64)
         stats = [
             unequal.sum(), bad.sum(), torch.where(bad, torch.zeros_like(diff), diff).sum(dtype=torch.float64),

@@ -29,6 +29,10 @@ from logdiff.probes.routing import RouterSink, router_boundaries
 from logdiff.probes.store import PathStore, is_run
 from logdiff.probes.summary import PathComparer
 
+#: sequences whose training-path rows a session keeps for the diagnosis's conformance check when one follows
+#: (``conformance_sequences``: a scan that diagnoses, a comparison of bundles with the training model; docs/causes.md)
+CONFORMANCE_SEQUENCES = 2
+
 
 class StoreSink(PathStore):
     """A ``PathStore`` that takes the recorder's ``emit`` calls (of the first ``sequences`` sequences only, if set)."""

@@ -172,7 +172,7 @@ class PathStore:
     def emit(self, name: str, rows: Any, seq: np.ndarray, pos: np.ndarray) -> None:
         store = self.boundaries.get(name)
         if store is None:
-            from logdiff.probes.summary import dtype_name
+            from logdiff.probes.ulps import dtype_name
 
             file = self.root / f"{len(self.order):04d}.bin"
             store = RowStore(file, self.num_sequences, self.max_len, int(rows.shape[1]), dtype_name(rows.dtype))

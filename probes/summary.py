@@ -26,50 +26,10 @@ from typing import Any
 import numpy as np
 
 from logdiff.probes.store import is_run
+from logdiff.probes.ulps import INT_OF, coarser, dtype_name, ordered_bits, ulp_distance  # noqa: F401 - public here too
 
-_INT_OF = {"bfloat16": ("int16", 16), "float16": ("int16", 16), "float32": ("int32", 32), "float64": ("int64", 64)}
-_PRECISION = {"float64": 3, "float32": 2, "float16": 1, "bfloat16": 0}
 #: elements compared per chunk (float64 temporaries of a few MiB, whatever the batch or vocabulary)
 CHUNK_ELEMENTS = 1 << 18
-
-
-def dtype_name(dtype: Any) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).replace("torch.", "")
-
-
-def coarser(a: str, b: str) -> str:
-    """The lower-precision of two float dtype names (ulps are counted in it)."""
-    if a not in _PRECISION or b not in _PRECISION:
-        return a
-    if {a, b} == {"bfloat16", "float16"}:
-        return "bfloat16"
-    return a if _PRECISION[a] <= _PRECISION[b] else b
-
-
-def ordered_bits(x: Any, dtype: str) -> Any:
-    """Map floats of ``dtype`` to integers so that adjacent representable values differ by 1.
-
-    Sign-magnitude bits to a signed line: ``(raw ^ (sign & magnitude_mask)) - sign``
-    with ``sign`` the arithmetic shift of the raw pattern (0 or -1), so +0 and -0
-    both map to 0. Computed in the raw width, widened only for 16-bit types
-    (int32, so that distances cannot overflow) and float64 (int64 saturates
-    nowhere that matters: its distances exceed every ulp count of interest).
-    """
-    import torch
-
-    int_name, bits = _INT_OF[dtype]
-    raw = x.to(getattr(torch, dtype)).contiguous().view(getattr(torch, int_name))
-    sign = raw >> (bits - 1)
-    ordered = (raw ^ (sign & ((1 << (bits - 1)) - 1))) - sign
-    return ordered.to(torch.int32 if bits == 16 else torch.int64)
-
-
-def ulp_distance(a: Any, b: Any, dtype: str) -> Any:
-    """Elementwise distance in ulps of ``dtype`` between two tensors (int32 for 16-bit types, else int64)."""
-    if dtype not in _INT_OF:
-        raise ValueError(f"no ulp distance for dtype {dtype}")
-    return (ordered_bits(a, dtype) - ordered_bits(b, dtype)).abs_()
 
 
 @dataclass
@@ -155,7 +115,7 @@ class DiffSummary:
             ref_abs = max(-float(lo), float(hi))
             n_unequal = int(torch.count_nonzero(diff))  # for finite values the same as "bits differ" (+0 == -0)
             if n_unequal:
-                if dt in _INT_OF:  # equal elements are 0 ulps apart: no need to pick out the unequal ones
+                if dt in INT_OF:  # equal elements are 0 ulps apart: no need to pick out the unequal ones
                     self.max_ulp = max(self.max_ulp, int(ulp_distance(ref, other, dt).amax()))
                 self.sum_abs_diff += float(diff.sum(dtype=torch.float64))
         else:  # NaN/inf somewhere: NaN on both sides counts as equal, anything else as a divergence
@@ -172,7 +132,7 @@ class DiffSummary:
             unequal = diff != 0
             n_unequal = int(unequal.sum())
             if n_unequal:
-                if dt in _INT_OF:
+                if dt in INT_OF:
                     self.max_ulp = max(self.max_ulp, int(ulp_distance(ref[unequal], other[unequal], dt).max()))
                 self.sum_abs_diff += float(torch.where(bad, torch.zeros_like(diff), diff).sum(dtype=torch.float64))
         self.rows_equal += int((row_max == 0).sum())

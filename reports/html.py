@@ -109,6 +109,7 @@ def build_view(result: dict) -> dict:
     if heatmap is not None:
         heatmap["response_start"] = _uniform_prompt_len(r.get("sequences"))
     verdict = _text(r.get("verdict"), "unknown")
+    stats = r.get("statistics") if isinstance(r.get("statistics"), dict) else None  # msprobe statistics only
     return {
         "verdict": verdict,
         "verdict_text": verdict_text(verdict),
@@ -125,8 +126,8 @@ def build_view(result: dict) -> dict:
         "schema_version": _text(r.get("schema_version")),
         "depth": _text(depth),
         "cost": cost_text(r),
-        "headline": _headline(r, pairs),
-        "cards": _cards(r),
+        "headline": str(stats.get("summary")) if stats else _headline(r, pairs),
+        "cards": _statistics_cards(stats) if stats else _cards(r),
         "settings": _settings_rows(settings, r.get("sequences")),
         "environment": [(k, fmt_value(v)) for k, v in _dict(r.get("environment")).items()],
         "paths": _paths(r.get("paths")),
@@ -284,7 +285,23 @@ def _first_divergence(fd: Any) -> dict | None:
             "input_max_abs_diff": fmt_num(fd.get("input_max_abs_diff"))}
 
 
+def _statistics_cards(stats: dict) -> list[dict]:
+    """A statistics-only comparison's cards: what was compared, and the first differing module with its bound."""
+    first = _dict(stats.get("first_difference"))
+    cards = [{"label": "statistics only", "value": f"{fmt_num(stats.get('different'))} of "
+              f"{fmt_num(stats.get('compared'))}", "sub": f"tensor pairs differ (by {_text(stats.get('by'))})",
+              "mono": False}]
+    if first:
+        cards.append({"label": "first differing module", "value": _text(first.get("boundary")), "mono": True,
+                      "sub": f"step {_text(first.get('step'))}, forward {_text(first.get('forward'))}"})
+        cards.append({"label": "max |Δ| at least", "value": fmt_num(first.get("max_abs_diff_lower_bound")),
+                      "sub": f"from {_text(first.get('bound_from'), 'no statistic (0)')}", "mono": False})
+    return cards
+
+
 def _no_divergence_reason(r: dict, depth: Any) -> str:
+    if isinstance(r.get("statistics"), dict):
+        return "Statistics only: no tensors were dumped, so nothing is localized by position (see the headline)."
     if depth == "logprobs":
         return "Not localized: this scan ran at --depth logprobs. Rerun with --depth modules to find where the paths part."
     if r.get("verdict") == "consistent":

@@ -144,6 +144,12 @@ def _non_finite(result: dict[str, Any]) -> list[str]:
 def explain(result: dict[str, Any]) -> str:
     """The account as plain text (one paragraph per part); control characters in the result are escaped."""
     result = terminal_safe(result)
+    stats = result.get("statistics")
+    if isinstance(stats, dict):  # an msprobe statistics-only comparison: no logprobs, pairs or causes
+        return "\n\n".join([f"Verdict: {result['verdict']} (statistics only).", str(stats.get("summary")),
+                              str(stats.get("causes_not_classified") or "No cause is classified."),
+                              ("Next: dump both sides in tensor mode (docs/msprobe.md) to localize and classify "
+                               "the difference.")]) + "\n"
     parts = [
         _non_finite(result),
         [f"Verdict: {result['verdict']}. {VERDICT_LINE.get(result['verdict'], '')}"],

@@ -146,6 +146,21 @@ def _cross_field_errors(result: dict) -> list[str]:
     errors.extend(_null_metric_errors(result))
     errors.extend(_moe_errors(result.get("moe")))
     errors.extend(_attribution_errors(result))
+    errors.extend(_statistics_errors(result.get("statistics")))
+    return errors
+
+
+def _statistics_errors(stats: Any) -> list[str]:
+    """A statistics-only comparison's counts add up, and its first difference is the first it lists."""
+    if not isinstance(stats, dict) or not _numbers([stats.get(k) for k in ("compared", "equal", "different")]):
+        return []
+    errors = []
+    if stats["equal"] + stats["different"] != stats["compared"]:
+        errors.append(f"$.statistics: equal {stats['equal']} + different {stats['different']} is not compared "
+                      f"{stats['compared']}")
+    listed = stats.get("differences")
+    if isinstance(listed, list) and (listed[:1] or [None])[0] != stats.get("first_difference"):
+        errors.append("$.statistics.first_difference: must be the first of differences")
     return errors
 
 

@@ -201,10 +201,15 @@ def _verdict_fields(result: dict, width: int | None = None) -> list[Field]:
     fields: list[Field] = [("", head)]
     lp = result.get("logprobs") if isinstance(result.get("logprobs"), dict) else {}
     gap = f"max|Δlogprob| {fmt_num(lp.get('abs_diff_max'))}  mean {fmt_num(lp.get('abs_diff_mean'))}"
+    if isinstance(result.get("statistics"), dict):  # an msprobe statistics-only comparison: no logprobs
+        gap = "statistics only (no tensors, no logprobs)"
     pairs = result.get("pairs")
     if isinstance(pairs, list) and pairs and isinstance(pairs[0], dict):
         gap += f" ({_pair_label(pairs[0], None if room is None else room - cell_len(gap) - 3)})"
     fields.append(("  ", Text(gap)))
+    first = result["statistics"].get("first_difference") if isinstance(result.get("statistics"), dict) else None
+    if isinstance(first, dict):
+        fields.append(("  ", Text(f"first differing module {_shortened(str(first.get('boundary')), room, 23)}")))
     causes = result.get("causes")
     count = f"{len(causes)} cause{'s' if len(causes) != 1 else ''}" if isinstance(causes, list) and causes else ""
     fd = result.get("first_divergence")
@@ -265,6 +270,10 @@ def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
     fd = result.get("first_divergence")
     if isinstance(fd, dict):
         _print_fitted(console, _divergence_fields(fd, width))
+    stats = result.get("statistics")
+    if isinstance(stats, dict):  # a statistics-only comparison: its summary instead of logprob metrics
+        _print_fitted(console, [("", Text(str(stats.get("summary")), style="bold"))])
+        return
 
     moe = moe_line(result.get("moe"))
     if moe is not None:

@@ -2,7 +2,7 @@
 
 Loading is the slow part, so every model here is built once per session (a
 short, seeded training run: peaked distributions, not a random init), and the
-engines that scans acquire stay in ``logdiff.engines.base``'s process pool
+engines that scans acquire stay in ``logdiff.engines.pool``'s process pool
 across tests. Tests that need vLLM use the ``vllm`` marker and are skipped,
 with the reason, when vLLM is not installed.
 """

@@ -132,7 +132,7 @@ def test_cuda_backend_leaves_other_attention_backends_and_patches_a_linears_appl
 
 
 def test_vllm_ascend_is_registered_and_unavailable_in_one_line_without_torch_npu():
-    from logdiff.engines.base import engine_names, get_engine
+    from logdiff.engines.registry import engine_names, get_engine
     from logdiff.engines.vllm import VLLMEngine
     from logdiff.probes.errors import EngineUnavailable
 
@@ -152,7 +152,8 @@ def test_plan_with_a_leaving_backend_lists_what_is_left_and_patches_nothing_it_l
     linear, attention and MoE left to the platform): the neutral ops are planned, each left op is
     listed by name and never patched, and nothing is refused. Negative control: the ``cpu`` backend
     on the same engine leaves nothing."""
-    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.pool import acquire
     from logdiff.engines.vllm.consistent import engine_objects
     from logdiff.engines.vllm.consistent.cpu import CPUBackend
     from logdiff.engines.vllm.consistent.plan import build_plan

@@ -124,7 +124,8 @@ def test_consistent_vllm_runs_every_mla_layer_from_the_latent_cache(
 ) -> None:
     """Every MLAAttention's forward_impl is the latent kernel (its absorbed decode and SDPA prefill are not
     reached); the wrapper's own children (q/kv projections, latent norm, RoPE, o_proj) are planned kernels."""
-    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.pool import acquire
     from logdiff.engines.vllm.consistent import consistent_vllm, engine_objects
 
     spec = EngineSpec(model_dir=str(demo_model(arch)), dtype="bfloat16",

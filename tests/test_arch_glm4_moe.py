@@ -222,7 +222,8 @@ def test_vllm_bias_fault_is_a_routing_weights_difference(demo_model: Callable[[s
 @pytest.mark.vllm
 def test_consistent_vllm_patches_the_shared_expert_and_the_grouped_router(demo_model: Callable[[str], Path]) -> None:
     """The stock shared expert happens to agree with HF here, so bitwise 0 alone would not show it is covered."""
-    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.pool import acquire
     from logdiff.engines.vllm.consistent import consistent_vllm, engine_objects
     from logdiff.engines.vllm.consistent_ops import routing_rule
 

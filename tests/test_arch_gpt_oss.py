@@ -208,7 +208,8 @@ def test_a_stale_router_bias_flips_experts_and_is_blamed_on_the_router(
 
 @pytest.mark.vllm
 def test_consistent_vllm_patches_sinks_router_and_biased_experts(demo_model: Callable[[str], Path]) -> None:
-    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.pool import acquire
     from logdiff.engines.vllm.consistent import consistent_vllm
 
     spec = EngineSpec(model_dir=str(demo_model("gpt-oss")), dtype="bfloat16",

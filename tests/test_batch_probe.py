@@ -8,7 +8,7 @@ import pytest
 from plants import batch_dependent
 
 import logdiff
-from logdiff.engines import base
+from logdiff.engines import base, pool
 from logdiff.probes import checkpoint
 
 SIZES = (1, 4, 8)
@@ -25,7 +25,7 @@ def test_probe_detects_batch_dependence_and_consistent_mode_removes_it(qwen3: Pa
     # Whether stock fp32 decode is batch-invariant is this CPU's business; the report must say which.
     assert stock["invariant"] == all(c["bitwise_equal_fraction"] == 1.0 for c in stock["comparisons"])
 
-    engine = base.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path), "float32"))
+    engine = pool.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path), "float32"))
     with batch_dependent(engine.model.get_submodule("model.layers.1.mlp.down_proj")) as ran:
         planted = logdiff.scan(qwen3, batch_sizes=SIZES, **common)["batch_invariance"]
     assert {1, 8} <= set(ran), "the scan did not run through the planted module"

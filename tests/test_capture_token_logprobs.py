@@ -90,13 +90,13 @@ def _compare(train: Path, infer: Path):
 
 def _train_logprobs(train: Path, infer: Path) -> list[list[float]]:
     """The training side's logprob of every scored token, as ``compare`` reads it."""
-    from logdiff import offline
+    from logdiff import bundle_feed
     from logdiff.probes.bundle import Bundle
     from logdiff.probes.feed import match_sequences
 
     tb, ib = Bundle(train), Bundle(infer)
     matching = match_sequences(tb.sequence_table(), ib.sequence_table())
-    scores, _ = offline._feed_side(tb, matching.train, matching.ids, None, "train", "hf")
+    scores, _ = bundle_feed.feed_side(tb, matching.train, matching.ids, None, "train", "hf")
     return [[float(v) for v, h in zip(lp, has) if h] for lp, has in zip(scores.logprobs, scores.has)]
 
 

@@ -374,7 +374,7 @@ def test_self_check_hf_vs_vllm_matches_committed_baseline(qwen3: Path) -> None:
 
 def test_missing_vllm_exits_3(qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine that cannot load evicts nothing: availability is checked before an exclusive eviction."""
-    from logdiff.engines.base import current_pool
+    from logdiff.engines.pool import current_pool
 
     loaded = len(current_pool())
     monkeypatch.setitem(sys.modules, "vllm", None)

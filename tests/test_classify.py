@@ -16,7 +16,7 @@ import pytest
 from plants import split_k
 
 import logdiff
-from logdiff.engines import base
+from logdiff.engines import base, pool
 from logdiff.probes import checkpoint
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
@@ -160,7 +160,7 @@ def test_hf_vs_vllm_is_operator_path_and_vanishes_under_consistent(demo_model: C
 
 @pytest.mark.isa_sensitive
 def test_planted_reduction_order_change_is_operator_path(qwen3: Path) -> None:
-    engine = base.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path)))  # the pooled engine
+    engine = pool.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path)))  # the pooled engine
     target = "model.layers.2.self_attn.o_proj"
     with split_k(engine.model.get_submodule(target)):
         r = logdiff.scan(qwen3, infer=["hf-decode"], **SMALL)

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 import logdiff
 from logdiff.cli import app
-from logdiff.engines import base
+from logdiff.engines import base, pool
 from logdiff.engines.base import resolve_device
 from logdiff.probes import checkpoint
 
@@ -72,7 +72,7 @@ def test_scan_on_the_accelerator_localizes_and_classifies(qwen3: Path, stock_var
 def test_a_planted_fault_on_the_accelerator_is_localized(qwen3: Path) -> None:
     """Planted on the device itself, so it does not depend on what the stock kernels do there."""
     device = _accelerator()
-    engine = base.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path), device=device))
+    engine = pool.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path), device=device))
     target = "model.layers.2.self_attn.o_proj"
     with split_k(engine.model.get_submodule(target)):
         r = logdiff.scan(qwen3, infer=["hf-decode"], device=device, depth="modules", **SMALL)

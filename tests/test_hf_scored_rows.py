@@ -11,7 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from logdiff.engines.base import EngineSpec, acquire
+from logdiff.engines.base import EngineSpec
+
+from logdiff.engines.pool import acquire
 from logdiff.sequences import Sequence
 
 

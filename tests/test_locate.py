@@ -15,7 +15,8 @@ import pytest
 from plants import split_k
 
 from logdiff.config import ScanConfig
-from logdiff.engines.base import EngineSpec, acquire
+from logdiff.engines.base import EngineSpec
+from logdiff.engines.pool import acquire
 from logdiff.locate import write_tables
 from logdiff.pipeline import scan
 from logdiff.probes import checkpoint, correspondence

@@ -25,7 +25,7 @@ from plants import stale_checkpoint
 
 import logdiff
 from logdiff.diagnosis import routing
-from logdiff.engines import base
+from logdiff.engines import pool
 from logdiff.probes import checkpoint
 from logdiff.probes.routing import RouterLogits
 from logdiff.reports.html import render_html
@@ -206,7 +206,7 @@ def test_near_tie_flips_from_rounding_noise_are_operator_path(qwen3_moe: Path) -
 
     cfg = ScanConfig(model=qwen3_moe, infer=["hf"], infer_set={"batch_size": 4}, num_sequences=4, prompt_len=28,
                      response_len=4, depth="modules")  # fmt: skip
-    infer = base.acquire("hf", engine_spec("hf", checkpoint.stage(qwen3_moe), cfg, cfg.infer_set))  # what the scan acquires
+    infer = pool.acquire("hf", engine_spec("hf", checkpoint.stage(qwen3_moe), cfg, cfg.infer_set))  # what the scan acquires
     arch = adapter_of(infer.model)
     router = arch.router(arch.layers(infer.model)[0])
     with rounding_against_the_tie(router, arch.router_renormalizes_of(router)):

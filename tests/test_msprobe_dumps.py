@@ -194,7 +194,7 @@ def test_bad_inputs_are_one_line_and_exit_2(model_dir: Path, tmp_path: Path, mon
         head = json.loads(f.read_text())
         head["data"] = {k: v for k, v in head["data"].items() if "embed_tokens" not in k}
         f.write_text(json.dumps(head))
-    cases = [((empty, VLLM), "nor an msprobe dump"), ((stats, VLLM), "holds no tensors"),
+    cases = [((empty, VLLM), "nor an msprobe dump"), ((stats, VLLM), "no embedding call"),
              ((foreign, VLLM), "not an msprobe dump.json"), ((no_emb, VLLM), "no embedding call"),
              ((tmp_path / "absent", VLLM), "not a capture bundle")]
     for (a, b), words in cases:

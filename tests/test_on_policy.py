@@ -80,7 +80,7 @@ def test_consistent_training_handle_installs_and_undoes() -> None:
 @pytest.fixture(scope="module")
 def example_setup(qwen3: Path) -> Any:
     """The example module and its parsed CI-size args, with an engine pool for this module (released after)."""
-    from logdiff.engines.base import engine_pool
+    from logdiff.engines.pool import engine_pool
 
     example = _example()
     args = example.parse_args([str(qwen3), "--steps", "2", *CI_SIZE])

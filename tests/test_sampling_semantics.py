@@ -318,7 +318,8 @@ def test_vllm_rollout_at_temperature_is_sampling_semantics(qwen3: Path, tmp_path
 @pytest.mark.vllm
 def test_vllm_refuses_to_replay_given_tokens_in_processed_mode(qwen3: Path, tmp_path: Path) -> None:
     """vLLM computes processed logprobs after the processor that forces replayed tokens: refused, not 0s."""
-    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.engines.base import EngineSpec
+    from logdiff.engines.pool import acquire
     from logdiff.probes import checkpoint
     from logdiff.sequences import Sequence
 

@@ -227,7 +227,9 @@ def _record(qwen3: Path, tmp_path: Path, name: str, **sampler: float) -> Path:
     """Rollouts sampled by vLLM with processed logprobs under ``sampler``, as a logdiff JSONL dump."""
     from vllm import SamplingParams
 
-    from logdiff.engines.base import EngineSpec, acquire
+    from logdiff.engines.base import EngineSpec
+
+    from logdiff.engines.pool import acquire
     from logdiff.probes import checkpoint
     from logdiff.sequences import random_prompts
 

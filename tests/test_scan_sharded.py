@@ -1,7 +1,7 @@
 """``logdiff scan MODEL --set train.tensor_parallel_size=2 | train.fsdp_size=2 --infer hf`` (issue 22).
 
 The training path runs on 2 gloo ranks of its own (``engines/hf/sharded.py``), captured into a bundle
-that the scan feeds into the same probes as a live path (``pipeline._score``, ``offline.scores_of_capture``);
+that the scan feeds into the same probes as a live path (``pipeline._score``, ``bundle_feed.scores_of_capture``);
 the in-process HF model replays its ops where it reproduces the capture.
 
 * stock TP = 2: the first divergence has bitwise-equal inputs and every cause is a row-parallel sum,

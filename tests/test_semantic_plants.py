@@ -25,7 +25,7 @@ import pytest
 
 import logdiff
 from logdiff.config import ScanConfig
-from logdiff.engines import base
+from logdiff.engines import pool
 from logdiff.pipeline import engine_spec
 from logdiff.probes import checkpoint
 
@@ -48,7 +48,7 @@ def configured(model: Path, root: Path, **changes: Any) -> Path:
 def engine(model: Path, name: str, settings: dict[str, Any]) -> Any:
     """The pooled engine a scan of MODEL acquires for ``name`` with ``settings`` (so a plant reaches it)."""
     cfg = ScanConfig(model=model, infer=["hf-decode"])
-    return base.acquire(name, engine_spec(name, checkpoint.stage(model), cfg, dict(settings)))
+    return pool.acquire(name, engine_spec(name, checkpoint.stage(model), cfg, dict(settings)))
 
 
 @contextlib.contextmanager

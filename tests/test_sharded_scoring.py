@@ -34,6 +34,7 @@ import pytest
 from sharding import SLICED
 
 from logdiff.engines.base import EngineSpec
+from logdiff.engines.hf import HFForward
 from logdiff.engines.hf.sharded import _Job, _launch, _Seq, score_sharded
 from logdiff.probes.bundle import Bundle
 from logdiff.probes.errors import EngineUnavailable, InputError
@@ -52,7 +53,6 @@ def _reference(spec: EngineSpec, seqs: list[_Seq], out: Path, consistent: bool, 
     """The unsharded ``hf`` path captured in this process, as one rank does it (one thread)."""
     import torch
 
-    from logdiff.engines.hf import HFForward
     from logdiff.engines.hf.capture import capture
     from logdiff.engines.hf.sharded import _score
     from logdiff.engines.hf.tensor_parallel import consistent_tp, fixed_order_plan
@@ -117,12 +117,12 @@ def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     root = tmp_path_factory.mktemp("sharded")
     spec = _spec(model_dir)
     out = {
-        "tp2": score_sharded(spec, SEQS, root / "tp2", tensor_parallel_size=2, timeout_s=600),
-        "tp1-consistent": score_sharded(spec, SEQS, root / "tp1c", consistent=True, timeout_s=600),
-        "tp2-consistent": score_sharded(spec, SEQS, root / "tp2c", tensor_parallel_size=2, consistent=True,
-                                        timeout_s=600),  # fmt: skip
-        "fsdp2-consistent": score_sharded(_spec(model_dir, batch_size=1), SEQS, root / "fsdp2c", fsdp_size=2,
-                                          consistent=True, timeout_s=600),  # fmt: skip
+        "tp2": score_sharded(spec, SEQS, root / "tp2", engine=HFForward, tensor_parallel_size=2, timeout_s=600),
+        "tp1-consistent": score_sharded(spec, SEQS, root / "tp1c", engine=HFForward, consistent=True, timeout_s=600),
+        "tp2-consistent": score_sharded(spec, SEQS, root / "tp2c", engine=HFForward, tensor_parallel_size=2,
+                                        consistent=True, timeout_s=600),  # fmt: skip
+        "fsdp2-consistent": score_sharded(_spec(model_dir, batch_size=1), SEQS, root / "fsdp2c", engine=HFForward,
+                                          fsdp_size=2, consistent=True, timeout_s=600),  # fmt: skip
     }
     bundles = {k: Bundle(v) for k, v in out.items()}
     bundles["unsharded"] = _reference(spec, SEQS, root / "ref", consistent=False, fixed_order=False)
@@ -212,7 +212,7 @@ def test_control_a_plain_all_reduce_breaks_the_consistent_tp_equality(runs: dict
     from logdiff.engines.hf import sharded
 
     job = _Job(_spec(model_dir), tuple((tuple(s.prompt_ids), tuple(s.response_ids)) for s in SEQS),
-               str(tmp_path / "plain"), str(tmp_path), "cpu", 2, 1, True, None, 600.0)  # fmt: skip
+               str(tmp_path / "plain"), str(tmp_path), "cpu", 2, 1, True, None, 600.0, HFForward)  # fmt: skip
     monkeypatch.setattr(sharded, "_rank_main", _plain_all_reduce_rank)
     _launch(job)
     got, want = Bundle(tmp_path / "plain"), runs["tp1-consistent"]
@@ -232,20 +232,21 @@ def test_sizes_the_plan_cannot_shard_are_one_line(model_dir: Path, demo_model: C
     ]
     for sizes, message in cases:
         with pytest.raises(InputError, match=message) as e:
-            score_sharded(spec, SEQS, tmp_path / "never", **sizes)
+            score_sharded(spec, SEQS, tmp_path / "never", engine=HFForward, **sizes)
         assert "\n" not in str(e.value)
     with pytest.raises(InputError, match="qwen3-moe is a mixture of experts"):
-        score_sharded(_spec(demo_model("qwen3-moe")), SEQS, tmp_path / "never", tensor_parallel_size=2)
+        score_sharded(_spec(demo_model("qwen3-moe")), SEQS, tmp_path / "never", engine=HFForward,
+                      tensor_parallel_size=2)
     assert not (tmp_path / "never").exists()
 
 
 def test_a_rank_that_fails_is_one_line_naming_it(model_dir: Path, tmp_path: Path) -> None:
     broken = dataclasses.replace(_spec(model_dir), model_dir=str(tmp_path / "no-model"))
     with pytest.raises(EngineUnavailable, match=r"^sharded training path, rank 0/1: OSError: ") as e:
-        score_sharded(broken, SEQS, tmp_path / "out", timeout_s=120)
+        score_sharded(broken, SEQS, tmp_path / "out", engine=HFForward, timeout_s=120)
     assert "\n" not in str(e.value)
 
 
 def test_ranks_past_the_timeout_are_ended_in_one_line(model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(EngineUnavailable, match=r"^sharded training path: the 2 ranks did not finish within 1 s$"):
-        score_sharded(_spec(model_dir), SEQS, tmp_path / "out", fsdp_size=2, timeout_s=1)
+        score_sharded(_spec(model_dir), SEQS, tmp_path / "out", engine=HFForward, fsdp_size=2, timeout_s=1)

@@ -306,13 +306,13 @@ def test_the_bundle_holds_verls_own_logprobs(runs, name: str) -> None:
     from logdiff.probes.bundle import Bundle
     from logdiff.probes.feed import match_sequences
 
-    from logdiff import offline
+    from logdiff import bundle_feed
 
     bundle = Bundle(runs[name]["bundle"])
     names = {n for step in range(bundle.num_steps) for n in bundle.names(step)}
     assert "token_logprobs" in names
     matching = match_sequences(bundle.sequence_table(), bundle.sequence_table())
-    scores, _ = offline._feed_side(bundle, matching.train, matching.ids, None, "train", "hf")
+    scores, _ = bundle_feed.feed_side(bundle, matching.train, matching.ids, None, "train", "hf")
     got = [[float(v) for v, h in zip(lp, has) if h] for lp, has in zip(scores.logprobs, scores.has)]
     want = [t.float()[:-1].tolist() for t in runs[name]["plain"]]
     assert sorted(map(tuple, got)) == sorted(map(tuple, want))

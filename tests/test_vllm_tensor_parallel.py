@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_a_logprobs_scan_runs_on_two_vllm_workers(qwen3: Path) -> None:
     from logdiff.config import ScanConfig
-    from logdiff.engines.base import engine_pool
+    from logdiff.engines.pool import engine_pool
     from logdiff.pipeline import scan
 
     with engine_pool():  # its own engines, shut down after: the workers go with them

@@ -187,8 +187,13 @@ def classify_op(
         return _cause(ev, "framework_difference", kind, evidence, fix, c_diff + w_diff, sides=sides)
     evidence.append(local)
     unverified = [w for w in weights if w in w_block.get("unverified", [])]
-    checked = [*keys, *(w for w in weights if w not in unverified)]
-    evidence.append(f"no contract or weight this op reads differs ({', '.join(checked) or 'none'})")
+    unread = [side for side in ("train", "infer") if contracts is not None and not contracts.get(side)]
+    checked = [*([] if unread else keys), *(w for w in weights if w not in unverified)]
+    evidence.append(f"no {'' if unread else 'contract or '}weight this op reads differs ({', '.join(checked) or 'none'})")
+    if unread:  # a foreign dump's side: judged under the contract its config declares, never compared
+        evidence.append(f"no contract was read on the {' and '.join(unread)} side{'s' if len(unread) > 1 else ''} "
+                        "(a dump holds none): "
+                        f"{', '.join(keys) or 'its settings'} could not be compared")
     conf = ev.conformance
     if conf is not None:
         evidence += conf.evidence(ev.paths or {"train": "train", "infer": "infer"})
@@ -201,7 +206,7 @@ def classify_op(
             if unverified and sides == ["infer"]:  # the likeliest other function: a weight nobody could compare
                 return _unverified_weights(ev, evidence, unverified, sides)
             evidence.append(f"the {sides[0]} side computes another function than its contract names, "
-                            "although the contracts read the same")  # fmt: skip
+                            + ("which its config declares" if unread else "although the contracts read the same"))
             return _cause(ev, "framework_difference", "semantic", evidence, _semantic_fix(ev, sides[0]),
                           sides=sides)  # fmt: skip
         evidence.append("both sides are within their rounding bounds of the exact function: the same function, "

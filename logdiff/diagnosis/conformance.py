@@ -33,7 +33,7 @@ import numpy as np
 
 from logdiff.diagnosis import exact
 from logdiff.diagnosis.spacing import EPS32, eps
-from logdiff.probes.contracts import applied, norm_eps
+from logdiff.probes.contracts import DECLARED, applied, norm_eps
 
 SIDES = ("train", "infer")
 #: rows read per side and op (evenly spaced over the kept sequences); attention reads every key before them
@@ -122,7 +122,8 @@ class ConformanceCheck:
 
     ``model`` is the training path's HF module (the weights both sides were
     fingerprinted to share), ``adapter`` the architecture adapter,
-    ``contracts`` the preflight's block (each side's effective contract),
+    ``contracts`` each side's effective contract (the preflight's; a side that could read none may bring the
+    one its config declares, marked ``DECLARED``, which every evidence line then names),
     ``rope_params`` the training engine's RoPE tables by layer type.
     """
 
@@ -153,6 +154,8 @@ class ConformanceCheck:
                 return out
             worst = max(checks, key=lambda c: c.error / c.bound if c.bound else c.error)
             worst.rows = sum(c.rows for c in checks)
+            if self.contracts[side].get(DECLARED):  # a dump's side: the function its config declares
+                worst.function += f" (as {self.contracts[side][DECLARED]} declares it)"
             out.sides[side] = worst
         return out
 
@@ -313,6 +316,8 @@ class ConformanceCheck:
     def _rope(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
         contract = self.contracts[side]
         style = contract.get("rope_style")
+        if style is None:  # no contract (an msprobe dump): unknown, not unsupported
+            raise NotCheckable(f"the {side} side's RoPE style is unknown")
         if style not in ("neox", "gptj"):
             raise NotCheckable(f"no exact function for RoPE style {style!r}")
         params = self._rope_params(b.layer)

@@ -108,7 +108,7 @@ def diagnose(
     if not ops:
         found.warnings.append("the logprobs differ but no op was found to introduce the error")
     progress(f"checking {len(ops)} ops that introduce error against their exact functions", phase="conformance")
-    check = _checker(record, train, arch, contracts, cfg.dtype) if ops or result.located.unresolved else None
+    check = _checker(record, (train, infer), arch, contracts, cfg.dtype) if ops or result.located.unresolved else None
     conformance = _conformance(ops, check)
     # the reference rerun only where the local check could not decide and no contract already does
     undecided = [
@@ -175,12 +175,16 @@ def scan_adapter(architecture: str | None, train: Engine) -> Any:
     return arch.configured(config) if arch is not None else None
 
 
-def _checker(record: Any, train: Engine, arch: Any, contracts: dict[str, Any], dtype: str) -> ConformanceCheck | None:
-    """The conformance check of the primary pair, or None where the probes kept no training-path rows."""
+def _checker(record: Any, sides: tuple[Engine, Engine], arch: Any, contracts: dict[str, Any],
+             dtype: str) -> ConformanceCheck | None:
+    """The conformance check of the primary pair, or None where the probes kept no training-path rows. Each side
+    is judged under the contract it read, or, where it read none, the one it declares (``judged_contract``)."""
     if record is None or record.train_store is None:
         return None
+    train, infer = sides
+    judged = {side: contracts[side] or engine.judged_contract() for side, engine in zip(("train", "infer"), sides)}
     adapter = classify.adapter_or_default(arch)
-    return ConformanceCheck(record, train.module(), adapter, contracts, dtype, train.rope_params())
+    return ConformanceCheck(record, train.module(), adapter, {**contracts, **judged}, dtype, train.rope_params())
 
 
 def _conformance(ops: list[dict[str, Any]], check: ConformanceCheck | None) -> dict[str, Conformance]:

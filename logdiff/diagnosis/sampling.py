@@ -21,7 +21,7 @@ importance ratio, however close the kernels are. Two kinds of evidence, both
      position (``token_alignment``);
    * a temperature on one side only: the training model's full-vocabulary
      log-probabilities at the scored positions (``reference_logprobs``,
-     compressed by ``Reference``) predict any path's logprob of a token at any
+     compressed by ``distribution.Reference``) predict any path's logprob of a token at any
      temperature, ``log_softmax(ref / T)[token]``; each path's T is fitted alone
      (least absolute error over a log grid, then golden-section), so a one-sided
      temperature shows as two different fits (``sampling_semantics``);
@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from logdiff.diagnosis import truncation as support
 from logdiff.diagnosis.cause import Cause, Findings, framework_cause
+from logdiff.diagnosis.distribution import Reference
 
 if TYPE_CHECKING:
     from logdiff.result import ScanResult
@@ -89,78 +89,6 @@ def tempered(ref: np.ndarray, tokens: np.ndarray, temperature: float) -> np.ndar
     top = z.max(-1)
     lse = top + np.log(np.exp(z - top[:, None]).sum(-1))
     return z[np.arange(len(tokens)), tokens] - lse
-
-
-@dataclass
-class Reference:
-    """The training model's distribution at some positions, compressed for the fits.
-
-    Per row: the scored token's log-probability at T = 1 (``chosen``) and the
-    vocabulary as ``(values, weights)``: the ``EXACT`` largest log-probabilities
-    one by one, the rest in ``BINS`` equal-width bins, each held as its count and
-    the log of its mean probability. The log-partition ``log sum_v w exp(v / T)``
-    is then exact at T = 1 and close elsewhere, at [N, EXACT + BINS] instead of
-    [N, vocab] (a 150k vocabulary costs the same as a 4k one). Each column also
-    keeps the log-probability interval it covers (``intervals``), so a
-    truncation that cuts inside a bin keeps its part of it (``truncation``).
-    """
-
-    chosen: np.ndarray  # [N]
-    values: np.ndarray  # [N, M], descending within the exact part
-    weights: np.ndarray  # [N, M]
-    tops: np.ndarray | None = None  # [N, M] each column's largest log-probability (None: the values)
-    widths: np.ndarray | None = None  # [N, M] the width of its interval (None: 0, one token per column)
-
-    EXACT: ClassVar[int] = 128
-    BINS: ClassVar[int] = 256
-
-    @classmethod
-    def of(cls, logprobs: np.ndarray, tokens: np.ndarray) -> Reference:
-        """Compress [N, V] log-probabilities (T = 1) and their scored tokens."""
-        lp = np.asarray(logprobs, np.float64)
-        n = len(lp)
-        chosen = lp[np.arange(n), np.asarray(tokens, np.int64)]
-        ordered = -np.sort(-lp, axis=-1)
-        exact, tail = ordered[:, : cls.EXACT], ordered[:, cls.EXACT :]
-        if tail.shape[1] == 0:
-            return cls(chosen, exact, np.ones_like(exact), exact, np.zeros_like(exact))
-        hi, lo = tail[:, :1], tail[:, -1:]
-        width = np.maximum(hi - lo, 1e-12) / cls.BINS
-        idx = np.minimum(((hi - tail) / width).astype(np.int64), cls.BINS - 1) + cls.BINS * np.arange(n)[:, None]
-        counts = np.bincount(idx.ravel(), minlength=n * cls.BINS).reshape(n, cls.BINS)
-        mass = np.bincount(idx.ravel(), weights=np.exp(tail - hi).ravel(), minlength=n * cls.BINS).reshape(n, cls.BINS)
-        with np.errstate(divide="ignore"):
-            binned = np.where(counts > 0, hi + np.log(np.maximum(mass, 1e-300) / np.maximum(counts, 1)), -1e4)
-        tops = hi - width * np.arange(cls.BINS)[None, :]  # bin b holds the log-probabilities in (top - width, top]
-        widths = np.concatenate([np.zeros_like(exact), np.broadcast_to(width, tops.shape)], 1)
-        return cls(chosen, np.concatenate([exact, binned], 1), np.concatenate([np.ones_like(exact), counts], 1),
-                   np.concatenate([exact, tops], 1), widths)  # fmt: skip
-
-    @classmethod
-    def concat(cls, parts: Sequence[Reference]) -> Reference:
-        fields = [np.concatenate([getattr(p, f) for p in parts]) for f in ("chosen", "values", "weights")]
-        spans = [np.concatenate(x) for x in zip(*(p.intervals() for p in parts))] if parts else [None, None]
-        return cls(*fields, *spans)
-
-    def rows(self, keep: np.ndarray) -> Reference:
-        tops, widths = self.intervals()
-        return Reference(self.chosen[keep], self.values[keep], self.weights[keep], tops[keep], widths[keep])
-
-    def intervals(self) -> tuple[np.ndarray, np.ndarray]:
-        """(largest log-probability, width) of each column's interval: ``[top - width, top]``."""
-        if self.tops is None or self.widths is None:
-            return self.values, np.zeros_like(self.values)
-        return self.tops, self.widths
-
-    def __len__(self) -> int:
-        return len(self.chosen)
-
-    def tempered(self, temperature: float) -> np.ndarray:
-        """Each row's scored-token logprob under ``softmax(logits / T)``."""
-        z = self.values / temperature
-        top = z[:, 0]  # the largest log-probability sits first
-        lse = top + np.log((self.weights * np.exp(z - top[:, None])).sum(-1))
-        return self.chosen / temperature - lse
 
 
 def _mean_abs(a: np.ndarray, b: np.ndarray) -> float:

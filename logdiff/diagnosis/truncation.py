@@ -10,7 +10,7 @@ is all a truncation leaves in the numbers; this module asks which support
 produced it. ``sampling.truncation`` calls it; it imports nothing of logdiff.
 
 **Columns.** The training model's distribution arrives compressed
-(``sampling.Reference``): per position the largest log-probabilities one token
+(``distribution.Reference``): per position the largest log-probabilities one token
 per column, then bins of many tokens, each column covering the log-probability
 interval ``[top - width, top]`` (width 0 for one token). At a temperature T
 each column's mass ``p`` and the cumulative mass of every prefix follow
@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from logdiff.diagnosis.sampling import Reference
+    from logdiff.diagnosis.distribution import Reference
 
 #: the top-p and typical-p values tried
 TOP_P_GRID = np.round(np.arange(0.1, 0.9951, 0.005), 3)

@@ -1,4 +1,4 @@
-"""The one small interface every path implements, and the registry of engines.
+"""The one small interface every path implements (the registry of engines is ``registry.py``).
 
 An engine loads a staged HF directory and scores token sequences: for every
 response token it returns the logprob the engine assigns to it (and, where the
@@ -6,9 +6,11 @@ engine can, its own top-1 token). One engine may contribute several *paths*:
 vLLM scores the same tokens through its decode path and through its prefill
 path (prompt logprobs).
 
-Engines register by name in ``ENGINES``; third-party engines (SGLang, Megatron,
-a sharded trainer) register through the ``logdiff.engines`` entry-point group
-and need only subclass ``Engine``.
+Every engine subclasses ``Engine`` and imports this module, never the registry
+(``registry.py``, which lists the built-in engines and loads third-party ones from
+the ``logdiff.engines`` entry-point group) nor the pool of loaded engines
+(``pool.py``): this module imports no engine, so the comparison and the diagnosis
+may ask engines through it without importing any.
 
 Beyond scoring, an engine offers a few small capabilities, each a method here
 whose default refuses in one line, and names the ones it implements in
@@ -32,10 +34,8 @@ every registered engine against exactly what it declares:
 from __future__ import annotations
 
 import contextlib
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -246,6 +246,11 @@ class Engine(ABC):
         """Effective settings the engine computes with (eps, RoPE, scale, sampling mode) (``contract``)."""
         raise NotImplementedError(f"engine {self.name!r} reports no contract")
 
+    def judged_contract(self) -> dict[str, Any]:
+        """The contract conformance judges this side's ops under: the one it read (``contract``). A side that
+        can read none (an msprobe dump) may bring the one its config declares, marked as declared."""
+        return self.contract()
+
     def fingerprints(self, at: str | None = None) -> dict[str, str]:
         """Hashes of the loaded weights under HF tensor names (``contract``); ``at``: a narrower dtype to hash
         each wider floating tensor at, rounded (the other side computes in it)."""
@@ -300,108 +305,3 @@ def resolve_device(device: str) -> str:
         if module is not None and getattr(module, "is_available", lambda: False)():
             return backend
     return "cpu"
-
-
-ENGINES: dict[str, type[Engine]] = {}
-
-
-def register(cls: type[Engine]) -> type[Engine]:
-    ENGINES[cls.name] = cls
-    return cls
-
-
-def _load_builtin() -> None:
-    from logdiff.engines import hf, vllm, vllm_ascend  # noqa: F401 - registration side effect
-
-
-def get_engine(name: str) -> type[Engine]:
-    """The engine class registered under ``name`` (builtin or entry point)."""
-    _load_builtin()
-    if name not in ENGINES:
-        from importlib.metadata import entry_points
-
-        for ep in entry_points(group="logdiff.engines"):
-            if ep.name == name:
-                register(ep.load())
-    if name not in ENGINES:
-        raise InputError(f"unknown engine {name!r}; available: {', '.join(sorted(ENGINES))}")
-    return ENGINES[name]
-
-
-def engine_names() -> list[str]:
-    _load_builtin()
-    return sorted(ENGINES)
-
-
-class EnginePool:
-    """Loaded engines by (name, spec): loading is the slow part, so scans reuse them.
-
-    One pool is current at a time (``engine_pool`` scopes another, e.g. for a
-    test). An exclusive engine (vLLM holds process-wide state) evicts every
-    other instance of its class first, in whichever pool it lives.
-    """
-
-    def __init__(self) -> None:
-        self._engines: dict[tuple[str, EngineSpec], Engine] = {}
-        _POOLS.add(self)
-
-    def __contains__(self, key: tuple[str, EngineSpec]) -> bool:
-        return key in self._engines
-
-    def __len__(self) -> int:
-        return len(self._engines)
-
-    def acquire(self, name: str, spec: EngineSpec) -> Engine:
-        """The loaded engine for (name, spec), loading it on first use."""
-        key = (name, spec)
-        if key in self._engines:
-            return self._engines[key]
-        cls = get_engine(name)
-        cls.check_available()  # before evicting a working sibling for an engine that cannot load
-        if cls.exclusive:
-            for pool in list(_POOLS):
-                pool._evict(cls)
-        engine = cls(spec)
-        self._engines[key] = engine
-        return engine
-
-    def release(self) -> None:
-        """Close every engine of this pool."""
-        while self._engines:
-            self._engines.popitem()[1].close()
-
-    def _evict(self, cls: type[Engine]) -> None:
-        for key in [k for k, e in self._engines.items() if type(e) is cls]:
-            self._engines.pop(key).close()
-
-
-_POOLS: weakref.WeakSet[EnginePool] = weakref.WeakSet()
-_CURRENT: ContextVar[EnginePool] = ContextVar("logdiff_engine_pool", default=EnginePool())
-
-
-def current_pool() -> EnginePool:
-    """The pool scans load engines into: the process-wide one, unless ``engine_pool`` scoped another."""
-    return _CURRENT.get()
-
-
-@contextlib.contextmanager
-def engine_pool(pool: EnginePool | None = None) -> Iterator[EnginePool]:
-    """Scans inside the block use ``pool`` (a fresh one by default), released on exit if fresh."""
-    scoped = pool if pool is not None else EnginePool()
-    token = _CURRENT.set(scoped)
-    try:
-        yield scoped
-    finally:
-        _CURRENT.reset(token)
-        if pool is None:
-            scoped.release()
-
-
-def acquire(name: str, spec: EngineSpec) -> Engine:
-    """A loaded engine for (name, spec) from the current pool, reused across scans in this process."""
-    return current_pool().acquire(name, spec)
-
-
-def release_all() -> None:
-    """Close every engine of the current pool."""
-    current_pool().release()

@@ -188,7 +188,7 @@ class EngineCapture:
         try:
             capture = self._capture_fn
             if capture is None:
-                from logdiff import capture
+                from logdiff.engines.hf.capture import capture
             cap = capture(self.engine.module, self.step_dir(k), role="train", window=self.window,
                           fingerprints=self.fingerprints)
             cap.__enter__()

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.msprobe.layout import ENTRY, RankDump, read_dump
+from logdiff.msprobe.layout import ENTRY, RankDump, pick, read_dump
 from logdiff.msprobe.names import TABLES, boundary, order_key, split_sizes, template
 from logdiff.probes.errors import InputError
 
@@ -28,23 +28,13 @@ MISSING = ["contracts (eps, RoPE, attention scale: not in a dump)", "weight fing
            "placements (one rank, read as unsharded)", "sampled tokens and sampler logprobs"]
 
 
-def _pick(entry: dict[str, Any], where: str, index: int) -> Any:
-    if where.startswith("kwarg:"):
-        return (entry.get("input_kwargs") or {}).get(where.split(":", 1)[1])
-    seq = entry.get("output") if where == "output" else entry.get("input_args")
-    if where == "input" and not seq and entry.get("input_kwargs"):  # HF passes hidden_states by keyword
-        seq = list(entry["input_kwargs"].values())
-    seq = seq or []
-    return seq[index] if index < len(seq) else None
-
-
 def _forwards_with_ids(steps: list[RankDump]) -> Any:
     """Each forward of the dump's steps, in order: ``(rank, forward, its module calls, its token ids)``; a forward
     whose embedding input was not kept is an ``InputError`` (no token ids, no rows)."""
     for rank in steps:
         for f, calls in sorted(forwards(rank).items()):
             emb = calls.get("model.embed_tokens")
-            ids = rank.load(_pick(emb, "input", 0)) if emb else None
+            ids = rank.load(pick(emb, "input", 0)) if emb else None
             if ids is None:
                 raise InputError(f"{rank.dir}: forward {f} has no embedding input (token ids) kept")
             yield rank, f, calls, ids
@@ -75,16 +65,28 @@ def engine_of(steps: list[RankDump]) -> str:
     for rank in steps:
         for f in forwards(rank).values():
             emb = f.get("model.embed_tokens")
-            ids = _pick(emb, "input", 0) if emb else None
+            ids = pick(emb, "input", 0) if emb else None
             if isinstance(ids, dict) and isinstance(ids.get("shape"), list):
                 return "hf" if len(ids["shape"]) == 2 else "vllm"
     raise InputError("the msprobe dump holds no embedding call (model.embed_tokens): its token ids are needed to "
                      "align rows; dump it too (docs/msprobe.md)")
 
 
+def dump_dtype(steps: list[RankDump]) -> str | None:
+    """The dtype the dumped run computed in: its embedding output's."""
+    for rank in steps:
+        for f in forwards(rank).values():
+            emb = f.get("model.embed_tokens")
+            out = pick(emb, "output", 0) if emb else None
+            if isinstance(out, dict) and out.get("dtype"):
+                return str(out["dtype"]).replace("torch.", "")
+    return None
+
+
 class _Converter:
-    def __init__(self, writer: Any, engine: str, config: dict[str, Any]):
+    def __init__(self, writer: Any, engine: str, config: dict[str, Any], placer: Any = None):
         self.writer, self.engine, self.config = writer, engine, config
+        self.placer, self.descs = placer, {}  # a TP rank's placements (placements.py), from each record's desc
         self.table = TABLES[engine]
         self.n_layers = int(config.get("num_hidden_layers") or 0)
         self.counts = {"forwards": 0, "records": 0, "not_kept": 0, "unmatched_rows": 0, "logits_unplaced": 0,
@@ -100,7 +102,7 @@ class _Converter:
         for path, entry in calls.items():
             key, layer = template(path)
             for where, index, names, split in self.table.get(key, []):
-                desc = _pick(entry, where, index)
+                desc = pick(entry, where, index)
                 t = rank.load(desc)
                 if t is None:
                     self.counts["not_kept"] += isinstance(desc, dict) and bool(desc.get("data_name"))
@@ -120,6 +122,7 @@ class _Converter:
                     b = boundary(name, layer, self.n_layers)
                     if b is not None:
                         out.append((b, part.contiguous(), path))
+                        self.descs[b] = desc
         return out
 
     def write(self, records: list[tuple[str, Any, str]], logits_rows: Any = None, valid_rows: Any = None) -> None:
@@ -130,7 +133,11 @@ class _Converter:
             if name == "logits" and logits_rows is None:
                 self.counts["logits_unplaced"] += 1
                 continue
-            self.writer.record(name, t, Placement(), rows=rows)
+            placement = Placement() if self.placer is None else self.placer.place(name, int(t.shape[-1]), module,
+                                                                                  self.descs.get(name))
+            if placement is None:  # not knowable from the dump: said once in the metadata (placements.py)
+                continue
+            self.writer.record(name, t, placement, rows=rows)
             self.owners.setdefault(name, module)
             self.boundaries.add(name)
             self.counts["records"] += 1
@@ -141,8 +148,8 @@ class _Converter:
         seen = 0
         for rank, f, calls, ids in _forwards_with_ids(steps):
             layer = next((calls[p] for p in sorted(calls) if re.fullmatch(r"model\.layers\.\d+", p)), None)
-            mask = rank.load(_pick(layer, "kwarg:attention_mask", 0)) if layer else None
-            position_ids = rank.load(_pick(layer, "kwarg:position_ids", 0)) if layer else None
+            mask = rank.load(pick(layer, "kwarg:attention_mask", 0)) if layer else None
+            position_ids = rank.load(pick(layer, "kwarg:position_ids", 0)) if layer else None
             if layer is None:
                 self.counts.setdefault("no_mask_forwards", 0)
                 self.counts["no_mask_forwards"] += 1
@@ -173,7 +180,7 @@ class _Converter:
         out = []
         for n, names in adds.items():
             for which, name in zip(("rope_q", "rope_k"), names[-2:] if len(names) >= 2 else []):
-                t = rank.load(_pick(rank.data[name], "output", 0))
+                t = rank.load(pick(rank.data[name], "output", 0))
                 if t is not None and t.dim() == 4 and t.shape[0] == B and t.shape[2] == L:
                     rows = t.transpose(1, 2).reshape(B * L, -1)[np.flatnonzero(valid)]
                     attn = f"model.layers.{n}.self_attn"
@@ -188,7 +195,7 @@ class _Converter:
             positions = self._vllm_positions(rank, calls, len(ids))
             tokens = ids.reshape(-1).long().numpy()
             lp = calls.get("logits_processor")
-            logits_desc = _pick(lp, "output", 0) if lp else None
+            logits_desc = pick(lp, "output", 0) if lp else None
             shape = logits_desc.get("shape") if isinstance(logits_desc, dict) else None
             n_logits = int(shape[0]) if shape else None
             runs = segments(positions, n_logits)
@@ -216,7 +223,7 @@ class _Converter:
             for where in ("input", "kwarg:positions"):
                 if not (re.fullmatch(r"model\.layers\.\d+(\.self_attn(\.rotary_emb)?)?", path)):
                     continue
-                desc = _pick(entry, where, 0)
+                desc = pick(entry, where, 0)
                 if isinstance(desc, dict) and "int" in str(desc.get("dtype")) and desc.get("shape") == [T]:
                     t = rank.load(desc)
                     if t is not None:
@@ -226,14 +233,14 @@ class _Converter:
 
 
 def convert(dump_dir: str | Path, out_dir: str | Path, role: str, config: dict[str, Any],
-            model: str | None = None) -> Path:
+            model: str | None = None, rank: Any = None) -> Path:
     """Write the bundle of the msprobe dump at ``dump_dir`` (one rank, tensor mode) into ``out_dir``, as ``role``'s
     side, for the model of ``config`` (its config.json: the dump holds none). Returns ``out_dir``."""
-    from logdiff import __version__
+    from logdiff.version import __version__
     from logdiff.probes.bundle import BundleWriter
     from logdiff.probes.layout import ParallelLayout
 
-    steps = read_dump(Path(dump_dir))
+    steps = read_dump(Path(dump_dir)) if rank is None else rank.steps  # rank: one of several (ranks.RankView)
     engine = engine_of(steps)
     missing = list(MISSING)
     meta: dict[str, Any] = {
@@ -244,19 +251,28 @@ def convert(dump_dir: str | Path, out_dir: str | Path, role: str, config: dict[s
     }
     if engine == "vllm":
         meta.update({"mode": "decode", "fuses_add_norm": True})
+    from logdiff.msprobe.contracts import declared_contract
+
+    declared = declared_contract(config, dump_dtype(steps))  # what conformance judges under (never the preflight)
+    if declared:
+        meta["declared_contract"] = declared
+        missing[0] = "contracts (eps, RoPE, attention scale: not in a dump; ops judged under the config's)"
     if engine == "hf":
         from logdiff.msprobe.weights import hf_fingerprints
 
-        fingerprints = hf_fingerprints(steps, config)  # where the dump kept its parameters' files
+        fingerprints, rounded = hf_fingerprints(steps) if rank is None else rank.fingerprints  # where kept
         if fingerprints:
             meta.pop("fingerprints_error")
             meta["fingerprints"] = fingerprints
+            if rounded:
+                meta["fingerprints_at"] = rounded
             missing[missing.index("weight fingerprints")] = "weight fingerprints of the modules not dumped"
     if model:
         meta["model"] = str(model)
     existed = Path(out_dir).exists()
-    writer = BundleWriter(out_dir, role, ParallelLayout(), meta)
-    conv = _Converter(writer, engine, config)
+    writer = BundleWriter(out_dir, role, ParallelLayout() if rank is None else rank.layout, meta)
+    conv = _Converter(writer, engine, config if rank is None else rank.split_config,
+                      None if rank is None else rank.placer)
     try:
         prompt_lens = conv.hf(steps) if engine == "hf" else conv.vllm(steps)
         if not conv.counts["records"]:
@@ -268,6 +284,8 @@ def convert(dump_dir: str | Path, out_dir: str | Path, role: str, config: dict[s
         raise
     if engine == "hf" and not any(b.endswith(".rope_q") for b in conv.boundaries):
         missing.append("RoPE (HF applies it in plain code: only a mix-level dump holds it)")
+    if rank is not None:
+        missing[missing.index(MISSING[2])] = rank.placer.summary()
     meta_update: dict[str, Any] = {"owners": conv.owners, "missing": missing,
                                    "msprobe": {"steps": [r.step for r in steps], **conv.counts}}
     if prompt_lens:

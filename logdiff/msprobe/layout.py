@@ -8,8 +8,9 @@ empty tensor): ``load`` returns None for it, never an error.
 A dump is untrusted input: ``dump.json`` and ``construct.json`` must be JSON of msprobe's types (each entry an
 object, its ``input_args``/``output`` lists, its ``input_kwargs`` an object, each parent a name or null), a
 ``data_name`` must name a file inside ``dump_tensor_data/`` (no ``..``, no absolute path, no link out of it),
-and what ``torch.load`` reads (``weights_only``) must be a tensor; anything else is one ``InputError`` naming
-the file.
+and what ``torch.load`` reads (``weights_only``) must be a tensor; a dump cut short (a rank directory with no
+``dump.json``, a tensor dump with no ``dump_tensor_data/``) is refused rather than read in part; anything else
+is one ``InputError`` naming the file.
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ from logdiff.probes.errors import InputError
 #: a module entry: ``Module.{path}.{class}.forward.{call count}``
 ENTRY = re.compile(r"^Module\.(?P<path>.+)\.(?P<cls>[A-Za-z0-9_]+)\.forward\.(?P<count>\d+)$")
 _STEP = re.compile(r"^step(\d+)$")
+_RANK_DIR = re.compile(r"^(rank|proc)\d+$")
+
+
+def pick(entry: dict[str, Any], where: str, index: int) -> Any:
+    """One tensor's description in a dump entry: ``output``'s, an ``input``'s (HF passes hidden_states by keyword,
+    so a call with no positional inputs reads its keyword ones in order), or ``kwarg:NAME``'s."""
+    if where.startswith("kwarg:"):
+        return (entry.get("input_kwargs") or {}).get(where.split(":", 1)[1])
+    seq = entry.get("output") if where == "output" else entry.get("input_args")
+    if where == "input" and not seq and entry.get("input_kwargs"):
+        seq = list(entry["input_kwargs"].values())
+    seq = seq or []
+    return seq[index] if index < len(seq) else None
 
 
 def dump_files(root: Path) -> list[Path]:
@@ -93,12 +107,29 @@ def _read_json(path: Path) -> Any:
         raise InputError(f"{path}: not readable JSON ({type(e).__name__})") from None
 
 
-def read_dump(root: Path) -> list[RankDump]:
-    """Every step of a one-rank tensor-mode dump, in step order; a one-line InputError for anything else."""
+def _check_complete(root: Path) -> None:
+    """One line for a rank directory (``rank{R}``, ``proc{PID}``) under ``root`` with no dump.json: its step would
+    otherwise be left out without a word (an interrupted dump, an incomplete copy)."""
+    dirs = [root] if _RANK_DIR.match(root.name) else []
+    for d in (d for d in root.iterdir() if d.is_dir()):
+        if _RANK_DIR.match(d.name):
+            dirs.append(d)
+        elif _STEP.match(d.name):
+            dirs += [r for r in d.iterdir() if r.is_dir() and _RANK_DIR.match(r.name)]
+    for d in sorted(dirs):
+        if not (d / "dump.json").is_file():
+            raise InputError(f"{d}: a rank directory with no dump.json (an interrupted dump or an incomplete copy); "
+                             "remove it, or give the step directories that are whole")
+
+
+def read_dump(root: Path, tasks: tuple[str, ...] = ("tensor",)) -> list[RankDump]:
+    """Every step of a one-rank dump of one of ``tasks`` (tensor mode unless said), in step order; a one-line
+    InputError for anything else."""
     root = Path(root)
     files = dump_files(root)
     if not files:
         raise InputError(f"{root}: not an msprobe dump (no dump.json under it)")
+    _check_complete(root)
     steps: dict[int, list[Path]] = {}
     for f in files:
         m = _STEP.match(f.parent.parent.name)
@@ -114,10 +145,13 @@ def read_dump(root: Path) -> list[RankDump]:
             raise InputError(f"{f}: not an msprobe dump.json (no task and data)")
         if head.get("framework", "pytorch") != "pytorch":
             raise InputError(f"{f}: a {head.get('framework')} dump; logdiff reads PyTorch dumps")
-        if head["task"] != "tensor":
+        if head["task"] not in tasks:
             raise InputError(f"{f}: a {head['task']!r} dump holds no tensors; dump with \"task\": \"tensor\" "
                              "(docs/msprobe.md)")
         _check_entries(f, head["data"])
+        if head["task"] == "tensor" and head["data"] and not (f.parent / "dump_tensor_data").is_dir():
+            raise InputError(f"{f.parent}: a tensor dump with no dump_tensor_data/ (its tensors): an interrupted dump "
+                             "or an incomplete copy")
         construct = f.parent / "construct.json"
         parents = _read_json(construct) if construct.is_file() else {}
         if not isinstance(parents, dict) or not all(v is None or isinstance(v, str) for v in parents.values()):

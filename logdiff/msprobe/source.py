@@ -1,7 +1,8 @@
 """``logdiff compare``'s sources: a capture bundle as it is, an msprobe dump converted into a temporary one.
 
 An msprobe dump holds no model config, so one is converted only with ``--model`` (its config.json gives the
-architecture, the split sizes of packed projections and the shapes the comparison checks).
+architecture, the split sizes of packed projections and the shapes the comparison checks). A statistics dump
+(no tensors) is not converted: the comparison is then statistics only (``statistics.py``).
 """
 
 from __future__ import annotations
@@ -28,17 +29,18 @@ def model_config(model: Path | None, dump: Path) -> dict[str, Any]:
     return config
 
 
-def as_bundle(path: Path, role: str, model: Path | None, scratch: Path) -> Path:
-    """``path`` as a bundle directory: itself, or the msprobe dump under it converted into ``scratch/role``."""
+def as_bundle(path: Path, role: str, model: Path | None, scratch: Path, parallel: Any = None) -> Path:
+    """``path`` as a bundle directory: itself, or the msprobe dump under it converted into ``scratch/role``
+    (``parallel``: the sizes ``--tp`` gives a multi-rank dump, ``ranks.py``)."""
     path = Path(path)
     if not path.is_dir() or (path / "bundle.json").exists():
         return path  # a bundle, or what ``Bundle`` says is none
     if not is_dump(path):
         raise InputError(f"{path} is not a capture bundle (no bundle.json) nor an msprobe dump (no dump.json "
                          "under it)")
-    from logdiff.msprobe.convert import convert
+    from logdiff.msprobe.ranks import convert_parallel
 
-    return convert(path, Path(scratch) / role, role, model_config(model, path), str(model))
+    return convert_parallel(path, Path(scratch) / role, role, model_config(model, path), str(model), parallel)
 
 
 def live_model(model: Path | None, bundles: tuple[Path, ...], given: tuple[Path, ...]) -> Path | None:
@@ -48,3 +50,33 @@ def live_model(model: Path | None, bundles: tuple[Path, ...], given: tuple[Path,
         return model
     weights = [f for pattern in ("*.safetensors", "*.bin", "*.pt") for f in Path(model).glob(pattern)]
     return model if weights else None
+
+
+def statistics_only(train: Path, infer: Path) -> bool:
+    """Whether the comparison is statistics only: one side is a ``statistics`` msprobe dump. The other must be an
+    msprobe dump too (a tensor dump's statistics are compared), else a one-line InputError."""
+    from logdiff.msprobe.layout import read_dump
+    from logdiff.msprobe.statistics import TASKS, dump_task
+
+    tasks = []
+    for p in (Path(train), Path(infer)):
+        task = dump_task(p) if is_dump(p) else None
+        if is_dump(p) and task is None:
+            read_dump(p, TASKS)  # its own one-line error: unreadable, not msprobe's
+        tasks.append(task)
+    if "statistics" not in tasks:
+        return False
+    if None in tasks:
+        stats, other = (train, infer) if tasks[0] == "statistics" else (infer, train)
+        raise InputError(f"{stats} is a statistics msprobe dump (no tensors): it compares only against another "
+                         f"msprobe dump (statistics or tensor), not {other} (docs/msprobe.md)")
+    return True
+
+
+def statistics_result(train: Path, infer: Path, model: Path | None, environment: dict[str, Any]) -> dict[str, Any]:
+    """The result.json dict of a statistics-only comparison of two msprobe dumps (``statistics.result``);
+    ``--model``'s config, where given, names the architecture and the layers."""
+    from logdiff.msprobe.statistics import result
+
+    config = model_config(model, Path(train)) if model is not None else None
+    return result(Path(train), Path(infer), model, config, environment)

@@ -28,7 +28,9 @@ import torch
 import checks
 from fake import FakeEngine, registered_fake
 from fake.probes import FakeProbes
-from logdiff.engines.base import EngineSpec, EngineUnavailable, engine_names, engine_pool, get_engine
+from logdiff.engines.base import EngineSpec, EngineUnavailable
+from logdiff.engines.pool import engine_pool
+from logdiff.engines.registry import engine_names, get_engine
 from logdiff.sequences import Sequence
 
 #: settings that keep vLLM small on 2 cores

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from logdiff.engines.base import EngineSpec, engine_pool
+from logdiff.engines.base import EngineSpec
+
+from logdiff.engines.pool import engine_pool
 from logdiff.sequences import Sequence
 
 pytestmark = pytest.mark.vllm

@@ -95,7 +95,7 @@ def test_memory_grouping_does_not_change_bits(gen, monkeypatch):
     q, k, v = _qkv(gen, s=70)
     pos = torch.arange(70)
     whole = attention(q, k, v, pos, 0.2)
-    monkeypatch.setattr(sys.modules["logdiff.kernels.attention"], "MAX_TILE_ELEMENTS", 1)
+    monkeypatch.setattr(sys.modules["logdiff.kernels.attention_tiles"], "MAX_TILE_ELEMENTS", 1)
     assert torch.equal(attention(q, k, v, pos, 0.2), whole)
 
 

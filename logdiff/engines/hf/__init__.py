@@ -28,7 +28,6 @@ from logdiff.engines.base import (
     Sampled,
     TokenSequence,
     package_version,
-    register,
     unsupported_as_input_error,
 )
 from logdiff.engines.hf.loading import load_model
@@ -250,7 +249,6 @@ class HFEngine(Engine):
                 )
 
 
-@register
 class HFForward(HFEngine):
     """Teacher-forced full forward: the training path."""
 
@@ -277,8 +275,9 @@ class HFForward(HFEngine):
         from logdiff.engines.hf.sharded import score_sharded
 
         mode = self._consistent_mode
-        return score_sharded(self.spec, seqs, out_dir, tensor_parallel_size=self.tensor_parallel_size,
-                             fsdp_size=self.fsdp_size, consistent=mode is not None,
+        return score_sharded(self.spec, seqs, out_dir, engine=type(self),
+                             tensor_parallel_size=self.tensor_parallel_size, fsdp_size=self.fsdp_size,
+                             consistent=mode is not None,
                              consistent_kernels=mode[0] if mode is not None else None)
 
     def effective_options(self) -> dict[str, Any]:
@@ -348,7 +347,6 @@ class HFForward(HFEngine):
         return [PathScores(self.name, self.mode, logprobs, top1)]
 
 
-@register
 class HFDecode(HFEngine):
     """Prefill the prompt, then teacher-forced token-by-token decode through the KV cache."""
 

@@ -72,7 +72,7 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
     weights unverified. ``log_softmax``: the trainer's own (a temperature, a consistent kernel) for
     ``Capture.logprobs``.
     """
-    from logdiff import __version__
+    from logdiff.version import __version__
     from logdiff.probes.capture import Capture
     from logdiff.probes.sketch import Window
 

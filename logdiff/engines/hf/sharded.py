@@ -4,8 +4,9 @@
 starts N processes with ``torch.multiprocessing`` (spawn; a ``file://``
 rendezvous in a temporary directory; gloo on CPU, NCCL on CUDA, HCCL on Ascend),
 one thread each. Every rank loads the model through the HF engine itself
-(``HFForward(spec)``: the same loading, options and scoring a scan's ``hf`` path
-runs), then shards it with torch's own parallelism, nothing hand-written:
+(``engine(spec)``, the class that asks, ``HFForward``: the same loading, options and
+scoring a scan's ``hf`` path runs), then shards it with torch's own parallelism,
+nothing hand-written:
 
 * tensor parallel: ``parallelize_module`` with the colwise/rowwise plan derived
   from the model (``tensor_parallel.tp_plan``, which refuses in one line what it
@@ -30,6 +31,9 @@ on top: the fixed-order row-parallel reduction, so TP = N gives TP = 1's bits.
 Both at once (a 2-D mesh) is refused. A rank that fails ends the run with one
 line naming the rank and its exception (``InputError`` when the rank's was one,
 otherwise ``EngineUnavailable``), and so does a run past ``timeout_s``.
+
+The engine class travels in the job (pickled by reference across the spawn): this
+module imports no engine, so ``HFForward``, which launches it, is not imported back.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from logdiff.engines.base import EngineSpec, TokenSequence, resolve_device
+from logdiff.engines.base import Engine, EngineSpec, TokenSequence, resolve_device
 from logdiff.probes.errors import EngineUnavailable, InputError
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl", "xpu": "xccl"}
@@ -65,6 +69,7 @@ class _Job:
     consistent: bool
     consistent_kernels: tuple[str, ...] | None
     timeout_s: float
+    engine: type[Engine]  # what every rank loads and scores with (``HFForward``)
 
     @property
     def world(self) -> int:
@@ -77,12 +82,12 @@ class _Seq:
     response_ids: list[int]
 
 
-def score_sharded(spec: EngineSpec, seqs: Sequence[TokenSequence], out_dir: str | Path, *,
+def score_sharded(spec: EngineSpec, seqs: Sequence[TokenSequence], out_dir: str | Path, *, engine: type[Engine],
                   tensor_parallel_size: int = 1, fsdp_size: int = 1, consistent: bool = False,
                   consistent_kernels: tuple[str, ...] | None = None, timeout_s: float = 3600.0) -> Path:  # fmt: skip
-    """Score ``seqs`` with the ``hf`` training path on ``tensor_parallel_size`` x ``fsdp_size`` ranks, captured
-    into the bundle at ``out_dir`` (returned). ``consistent_kernels``: the families consistent mode covers
-    (None: all), as ``HFEngine.consistent`` takes them."""
+    """Score ``seqs`` with the ``hf`` training path (``engine``: ``HFForward``) on ``tensor_parallel_size`` x
+    ``fsdp_size`` ranks, captured into the bundle at ``out_dir`` (returned). ``consistent_kernels``: the families
+    consistent mode covers (None: all), as ``HFEngine.consistent`` takes them."""
     tp, fsdp = check_sizes(spec, tensor_parallel_size, fsdp_size, consistent and _linear_consistent(consistent_kernels))
     device = resolve_device(spec.device).split(":")[0]
     if device not in BACKENDS:
@@ -91,7 +96,7 @@ def score_sharded(spec: EngineSpec, seqs: Sequence[TokenSequence], out_dir: str 
     out = Path(out_dir)
     with tempfile.TemporaryDirectory(prefix="logdiff-ranks-") as scratch:
         job = _Job(spec, tuple((tuple(s.prompt_ids), tuple(s.response_ids)) for s in seqs), str(out), scratch,
-                   device, tp, fsdp, consistent, consistent_kernels, float(timeout_s))  # fmt: skip
+                   device, tp, fsdp, consistent, consistent_kernels, float(timeout_s), engine)  # fmt: skip
         _launch(job)
     return out
 
@@ -218,7 +223,6 @@ def _rank(rank: int, job: _Job) -> None:
 def _score_rank(rank: int, job: _Job) -> None:
     import torch
 
-    from logdiff.engines.hf import HFForward
     from logdiff.engines.hf.capture import capture
     from logdiff.engines.hf.tensor_parallel import consistent_tp, fixed_order_plan, parallelize
 
@@ -227,7 +231,7 @@ def _score_rank(rank: int, job: _Job) -> None:
         getattr(torch, job.device).set_device(rank)
     # the rank itself is one unsharded engine: the sizes are this launcher's, not its
     options = tuple((k, v) for k, v in job.spec.options if k not in ("tensor_parallel_size", "fsdp_size"))
-    engine = HFForward(dataclasses.replace(job.spec, device=device, options=options))
+    engine = job.engine(dataclasses.replace(job.spec, device=device, options=options))
     model = engine.model
     mesh = None
     if job.world > 1:

@@ -33,7 +33,6 @@ from logdiff.engines.base import (
     Sampled,
     TokenSequence,
     package_version,
-    register,
     unsupported_as_input_error,
 )
 from logdiff.engines.vllm.taps import TAPS
@@ -82,7 +81,6 @@ def hf_overrides(spec: EngineSpec) -> dict[str, Any]:
     return out
 
 
-@register
 class VLLMEngine(Engine):
     """vLLM decode and prefill paths."""
 

@@ -184,7 +184,7 @@ def worker_meta(runner: Any, tp_size: int) -> dict[str, Any]:
     (unsharded only: a rank holds slices) the weight fingerprints the vLLM engine reads."""
     import vllm
 
-    from logdiff import __version__
+    from logdiff.version import __version__
     from logdiff.engines.vllm import VLLMEngine
 
     model, config = runner.get_model(), runner.model_config.hf_config

@@ -23,7 +23,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-from logdiff.engines.base import package_version, register
+from logdiff.engines.base import package_version
 from logdiff.engines.vllm import VLLMEngine, import_vllm
 from logdiff.probes.errors import EngineUnavailable
 
@@ -43,7 +43,6 @@ def import_ascend() -> None:
             raise EngineUnavailable(f"{label} failed to import ({type(e).__name__}: {e}); {NPU_HINT}") from None
 
 
-@register
 class VLLMAscendEngine(VLLMEngine):
     """vLLM decode and prefill paths on an Ascend NPU (the ``vllm`` engine on vllm-ascend's platform)."""
 

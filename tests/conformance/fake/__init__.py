@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.engines.base import ENGINES, Engine, EngineSpec, PathScores, TokenSequence
+from logdiff.engines.base import Engine, EngineSpec, PathScores, TokenSequence
+
+from logdiff.engines.registry import ENGINES
 from logdiff.probes.errors import EngineUnavailable, InputError
 
 from .probes import FakeProbes
