@@ -42,6 +42,7 @@ training bundle's, else one warning line says so.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,7 @@ class BundleSide:
     def info(self) -> dict[str, Any]:
         layout = {"ranks": self.bundle.world_size, "tensor_parallel_size": self.tp_size}
         return {"engine": self.name, "version": self.meta.get("version"),
-                "settings": {**layout, "bundle": str(self.bundle.root)}}
+                "settings": {**layout, "bundle": str(self.meta.get("joined_from") or self.bundle.root)}}
 
 
 def open_bundles(train_dir: Path, infer_dir: Path) -> tuple[Bundle, Bundle]:
@@ -158,7 +159,24 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
     """The scan result of two capture bundles (docs/result-schema.md), computed offline. ``live``: the training
     side's model itself, in this process (an RL framework's, inside its step), used as ``--model``'s would be:
     its weights for the conformance check, and one no-grad forward over the common sequences for the replay
-    (nothing that trains: no gradient, no mode change, dropout must be off for it to reproduce the capture)."""
+    (nothing that trains: no gradient, no mode change, dropout must be off for it to reproduce the capture).
+    A pipeline-parallel capture's stages are joined first (``probes.stages``)."""
+    with tempfile.TemporaryDirectory(prefix="logdiff-stages-") as scratch:  # pipeline stages joined, then gone
+        train_dir, infer_dir = (joined(Path(d), Path(scratch) / role) for d, role in ((train_dir, "train"),
+                                                                                   (infer_dir, "infer")))
+        return _compare(train_dir, infer_dir, model=model, is_threshold=is_threshold, progress=progress,
+                        tables=tables, live=live)
+
+
+def joined(bundle_dir: Path, scratch: Path) -> Path:
+    """``bundle_dir``, or, for a pipeline-parallel capture, its stages joined into one bundle under ``scratch``."""
+    from logdiff.probes.stages import has_stages, join_stages
+
+    return join_stages(bundle_dir, scratch) if bundle_dir.is_dir() and has_stages(bundle_dir) else bundle_dir
+
+
+def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_threshold: float, progress: Progress,
+             tables: dict[str, Any] | None, live: Any) -> ScanResult:
     from logdiff.locate import localize
     from logdiff.nonfinite import add_non_finite
     from logdiff.probes.feed import match_sequences, sketched

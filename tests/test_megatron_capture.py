@@ -389,18 +389,19 @@ def test_sequence_parallel_against_tp1_blames_the_reduce_scatter(dense, sp_pp) -
 
 
 def test_pipeline_stages_record_global_layers_and_join_into_the_tp1_capture(dense, sp_pp, tmp_path: Path) -> None:
-    """Each stage records its own layers under their global numbers, bitwise equal to TP = 1; joined
-    (``stages.join_stages``) the bundle compares ``consistent`` against TP = 1, every weight verified."""
+    """Each stage records its own layers under their global numbers, bitwise equal to TP = 1; the comparison
+    joins the stages (``probes.stages``) and the bundle compares ``consistent`` against TP = 1, every weight
+    verified."""
     from logdiff.probes.bundle import Bundle
-
-    from logdiff.engines.megatron.stages import join_stages
+    from logdiff.probes.stages import has_stages
 
     pp = Bundle(sp_pp["pp"] / "stock")
     first, last = (list(part.steps[0]["records"]) for part in pp.ranks)
     assert first[0] == "model.embed_tokens" and first[-1] == "model.layers.1.residual_mlp"
     assert last[0] == "model.layers.2.input_layernorm" and last[-1] == "logits"
-    joined = join_stages(sp_pp["pp"] / "stock", tmp_path / "joined")
-    result = _compare(joined, dense["tp1"] / "stock")
+    assert has_stages(sp_pp["pp"] / "stock") and not has_stages(dense["tp1"] / "stock")
+    result = _compare(sp_pp["pp"] / "stock", dense["tp1"] / "stock")
+    assert result["paths"][0]["settings"]["bundle"] == str(sp_pp["pp"] / "stock")
     assert result["contracts"]["weights"]["verified"] == 47 and result["contracts"]["weights"]["differs"] == []
     assert result["verdict"] == "consistent" and result["first_divergence"] is None
     assert result["logprobs"]["abs_diff_max"] == 0.0

@@ -1,4 +1,4 @@
-"""Join a pipeline-parallel capture's stages into one bundle that ``logdiff compare`` reads.
+"""Join a pipeline-parallel capture's stages into one bundle, as ``logdiff compare`` reads it.
 
 Each pipeline stage records the layers it runs, under their global names (``names.layer_prefix``), into its
 own rank directory; its ``tp`` group holds only its stage's records, so a reader that takes each ``tp``
@@ -7,7 +7,9 @@ writes the same records as one bundle without pipeline ranks: every pipeline gro
 becomes the rank of its first stage, whose tensor-parallel peers map likewise; each step's records are the
 stages' records of that step in stage order (their row tables must agree: every stage is given the step's
 tokens), and the metadata's ``fingerprints`` the union of the stages' (each stage hashes its own weights).
-numpy and safetensors only: it runs wherever the bundle is read.
+numpy and safetensors only: it runs wherever the bundle is read. ``logdiff compare`` (``offline.compare_bundles``)
+joins a bundle with pipeline stages itself (``has_stages``), into a scratch directory that lives as long as the
+comparison; the result names the bundle given.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ from typing import Any
 import numpy as np
 
 from logdiff.probes.errors import InputError
+
+
+def has_stages(bundle_dir: str | Path) -> bool:
+    """Whether the bundle at ``bundle_dir`` was recorded with pipeline stages (a ``pp`` group of several ranks)."""
+    from logdiff.probes.bundle import Bundle
+
+    return any(len(p.layout.group("pp")) > 1 for p in Bundle(bundle_dir).ranks)
 
 
 def join_stages(bundle_dir: str | Path, out_dir: str | Path) -> Path:
@@ -48,6 +57,7 @@ def join_stages(bundle_dir: str | Path, out_dir: str | Path) -> Path:
                                        for at in head.meta["fingerprints_at"]}
         meta.pop("fingerprints_scope", None)
         meta["pipeline_stages_joined"] = len(stages)
+        meta["joined_from"] = str(bundle.root)
         rank_dir = out / f"rank-{renumber[first]:05d}"
         rank_dir.mkdir()
         steps = []
