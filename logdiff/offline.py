@@ -51,6 +51,7 @@ from typing import Any
 from logdiff.bundle_checks import (add_offset_findings, compiled_warning, dump_warning, matching_warning,
                                    position_offsets)
 from logdiff.bundle_feed import feed_side, replay, response_scores
+from logdiff.bundle_shards import add_shard_evidence
 from logdiff.bundle_weights import SideWeights, model_warning
 from logdiff.compare import compare_pair
 from logdiff.config import ScanConfig
@@ -193,6 +194,7 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
     engine = _training_engine(model, tb, live) if model is not None or live is not None else None
     rejected = (model_warning(engine.fingerprints(), train_weights.fingerprints(_dtype(tb)))
                 if engine is not None else None)  # the live model in the dtype it was loaded in: the bundle's
+    loaded = engine  # --model's weights name a sharded side's differing pieces, even where rejected for replay
     if rejected:
         engine = None  # its ops and weights are not the captured step's: no replay, no conformance from them
     train = BundleSide(tb, "train", engine, train_weights)
@@ -254,6 +256,9 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
             result.warn("the first bundle was captured as the inference side and the second as the training side: "
                         "logdiff compare takes TRAIN_BUNDLE first")
         _diagnose(result, cfg, train, infer, session, progress, model_rejected=bool(rejected))
+        differs = ((result.contracts or {}).get("weights") or {}).get("differs") or []
+        if loaded is not None and differs:
+            add_shard_evidence(result.causes, differs, [tb, ib], loaded.module().state_dict())
         add_offset_findings(result, tb, ib, matching, session.cmap)
     finally:
         session.close()

@@ -97,7 +97,6 @@ def fingerprint(tensor: Any) -> str:
     return hashlib.blake2b(raw.numpy().tobytes(), digest_size=8).hexdigest()
 
 
-
 #: contract keys that name how a side computes, not what: never compared between engines
 IMPLEMENTATION_KEYS = frozenset({"attn_implementation", "dropped"})
 

@@ -26,7 +26,7 @@ New modules are picked up as the directories are scanned.
    source      every engine folder (hf, vllm, megatron, ...), ``logdiff.msprobe``    source, interface, common,
                                                                                       probes, kernels, reports
    comparison  compare, locate, offline, bundle_feed, bundle_checks, bundle_weights,  comparison, common, interface,
-               nonfinite, result, environment, diagnosis/                             registry, probes, kernels,
+               bundle_shards, nonfinite, result, environment, diagnosis/              registry, probes, kernels,
                                                                                       reports
    scan        pipeline and everything else: batch_probe, check, outputs, doctor,     anything but top
                integrations/, demo/, ...
@@ -77,7 +77,7 @@ LAYERS = {
     "registry": ("logdiff.engines.registry", "logdiff.engines.pool"),
     "source": ("logdiff.engines", "logdiff.msprobe"),
     "comparison": ("logdiff.compare", "logdiff.locate", "logdiff.offline", "logdiff.bundle_feed",
-                   "logdiff.bundle_checks", "logdiff.bundle_weights", "logdiff.nonfinite", "logdiff.result",
+                   "logdiff.bundle_checks", "logdiff.bundle_weights", "logdiff.bundle_shards", "logdiff.nonfinite", "logdiff.result",
                    "logdiff.environment", "logdiff.diagnosis"),
     "top": ("logdiff.cli",),
 }

@@ -19,6 +19,7 @@ fixed-order reduction on both; the planted shard is found, by name, in rank 1's 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -348,6 +349,20 @@ def test_a_weight_shard_planted_on_rank_1_is_found_in_its_slice(dense) -> None:
     assert result["first_divergence"]["boundary"] == PLANTED
     causes = [c for c in result["causes"] if c["boundary"] == PLANTED]
     assert causes and (causes[0]["class"], causes[0]["kind"]) == ("framework_difference", "weights"), causes
+    ffn = json.loads((dense["model"] / "config.json").read_text())["intermediate_size"]
+    named = [e for e in causes[0]["evidence"] if "'s piece" in e]  # against --model's weight, piece by piece
+    assert named == [f"{PLANTED}.weight: rank 1's piece (rows {ffn // 2}:{ffn}, 2 of 2) differs from --model's; "
+                     "the other ranks' pieces equal it (train bundle)"], causes[0]["evidence"]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from logdiff.bundle_shards import shard_lines
+    from logdiff.probes.bundle import Bundle
+
+    state = AutoModelForCausalLM.from_pretrained(dense["model"], dtype=torch.float32).state_dict()
+    stock = Bundle(dense["tp2"] / "stock")
+    assert {p.meta["shards"][f"{PLANTED}.weight"]["index"] for p in stock.ranks} == {0, 1}
+    assert shard_lines(stock, [f"{PLANTED}.weight"], state) == {}  # the control: every stock piece equals --model's
     diff = np.abs(_values(dense["tp2"] / "planted", PLANTED) - _values(dense["tp2"] / "stock", PLANTED)).max(axis=0)
     half = diff.shape[0] // 2  # the logical up_proj's columns: rank 0 holds the first half, rank 1 the second
     assert diff[:half].max() == 0.0 and diff[half] > 0 and diff[half + 1 :].max() == 0.0

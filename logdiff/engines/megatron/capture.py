@@ -141,10 +141,32 @@ class MegatronCapture:
         wide = next(self.model.parameters()).element_size() > 2
         sets = hf_fingerprints(hf, (None, *(NARROWER if wide else ())))
         out: dict[str, Any] = {"fingerprints": sets[None]}
+        if self.tp > 1:
+            out["shards"] = self._shards(hf, offset)
         if wide:
             out["fingerprints_at"] = {at: sets[at] for at in NARROWER}
         if len(self.layout.group("pp")) > 1:
             out["fingerprints_scope"] = "this pipeline stage's weights only"
+        return out
+
+    def _shards(self, whole: dict[str, Any], offset: dict[int, int]) -> dict[str, Any]:
+        """This rank's piece of each tensor-parallel HF-named weight (not the experts'): which of the ``tp`` equal
+        pieces along which dim it is, and its fingerprint, so that a comparison can name the rank whose piece
+        differs (``logdiff/bundle_shards.py``). A piece that is not one such slice of the whole is left out."""
+        from logdiff.engines.megatron.weights import hf_fingerprints, logical_state, megatron_to_hf
+
+        from dataclasses import replace
+
+        local = logical_state(self.model, None, None, offset.get)
+        geo = replace(self.geo, heads=self.geo.heads // self.tp, groups=self.geo.groups // self.tp)  # this rank's
+        local = megatron_to_hf({k: v for k, v in local.items() if ".local_experts." not in k}, geo)
+        hashes = hf_fingerprints(local, (None,))[None]
+        out: dict[str, Any] = {}
+        for name, piece in local.items():
+            full = whole.get(name)
+            dims = [d for d in range(piece.dim()) if full is not None and piece.shape[d] != full.shape[d]]
+            if len(dims) == 1 and full.shape[dims[0]] == piece.shape[dims[0]] * self.tp:
+                out[name] = {"dim": dims[0], "index": self.tp_index, "of": self.tp, "fingerprint": hashes[name]}
         return out
 
     # ---- lifecycle ------------------------------------------------------------------------------
