@@ -159,7 +159,7 @@ def classify_op(
         for k in c_diff:
             evidence.append(difference_line(k, contracts))
         for w in w_diff:
-            evidence.append(f"weight differs: {w} has a different fingerprint on the inference side")
+            evidence.append(f"weight differs: {w} has different fingerprints on the two sides")
         evidence.append(local)
         if ev.conformance is not None:
             evidence += ev.conformance.evidence(ev.paths or {"train": "train", "infer": "infer"})
@@ -317,7 +317,7 @@ def preflight_only_causes(
         boundary, kind = arch.weight_boundary(item) if is_weight else arch.key_boundary.get(item, ("model", "module"))
         ev = OpEvidence(boundary, kind, None, 0.0, None, None, paths=paths)
         if is_weight:
-            evidence = [f"weight differs: {item} has a different fingerprint on the inference side"]
+            evidence = [f"weight differs: {item} has different fingerprints on the two sides"]
             fix = f"reload or resync {item} on the inference engine (stale or mis-loaded weights)"
         else:
             evidence = [difference_line(item, contracts)]
