@@ -205,9 +205,14 @@ def test_left_padded_responses_are_refused(tmp_path: Path) -> None:
     assert "not right-padded" in _bad(tmp_path, "d.jsonl", batch)
 
 
+class DataProto:
+    """A stand-in for verl's pickled ``DataProto``: a class no library adds to torch's weights-only safe globals
+    (megatron-core adds ``pathlib.PosixPath`` when imported)."""
+
+
 def test_a_pickled_object_is_not_unpickled(tmp_path: Path) -> None:
     f = tmp_path / "dataproto.pt"
-    torch.save({"batch": Path("not/a/tensor")}, f)  # a global a weights-only load refuses, as a DataProto pickle
+    torch.save({"batch": DataProto()}, f)  # a global a weights-only load refuses, as a DataProto pickle
     with pytest.raises(InputError, match="weights_only=True refused it") as e:
         dumps.load(f)
     assert "\n" not in str(e.value)
