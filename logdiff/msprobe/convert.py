@@ -41,10 +41,15 @@ def _forwards_with_ids(steps: list[RankDump]) -> Any:
 
 
 def forwards(rank: RankDump) -> dict[int, dict[str, dict[str, Any]]]:
-    """The step's module calls by forward and module path. A module shared by the layers (vLLM's one rotary
-    embedding, named after layer 0) is given to the layer its parent call (construct.json) ran in, and to that
-    call's forward."""
-    out: dict[int, dict[str, dict[str, Any]]] = {}
+    """The step's module calls by forward and module path (``named_forwards`` without the entry names)."""
+    return {f: {path: entry for path, (_, entry) in calls.items()} for f, calls in named_forwards(rank).items()}
+
+
+def named_forwards(rank: RankDump) -> dict[int, dict[str, tuple[str, dict[str, Any]]]]:
+    """The step's module calls by forward and module path, each with its entry name. A module shared by the
+    layers (vLLM's one rotary embedding, named after layer 0) is given to the layer its parent call
+    (construct.json) ran in, and to that call's forward."""
+    out: dict[int, dict[str, tuple[str, dict[str, Any]]]] = {}
     for name, entry in rank.data.items():
         m = ENTRY.match(name)
         if not m:
@@ -56,7 +61,7 @@ def forwards(rank: RankDump) -> dict[int, dict[str, dict[str, Any]]]:
         if mine and theirs and pm:  # the forward a layer's module ran in is its layer's call's
             path = re.sub(r"^model\.layers\.\d+\.", f"model.layers.{theirs.group(1)}.", path)
             count = int(pm.group("count"))
-        out.setdefault(count, {})[path] = entry
+        out.setdefault(count, {})[path] = (name, entry)
     return out
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from logdiff.msprobe.convert import named_forwards
 from logdiff.msprobe.layout import ENTRY, RankDump, dump_files, pick, read_dump
 from logdiff.msprobe.names import TABLES, boundary, order_key, template
 from logdiff.probes.errors import InputError
@@ -104,28 +104,9 @@ def summary(desc: Any, where: str) -> Summary | None:
     return Summary(dtype.removeprefix("torch."), tuple(shape), stats, crc)
 
 
-def _forwards(rank: RankDump) -> dict[int, dict[str, tuple[str, dict[str, Any]]]]:
-    """The step's module calls by forward and module path, with their entry names: ``convert.forwards``' rule (a
-    module shared by the layers belongs to the layer and forward of the call it ran in)."""
-    layer_entry = re.compile(r"^Module\.model\.layers\.(\d+)\.")
-    out: dict[int, dict[str, tuple[str, dict[str, Any]]]] = {}
-    for name, entry in rank.data.items():
-        m = ENTRY.match(name)
-        if not m:
-            continue
-        path, count = m.group("path"), int(m.group("count"))
-        parent = rank.parents.get(name) or ""
-        mine, theirs, pm = layer_entry.match(name), layer_entry.match(parent), ENTRY.match(parent)
-        if mine and theirs and pm:
-            path = re.sub(r"^model\.layers\.\d+\.", f"model.layers.{theirs.group(1)}.", path)
-            count = int(pm.group("count"))
-        out.setdefault(count, {})[path] = (name, entry)
-    return out
-
-
 def _engine(steps: list[RankDump]) -> str:
     for rank in steps:
-        for calls in _forwards(rank).values():
+        for calls in named_forwards(rank).values():
             emb = calls.get("model.embed_tokens")
             ids = pick(emb[1], "input", 0) if emb else None
             if isinstance(ids, dict) and isinstance(ids.get("shape"), list):
@@ -144,7 +125,7 @@ def read_side(path: Path, n_layers: int | None = None) -> tuple[str, dict[tuple[
     sites: dict[tuple[int, int, tuple[str, ...]], Site] = {}
     for i, rank in enumerate(steps):  # steps pair by their order (DUMP/step0 against DUMP/step2: both the first)
         where = rank.dir / "dump.json"
-        for f, calls in sorted(_forwards(rank).items()):
+        for f, calls in sorted(named_forwards(rank).items()):
             for module, (name, entry) in calls.items():
                 key, layer = template(module)
                 for field, index, names, _split in TABLES[engine].get(key, []):
