@@ -14,6 +14,11 @@ loadable on 2 cores), random bf16 weights.
 Usage::
 
     .venv/bin/python bench/bench_consistent.py [--demo DIR] [--skip-large] [--repeats 5] [--json PATH]
+    .venv/bin/python bench/bench_consistent.py --per-kernel [--skip-large] [--repeats 20]
+
+``--per-kernel`` times each kernel family alone, stock op against the consistent kernel (inside
+``kernel_caches()``, as consistent mode runs it), at the demo's and the 0.5B class's shapes, for a
+prefill of 4x128 tokens and a decode step of 4 rows; it names the ISA (``logdiff.isa``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -32,6 +41,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 LARGE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
          "head_dim": 64, "intermediate_size": 4864, "vocab_size": 32768}  # fmt: skip
+DEMO = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "intermediate_size": 768, "vocab_size": 4096}  # fmt: skip
+"""The demo Qwen3's shapes (``logdiff demo-model``), for ``--per-kernel``."""
 
 
 def best_of(repeats: int, stock: Callable[[], object], consistent: Callable[[], object]) -> tuple[float, float]:
@@ -90,13 +102,88 @@ def bench_model(name: str, model_dir: Path, repeats: int) -> list[tuple[str, str
     return rows
 
 
+def _stock_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``apply_rotary_pos_emb`` for one tensor (``rotate_half``)."""
+    import torch
+
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def kernel_cases(shape: dict, rows: int, kv_len: int) -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
+    """``(family, stock, consistent)`` for one model shape: ``rows`` tokens as 4 sequences, keys up to ``kv_len``."""
+    import torch
+    import torch.nn.functional as F
+
+    from logdiff import kernels
+
+    gen = torch.Generator().manual_seed(0)
+    h, d, hq, hkv = shape["hidden_size"], shape["head_dim"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    inter, vocab, bf = shape["intermediate_size"], shape["vocab_size"], torch.bfloat16
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(bf)
+
+    x, xi, w_norm = rand(rows, h), rand(rows, 2 * inter), rand(h)
+    weights = {"qkv": rand((hq + 2 * hkv) * d, h), "o": rand(h, hq * d), "gate_up": rand(2 * inter, h),
+               "down": rand(h, inter), "lm_head": rand(vocab, h)}  # fmt: skip
+    inputs = {"qkv": x, "o": rand(rows, hq * d), "gate_up": x, "down": xi[:, :inter], "lm_head": x}
+    t = rows // 4
+    q, k, v = rand(4, t, hq, d), rand(4, kv_len, hkv, d), rand(4, kv_len, hkv, d)
+    pos = torch.arange(kv_len - t, kv_len).expand(4, t)
+    kv_lens = torch.full((4,), kv_len)
+    causal = t == kv_len
+    rope_x, rope_pos = rand(rows, hq, d), pos.reshape(-1)
+    cos, sin = (torch.randn(rows, 1, d, generator=gen).to(bf) for _ in range(2))
+    logits = rand(rows, vocab)
+
+    def sdpa() -> object:
+        qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if causal:
+            return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
+
+    cases = [(f"linear {name}", lambda n=name: F.linear(inputs[n], weights[n]),
+              lambda n=name: kernels.linear(inputs[n], weights[n])) for name in weights]  # fmt: skip
+    cases += [
+        ("rms_norm", lambda: kernels.rms_norm_reference(x, w_norm, 1e-6), lambda: kernels.rms_norm(x, w_norm, 1e-6)),
+        ("rope", lambda: _stock_rope(rope_x, cos, sin), lambda: kernels.rope(rope_x, rope_pos, 1e6)),
+        ("silu_and_mul", lambda: F.silu(xi[:, :inter]) * xi[:, inter:], lambda: kernels.silu_and_mul(xi[:, :inter], xi[:, inter:])),
+        ("attention", sdpa, lambda: kernels.attention_batched(q, k, v, pos, d**-0.5, kv_lens)),
+        ("log_softmax", lambda: torch.log_softmax(logits.float(), -1), lambda: kernels.log_softmax(logits)),
+    ]  # fmt: skip
+    return cases
+
+
+def per_kernel(skip_large: bool, repeats: int) -> None:
+    """Print stock and consistent seconds (min of ``repeats``, alternating) per kernel family and shape."""
+    import torch
+
+    from logdiff import kernels
+    from logdiff.isa import cpu_isa
+
+    shapes = {"demo": DEMO} | ({} if skip_large else {"0.5B": LARGE})
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, ISA {cpu_isa()}; min of {repeats}")
+    print(f"{'shape':<6} {'workload':<18} {'family':<16} {'stock ms':>9} {'consistent ms':>14} {'ratio':>6}")
+    with torch.no_grad(), kernels.kernel_caches():
+        for shape_name, shape in shapes.items():
+            for workload, rows, kv_len in (("prefill 4x128", 512, 128), ("decode 4x1 @48", 4, 48)):
+                for family, stock, consistent in kernel_cases(shape, rows, kv_len):
+                    s, c = best_of(repeats, stock, consistent)
+                    print(f"{shape_name:<6} {workload:<18} {family:<16} {s * 1e3:>9.3f} {c * 1e3:>14.3f} {c / s:>5.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--demo", type=Path, help="demo model directory (default: a random one of its shape)")
     ap.add_argument("--skip-large", action="store_true", help="skip the 0.5B-class model")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, help="also write the rows here (bench/run.py reads them)")
+    ap.add_argument("--per-kernel", action="store_true", help="time each kernel family alone, stock vs consistent")
     args = ap.parse_args()
+    if args.per_kernel:
+        per_kernel(args.skip_large, args.repeats)
+        return
     import torch
 
     from logdiff.demo import build_random_model

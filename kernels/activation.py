@@ -41,8 +41,9 @@ CHUNK = 16384
 
 def _flat_chunks(t: torch.Tensor) -> torch.Tensor:
     """``t`` flattened into a fresh zero buffer of whole CHUNK-element slices."""
-    flat = torch.zeros(-(-t.numel() // CHUNK) * CHUNK, dtype=t.dtype, device=t.device)
+    flat = torch.empty(-(-t.numel() // CHUNK) * CHUNK, dtype=t.dtype, device=t.device)
     flat[: t.numel()] = t.reshape(-1)
+    flat[t.numel() :] = 0  # only the padding is zeroed: the elements above are written once
     return flat
 
 

@@ -18,6 +18,10 @@ Design: **one GEMM shape per call site, whatever M and N are.**
   reduction order even through a bf16 rounding: a property of the BLAS, never
   assumed; oneDNN's bf16 GEMMs on AMX CPUs fail it for K >= 512),
   whole wide tiles go in one call. The result is the 16-row tiles' either way.
+  The same check decides the GEMM plan (:func:`_gemm_plan`): 256-row tiles, and one
+  ``mm`` over all columns instead of the column-tile ``bmm``, each used only where
+  its GEMM gives every row the bits of the 16-row tile GEMMs; the verdict is a
+  property of the process's BLAS, memoised per process (:func:`_blas_plan`).
 * Columns (N): the weight is cut into tiles of exactly :data:`N_TILE` output
   columns (the last one zero-padded). Each row tile is multiplied by all column
   tiles in one ``bmm`` of ``[M_TILE, K] @ [K, N_TILE]`` items.
@@ -85,10 +89,9 @@ weight_cache = fp32_weight_cache = kernel_caches
 
 
 def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter (and cannot be updated in place)
+    if t.is_inference():  # no version counter (and cannot be updated in place); asked first: a raised error costs ~70 us
         return -1
+    return t._version
 
 
 def _prepare(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -121,8 +124,10 @@ def _forget(cache: dict, weight_id: int) -> Callable[[weakref.ref], None]:
 
 def _row_tiles(x2: torch.Tensor, dtype: torch.dtype, tile: int) -> torch.Tensor:
     """``x2`` ``[M, K]`` copied into a fresh zero buffer of whole ``tile``-row tiles, in ``dtype``."""
-    rows = torch.zeros(-(-x2.shape[0] // tile) * tile, x2.shape[1], dtype=dtype, device=x2.device)
-    rows[: x2.shape[0]] = x2
+    m = x2.shape[0]
+    rows = torch.empty(-(-m // tile) * tile, x2.shape[1], dtype=dtype, device=x2.device)
+    rows[:m] = x2
+    rows[m:] = 0  # only the padding rows are zeroed: the rows above are written once
     return rows
 
 
@@ -136,8 +141,8 @@ def tile_gemm(w: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], None]:
     return lambda rows, out: torch.bmm(rows.expand(n_tiles, *rows.shape), w_tiles, out=out)
 
 
-def _probe_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows [WIDE_TILE, K], weight [N, K])`` on which a change of the GEMM's reduction order shows in its output.
+def _probe_rows(w: torch.Tensor, count: int = WIDE_TILE) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows [count, K], weight [N, K])`` on which a change of the GEMM's reduction order shows in its output.
 
     A low-precision GEMM rounds its fp32 accumulator once (bf16: 8 significant bits), so on random rows two
     kernels that add the K products in different orders give different bf16 bits in only a few of the
@@ -157,12 +162,42 @@ def _probe_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     weight = torch.zeros(n, k, dtype=w.dtype, device=w.device)
     weight[:, p] = b
     weight[:, q] = b
-    rows = torch.randn(WIDE_TILE, k, generator=gen, device=w.device).to(w.dtype)
+    rows = torch.randn(count, k, generator=gen, device=w.device).to(w.dtype)
     a = rows[0::2, p].clone()
     rows[0::2] = 0
     rows[0::2, p] = a
     rows[0::2, q] = -a
     return rows, weight
+
+
+def _gemm_out(rows: int, w: torch.Tensor) -> torch.Tensor:
+    """An output buffer of :func:`tile_gemm` for ``rows`` rows."""
+    tiled = w.shape[0] <= N_TILED_MAX
+    shape = (w.shape[0] // N_TILE, rows, N_TILE) if tiled else (rows, w.shape[0])
+    return torch.empty(shape, dtype=w.dtype, device=w.device)
+
+
+def _agree(
+    w: torch.Tensor, size: int, make_gemm: Callable[[torch.Tensor], Callable[[torch.Tensor, torch.Tensor], None]], form: str
+) -> bool:
+    """Whether ``size`` rows in one GEMM of ``form`` (``"tiles"``: :func:`tile_gemm`'s own; ``"mm"``: one ``mm``
+    over all of ``w``'s columns) give every row the bits of ``make_gemm``'s M_TILE-row GEMMs, on the rows of
+    :func:`_probe_rows`."""
+    rows, probe = _probe_rows(w, size)
+    gemm = make_gemm(probe)
+    tiled = w.shape[0] <= N_TILED_MAX
+
+    def run(r: torch.Tensor) -> torch.Tensor:
+        out = _gemm_out(len(r), probe)
+        gemm(r, out)
+        return out.transpose(0, 1).reshape(len(r), -1) if tiled else out
+
+    narrow = torch.cat([run(rows[start : start + M_TILE]) for start in range(0, size, M_TILE)])
+    if form == "tiles":
+        return torch.equal(run(rows), narrow)
+    wide = torch.empty(size, probe.shape[0], dtype=probe.dtype, device=probe.device)
+    torch.mm(rows, probe.t(), out=wide)  # the call _tiled_mm makes
+    return torch.equal(wide, narrow)
 
 
 def wide_tiles_agree(
@@ -178,45 +213,83 @@ def wide_tiles_agree(
     caches = active()
     if caches is None:
         return False
-    key = (tuple(w.shape), w.dtype, str(w.device), torch.get_num_threads())
+    key = ("agree", tuple(w.shape), w.dtype, str(w.device), torch.get_num_threads())
     agree = caches.wide_tiles.get(key)
     if agree is None:
-        rows, probe = _probe_rows(w)
-        gemm = make_gemm(probe)
-        tiled = w.shape[0] <= N_TILED_MAX
-
-        def run(r: torch.Tensor) -> torch.Tensor:
-            out = torch.empty((w.shape[0] // N_TILE, len(r), N_TILE) if tiled else (len(r), w.shape[0]),
-                              dtype=w.dtype, device=w.device)  # fmt: skip
-            gemm(r, out)
-            return out
-
-        narrow = [run(rows[start : start + M_TILE]) for start in range(0, WIDE_TILE, M_TILE)]
-        agree = caches.wide_tiles[key] = torch.equal(run(rows), torch.cat(narrow, dim=1 if tiled else 0))
+        agree = caches.wide_tiles[key] = _agree(w, WIDE_TILE, make_gemm, "tiles")
     return agree
 
 
+GEMM_SIZES = (256, WIDE_TILE, M_TILE)
+"""Row counts one GEMM may take, largest first: each is used only where checked to give the M_TILE bits."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _blas_plan(shape: tuple[int, int], dtype: torch.dtype, device: str, threads: int) -> tuple[tuple[int, str], ...]:
+    """The GEMMs that give a ``shape`` weight's rows exactly the bits of its M_TILE-row tiles on this BLAS.
+
+    ``((rows, form), ...)`` largest first, ``form`` ``"mm"`` (one ``mm`` over all columns: fewer, larger
+    calls, no re-layout of the output) where the check passes, else ``"tiles"`` (:func:`tile_gemm`, the
+    definition for M_TILE rows); row counts that pass neither are left out. The check
+    (:func:`_agree`, on order-revealing rows) is a property of the process's BLAS for a shape, dtype,
+    device and thread count, like :func:`_gemm_dtype`, so it runs once per process, not once per block.
+    """
+    w = torch.zeros(shape, dtype=dtype, device=device)
+    plan = []
+    for size in GEMM_SIZES:
+        if _agree(w, size, tile_gemm, "mm"):
+            plan.append((size, "mm"))
+        elif size == M_TILE or _agree(w, size, tile_gemm, "tiles"):
+            plan.append((size, "tiles"))
+    return tuple(plan)
+
+
+def _gemm_plan(w: torch.Tensor) -> tuple[tuple[int, str], ...]:
+    """Inside ``kernel_caches()``: :func:`_blas_plan` for ``w``; outside: M_TILE-row tiles only (nothing checked).
+
+    The check runs on contiguous weights; a strided one (a column slice, ``collective.chunked_linear``) keeps
+    the tile GEMMs, the form it was checked in before ``"mm"`` existed.
+    """
+    caches = active()
+    if caches is None:
+        return ((M_TILE, "tiles"),)
+    key = (tuple(w.shape), w.dtype, str(w.device), torch.get_num_threads())
+    plan = caches.wide_tiles.get(key)
+    if plan is None:
+        plan = caches.wide_tiles[key] = _blas_plan(*key)
+    if not w.is_contiguous():
+        plan = tuple(p for p in plan if p[1] == "tiles") or ((M_TILE, "tiles"),)
+    return plan
+
+
 def _tiled_mm(x2: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[M, K] @ weight.T`` from fixed-shape GEMMs; returns ``[M, N]`` in ``dtype``."""
-    m, k = x2.shape
+    """``[M, K] @ weight.T`` with every row's bits those of M_TILE-row tile GEMMs; returns ``[M, N]`` in ``dtype``.
+
+    Rows go through the largest GEMMs of :func:`_gemm_plan` that fit (rows are independent, so the
+    split never changes a bit), each writing its rows of one ``[rows, N]`` output in place.
+    """
+    m = x2.shape[0]
     n = weight.shape[0]
     rows = _row_tiles(x2, dtype, M_TILE)
     w = _prepare(weight, dtype)
-    gemm = tile_gemm(w)
-    total = rows.shape[0]
-    wide_end = total - total % WIDE_TILE if total >= WIDE_TILE and wide_tiles_agree(w) else 0
-    starts = [(s, WIDE_TILE) for s in range(0, wide_end, WIDE_TILE)] + [(s, M_TILE) for s in range(wide_end, total, M_TILE)]
-    if n > N_TILED_MAX:
-        out = torch.empty(total, n, dtype=dtype, device=x2.device)
-        for start, size in starts:
-            gemm(rows[start : start + size], out[start : start + size])
-        return out[:m]
-    n_tiles = w.shape[0] // N_TILE
-    parts = []
-    for start, size in starts:
-        parts.append(torch.empty(n_tiles, size, N_TILE, dtype=dtype, device=x2.device))
-        gemm(rows[start : start + size], parts[-1])
-    return torch.cat(parts, dim=1).transpose(0, 1).reshape(total, n_tiles * N_TILE)[:m, :n]
+    total, width = rows.shape[0], w.shape[0]
+    out = torch.empty(total, width, dtype=dtype, device=x2.device)
+    gemm = None
+    start = 0
+    for size, form in _gemm_plan(w):
+        while total - start >= size:
+            if form == "mm":
+                torch.mm(rows[start : start + size], w.t(), out=out[start : start + size])
+            elif width > N_TILED_MAX:
+                gemm = gemm or tile_gemm(w)
+                gemm(rows[start : start + size], out[start : start + size])
+            else:
+                gemm = gemm or tile_gemm(w)
+                part = _gemm_out(size, w)
+                gemm(rows[start : start + size], part)
+                out[start : start + size].view(size, -1, N_TILE).copy_(part.transpose(0, 1))
+            start += size
+    return out[:m, :n]
 
 
 def linear(

@@ -88,15 +88,16 @@ class GivenLogprobs(TokenScores):
 
 
 def feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], session: Any, role: str,
-              path: str, extra: tuple[Any, ...] = (), sketch_also: Collection[str] = ()) -> tuple[Any, int]:
+              path: str, extra: tuple[Any, ...] = (), sketch_also: Collection[str] = (),
+              digest: str | None = None) -> tuple[Any, int]:
     """One side's bundle into the session's sinks for ``role``'s path ``path`` (none without a session) and
     ``extra`` sinks, with the sketches of the whole records ``sketch_also`` names (the other side kept only
-    those): its token scores, and how many rows disagreed with their sequence's token ids."""
+    those, with their ``digest``): its token scores, and how many rows disagreed with their sequence's token ids."""
     from logdiff.probes.feed import feed, reductions
 
     scores = token_scores(bundle, ids)
     sinks = session.sinks(role, path, dict(bundle.meta.get("owners") or {})) if session is not None else []
-    misaligned = feed(bundle, common, ids, [*sinks, *extra, scores], sketch_also)
+    misaligned = feed(bundle, common, ids, [*sinks, *extra, scores], sketch_also, digest)
     if session is not None:
         session.reductions[role] = reductions(bundle, session.cmap)
     return scores, misaligned

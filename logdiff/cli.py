@@ -170,6 +170,11 @@ def scan(
         "linear, rms_norm, rope, attention, silu_and_mul, moe, log_softmax.",
     ),  # fmt: skip
     attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (rescans)."),
+    attribution: str = typer.Option(
+        "rescan", metavar="GAME", help="How the shares are measured: rescan (end-to-end rescans of every set of "
+        "levers) or patched (one training forward per set, its ops moved to the error the inference side's "
+        "recorded ops introduced; one rescan confirms; falls back to rescan where the records cannot).",
+    ),  # fmt: skip
     replay_all_paths: bool = typer.Option(
         False, "--replay-all-paths", help="At --depth modules|ops, replay the training path's ops on every "
         "inference path's inputs (default: the primary path's only; each more path costs one training forward).",
@@ -204,9 +209,9 @@ def scan(
         model=model, ckpt=ckpt, train=train, infer=infer, dtype=dtype, sequences=sequences, prompts=prompts,
         num_sequences=num_sequences, prompt_len=prompt_len, response_len=response_len, seed=seed,
         infer_ckpt=infer_ckpt, set_=set_, depth=depth or SCAN_DEPTH, consistent=consistent,
-        consistent_kernels=consistent_kernels, attribute=attribute, replay_all_paths=replay_all_paths, drill=drill,
-        batch_compositions=batch_compositions, trust_remote_code=trust_remote_code, device=device,
-        is_threshold=is_threshold,
+        consistent_kernels=consistent_kernels, attribute=attribute, attribution=attribution,
+        replay_all_paths=replay_all_paths, drill=drill, batch_compositions=batch_compositions,
+        trust_remote_code=trust_remote_code, device=device, is_threshold=is_threshold,
     )  # fmt: skip
     outputs.prepare(out, json_path)
     tables: dict[str, Any] = {}

@@ -14,6 +14,9 @@ from logdiff.errors import InputError
 
 DEPTHS = ("logprobs", "modules", "ops")
 KERNEL_FAMILIES = ("linear", "rms_norm", "rope", "attention", "silu_and_mul", "moe", "log_softmax")
+#: how attribution measures its game: end-to-end rescans, or the training forward patched from the recorded
+#: inference rows (logdiff/diagnosis/attribute_patched.py)
+ATTRIBUTION_GAMES = ("rescan", "patched")
 
 
 @dataclass
@@ -40,6 +43,9 @@ class ScanConfig:
     consistent_kernels: tuple[str, ...] | None = None
     #: at depth modules|ops, measure each cause's share and necessity (rescans)
     attribute: bool = True
+    #: how attribution measures each set of levers: ``rescan`` (end-to-end rescans) or ``patched`` (one training
+    #: forward whose ops take the error the inference side's recorded ops introduced, confirmed by one rescan)
+    attribution: str = "rescan"
     #: at depth modules|ops, replay the training path's ops on every inference path's inputs, not only on the
     #: primary path's (the one the diagnosis reads); each replayed path costs one more training forward
     replay_all_paths: bool = False
@@ -82,6 +88,8 @@ class ScanConfig:
         if isinstance(self.is_threshold, bool) or not isinstance(self.is_threshold, (int, float)) \
                 or not 1.0 < self.is_threshold < float("inf"):
             raise InputError(f"--is-threshold must be a finite number > 1 (bounds [1/T, T]), not {self.is_threshold!r}")
+        if self.attribution not in ATTRIBUTION_GAMES:
+            raise InputError(f"--attribution must be one of {', '.join(ATTRIBUTION_GAMES)}, not {self.attribution!r}")
         if self.drill is not None and self.depth != "ops":
             raise InputError("--drill needs --depth ops (it names the module whose aten ops are traced)")
         if self.consistent_kernels is not None and not self.consistent:

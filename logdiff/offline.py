@@ -134,7 +134,7 @@ class BundleSide:
 
 
 def open_bundles(train_dir: Path, infer_dir: Path) -> tuple[Bundle, Bundle]:
-    """Both bundles, recorded from one model. Their places say which side each is, whatever role they were
+    """Both bundles, recorded from one model (and, where both sketched records, with one sketch digest). Their places say which side each is, whatever role they were
     captured with (a TP=2 trainer against an unsharded one is two ``train`` captures); swapped roles are warned."""
     train, infer = Bundle(train_dir), Bundle(infer_dir)
     ct, ci = train.meta.get("config") or {}, infer.meta.get("config") or {}
@@ -151,6 +151,12 @@ def open_bundles(train_dir: Path, infer_dir: Path) -> tuple[Bundle, Bundle]:
     if name is not None:
         raise InputError(f"record {name!r} holds {wt[name]} values a row in {train_dir} but {wi[name]} in "
                          f"{infer_dir}: its partners cannot be compared")
+    from logdiff.probes.feed import sketched
+
+    if train.sketch_digest != infer.sketch_digest and sketched(train) and sketched(infer):
+        raise InputError(f"the bundles' row sketches hold different digests ({train.sketch_digest} in {train_dir}, "
+                         f"{infer.sketch_digest} in {infer_dir}: written by different logdiff versions) and cannot "
+                         "be compared; capture both sides with one version")
     return train, infer
 
 
@@ -212,7 +218,8 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
             extra = (session.keep_rows(side.name),) if engine is not None and side is train else ()
             other = windows["infer" if side is train else "train"]
             scores[side.role], misaligned = feed_side(side.bundle, common, matching.ids, session, side.role,
-                                                       side.name, extra, other - windows[side.role])
+                                                       side.name, extra, other - windows[side.role],
+                                                       (ib if side is train else tb).sketch_digest)
             if misaligned:
                 session.warnings.append(f"{side.role} bundle: {misaligned} rows held another token id than the "
                                         "matched sequence at their position; they were left out")

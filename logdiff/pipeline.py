@@ -363,9 +363,14 @@ def _diagnose(result: ScanResult, run: PathRun, cfg: ScanConfig, progress: Progr
     # sampled them (a lever changes numbers, never the tokens); else they sample again with the same seed.
     same_tokens = {"infer": [owner.name], "replay": tuple(run.sequences) if owner.replays_as_sampled else None,
                    "primary_path_only": True}
-    rescanner = Rescanner(lambda c: measure(replace(c, **same_tokens)).result)
-    result.classified = True
     record = run.probes.pair(result.primary.train, result.primary.infer) if run.probes is not None else None
+    patched = None
+    if cfg.attribute and cfg.attribution == "patched":  # attribution's game on the recorded rows
+        from logdiff.diagnosis.attribute_patched import of_run
+
+        patched = of_run(run, result, cfg, record)
+    rescanner = Rescanner(lambda c: measure(replace(c, **same_tokens)).result, patched)
+    result.classified = True
     result.add(diagnose(result, cfg, run.train_engine, owner, rescanner, progress, record))
     result.moe = diagnose_routing(result, run, cfg, progress)
     if result.non_finite is None:  # contract and numbers (logdiff/diagnosis/sampling.py)

@@ -19,8 +19,9 @@ outside the capture's full window holds only its row sketches (``sketch.py``;
 ``"sketch": true`` in the manifest), rebuilt across ranks by ``unshard_sketches``.
 Steps are written as they finish (memory stays flat) and the manifest is
 rewritten atomically after each, so a run that dies leaves a readable bundle of
-the steps it completed. bfloat16 is stored as its raw 16-bit pattern (``int16``)
-with ``dtype: bfloat16`` in the manifest, since numpy has no bfloat16.
+the steps it completed (``bundle_writer.py``, which writes a capture's steps in a
+thread of its own). bfloat16 is stored as its raw 16-bit pattern (``int16``) with
+``dtype: bfloat16`` in the manifest, since numpy has no bfloat16.
 
 **Weight versions.** A rank whose weights change while it records (a rollout engine
 that the trainer syncs new weights into) numbers them: each step entry in the manifest
@@ -40,7 +41,6 @@ against its manifest entry; anything wrong is one ``InputError`` naming the file
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,112 +49,10 @@ import numpy as np
 
 from logdiff.probes import bundle_input as checked
 from logdiff.probes.errors import InputError
+from logdiff.probes.sketch import DIGESTS, LEGACY
 from logdiff.probes.layout import ParallelLayout, Placement
+from logdiff.probes.bundle_writer import FORMAT, RESERVED, ROLES, VERSION
 from logdiff.probes.unshard import Logical, unshard
-
-FORMAT = "logdiff-capture"
-VERSION = 1
-ROLES = ("train", "infer")
-RESERVED = ("tokens", "positions", "sequences", "valid")
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks share bundle.json: each its own temporary
-    tmp.write_text(json.dumps(data, indent=1))  # insertion order: records stay in the order they were recorded
-    os.replace(tmp, path)
-
-
-def _raw(tensor: Any) -> tuple[np.ndarray, str]:
-    """A torch tensor (or numpy array) as a contiguous numpy array and the dtype name it holds."""
-    if isinstance(tensor, np.ndarray):
-        return np.ascontiguousarray(tensor), str(tensor.dtype)
-    import torch
-
-    t = tensor.detach()
-    if hasattr(t, "to_local"):  # a DTensor: this rank's piece
-        t = t.to_local()
-    t = t.cpu().contiguous()
-    dtype = str(t.dtype).removeprefix("torch.")
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy(), dtype
-
-
-class BundleWriter:
-    """Writes one rank's part of a bundle, step by step."""
-
-    def __init__(self, root: str | Path, role: str, layout: ParallelLayout, meta: dict[str, Any] | None = None):
-        if role not in ROLES:
-            raise ValueError(f"role {role!r} (expected one of {', '.join(ROLES)})")
-        self.root = Path(root)
-        self.layout = layout
-        self.dir = self.root / f"rank-{layout.rank:05d}"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        _write_json(self.root / "bundle.json", {"format": FORMAT, "version": VERSION, "role": role,
-                                                "world_size": layout.world_size})
-        self.manifest: dict[str, Any] = {"layout": layout.to_json(), "meta": meta or {}, "steps": []}
-        self._records: dict[str, tuple[np.ndarray, str, Placement, bool]] = {}  # array, dtype, placement, sketched
-        self._index: dict[str, np.ndarray] = {}
-        self._tokens: dict[str, np.ndarray] | None = None
-        self._fields: dict[str, Any] = {}
-
-    def begin_step(self, token_ids: Any, positions: Any, sequences: Any = None, valid: Any = None,
-                   fields: dict[str, Any] | None = None) -> None:
-        """The rows this rank's forward pass sees: token ids, positions and, from a capture, each row's
-        sequence id and whether it holds a real token (the attention mask), all of one flat length. ``fields``:
-        step-level facts for the step's manifest entry (``{"weight_version": k}``)."""
-        if self._tokens is not None:
-            self.end_step()
-        self._fields = dict(fields or {})
-        table = {"tokens": token_ids, "positions": positions, "sequences": sequences, "valid": valid}
-        self._tokens = {k: _raw(v)[0].reshape(-1).astype(np.int64) for k, v in table.items() if v is not None}
-
-    def record(self, name: str, tensor: Any, placement: Placement, rows: Any = None,
-               sketch_columns: np.ndarray | None = None) -> None:
-        """One record of the step; ``rows`` gives the index into the step's rows of each of its rows. With
-        ``sketch_columns`` (each local column's logical column) only its row sketches are kept (``sketch.py``)."""
-        if self._tokens is None:
-            raise RuntimeError("record() outside a step: call begin_step() first")
-        if name in RESERVED or "#" in name or name in self._records:
-            raise ValueError(f"record {name!r} twice in one step, or under a reserved name")
-        array, dtype = _raw(tensor)
-        if sketch_columns is not None:
-            from logdiff.probes.sketch import sketch
-
-            array = sketch(array.reshape(array.shape[0], -1), dtype, sketch_columns)
-        self._records[name] = (array, dtype, placement, sketch_columns is not None)
-        if rows is not None:
-            self._index[name] = np.asarray(rows, dtype=np.int64)
-
-    def meta_update(self, meta: dict[str, Any]) -> None:
-        self.manifest["meta"].update(meta)
-
-    def end_step(self) -> None:
-        if self._tokens is None:
-            return
-        from safetensors.numpy import save_file
-
-        index = len(self.manifest["steps"])
-        file = f"step-{index:06d}.safetensors"
-        arrays = dict(self._tokens)
-        arrays.update({name: record[0] for name, record in self._records.items()})
-        arrays.update({f"{name}#rows": index for name, index in self._index.items()})
-        tmp = self.dir / f".{file}.tmp"
-        save_file(arrays, str(tmp))
-        os.replace(tmp, self.dir / file)
-        self.manifest["steps"].append({
-            "file": file,
-            "records": {name: {"dtype": dtype, "shape": list(a.shape), "placement": p.to_json(),
-                               **({"sketch": True} if sketched else {})}
-                        for name, (a, dtype, p, sketched) in self._records.items()},
-            **self._fields,
-        })
-        _write_json(self.dir / "manifest.json", self.manifest)
-        self._records, self._index, self._tokens = {}, {}, None
-
-    def close(self) -> None:
-        self.end_step()
-        _write_json(self.dir / "manifest.json", self.manifest)
 
 
 def _meta_ids(meta: dict[str, Any], seq: int) -> list[int] | None:
@@ -257,6 +155,12 @@ class Bundle:
         if {r.layout.rank for r in self.ranks} != set(range(self.world_size)):
             missing = sorted(set(range(self.world_size)) - {r.layout.rank for r in self.ranks})
             raise InputError(f"{self.root}: world size {self.world_size}, no records from ranks {missing}")
+        digests = {str(part.meta.get("sketch_digest", LEGACY)) for part in self.ranks}
+        if len(digests) > 1 or not digests <= set(DIGESTS):
+            raise InputError(f"{self.root}: row sketch digests {sorted(digests)} (this logdiff reads one of "
+                             f"{', '.join(DIGESTS)}, the same on every rank)")
+        #: the digest of the bundle's row sketches (``sketch.py``; ``LEGACY`` where the capture named none)
+        self.sketch_digest: str = digests.pop()
 
     @property
     def num_steps(self) -> int:
@@ -372,7 +276,7 @@ class Bundle:
             if entries[0].get("sketch"):
                 from logdiff.probes.sketch import unshard_sketches
 
-                return unshard_sketches(pieces, placement)
+                return unshard_sketches(pieces, placement, self.sketch_digest)
             return unshard(name, pieces, placement, entries[0]["dtype"])
         except (ValueError, IndexError, KeyError) as e:
             raise InputError(f"{self.root}: step {step}, record {name!r}: the ranks' pieces do not make one "

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.probes.bundle import BundleWriter
+from logdiff.probes.bundle_writer import BundleWriter
 from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement, placement_of, shard
 from logdiff.probes.sketch import Window, local_columns
 
@@ -81,8 +81,10 @@ class BundleSink:
         if hasattr(rows, "to_local"):  # a DTensor (a row-parallel layer's input, say): it states its placement
             placement, rows = placement_of(rows), rows.to_local()
         idx = np.nonzero(rmap.valid)[0]
-        if len(idx):
-            self.capture._record(name, rows[idx], rmap.seq[idx], rmap.pos[idx], placement)
+        if len(idx):  # a run of rows is a view (the writer copies or sketches it at once), others a gather
+            first, last = int(idx[0]), int(idx[-1])
+            kept = rows[first : last + 1] if last - first == len(idx) - 1 else rows[_index(idx, rows)]  # sorted, unique
+            self.capture._record(name, kept, rmap.seq[idx], rmap.pos[idx], placement)
 
 
 class Capture:
@@ -93,7 +95,7 @@ class Capture:
     base_steps = True
 
     def __init__(self, model: Any, view: Any, out_dir: str | Path, role: str, layout: ParallelLayout | None = None,
-                 meta: dict[str, Any] | None = None, window: Window | None = None):
+                 meta: dict[str, Any] | None = None, window: Window | None = None, wait: bool = True):
         from logdiff.probes.arch import adapter_of
 
         self.model = model
@@ -101,13 +103,16 @@ class Capture:
         self.cmap = self.adapter.correspondence(model.config.to_dict())
         self.layout = layout or ParallelLayout()
         self.window = window or Window()
+        #: whether leaving the block waits for the bundle to be written (else ``wait()`` does, or the process's exit)
+        self.wait_on_exit = wait
         #: each forward's row map where the recorder cannot make it from known sequences (a serving engine's)
         self.rows: Callable[[tuple, dict], Any] | None = None
-        self.writer = BundleWriter(out_dir, role, self.layout, meta)
+        self.writer = BundleWriter(out_dir, role, self.layout, meta, background=True)
         self.view = view  # the engine as the recorder asks it: module(), probes(), listener (and _logprobs)
         self.sequences: list[Any] = []
         self.modules = dict(model.named_modules())
         self._placements: dict[str, Placement] = {}
+        self._columns: dict[tuple[Placement, int], np.ndarray | None] = {}  # ``_sketched``'s, per placement and width
         self._keys = self._order = np.zeros(0, dtype=np.int64)  # the step's rows by (sequence, position)
         self._grid: tuple[np.ndarray, ...] | None = None  # the step's (ids, seq, pos, valid) as [batch, length]
         self._batch: Any = None  # the running forward's rows as (sequence, position in it), from ``_begin_step``
@@ -143,7 +148,11 @@ class Capture:
             if self._base_hook is not None:
                 self._base_hook.remove()
             self.writer.meta_update({"warnings": list(self._recorder.warnings), "owners": dict(self._recorder.owners)})
-            self.writer.close()
+            self.writer.close(wait=self.wait_on_exit)
+
+    def wait(self) -> None:
+        """Block until the bundle is written (after the block, where it did not wait); raise what writing failed with."""
+        self.writer.wait()
 
     def logprobs(self, logits: Any) -> Any:
         """The trainer's ``log_softmax`` (``log_softmax=``; float32 ``torch.log_softmax`` by default) of the model's
@@ -271,8 +280,11 @@ class Capture:
         boundary = self.cmap.get(name)
         if self.window.full(boundary.layer if boundary is not None else None):
             return None
-        group = self.layout.group("tp")
-        return local_columns(placement, self.layout.index_in("tp"), len(group), int(rows.shape[-1]))
+        key = (placement, int(rows.shape[-1]))
+        if key not in self._columns:  # one per placement and width: every step's records share them
+            group = self.layout.group("tp")
+            self._columns[key] = local_columns(placement, self.layout.index_in("tp"), len(group), key[1])
+        return self._columns[key]
 
     def _placement(self, name: str, width: int) -> Placement:
         owner = self.modules.get(self._recorder.owners.get(name, name))
@@ -285,6 +297,13 @@ class Capture:
             if source in self._placements:
                 return self._placements[source]
         return REPLICATE
+
+
+def _index(idx: np.ndarray, rows: Any) -> Any:
+    """``idx`` as an index tensor on ``rows``' device (torch indexes with a numpy array element by element)."""
+    import torch
+
+    return torch.as_tensor(idx, device=rows.device)
 
 
 def row_keys(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:

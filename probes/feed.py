@@ -93,12 +93,13 @@ def sketched(bundle: Bundle) -> set[str]:
 
 
 def feed(bundle: Bundle, common: dict[Key, int], ids: list[list[int]], sinks: Iterable[Any],
-         sketch_also: Collection[str] = ()) -> int:
+         sketch_also: Collection[str] = (), digest: str | None = None) -> int:
     """Replay every record of ``bundle`` into ``sinks`` as rows of the common sequences; returns how many
     rows were dropped because their token id is not the common sequence's at that position.
 
     A sketched record goes to the sinks as ``name#sketch`` (``sketch.SUFFIX``); a whole record as ``name``
-    and, when ``sketch_also`` names it (the other side only sketched it), its sketch as well."""
+    and, when ``sketch_also`` names it (the other side only sketched it), its sketch as well, with ``digest``
+    (the other side's, ``Bundle.sketch_digest``; this one's by default)."""
     import torch
 
     from logdiff.probes.sketch import SUFFIX, sketch
@@ -125,7 +126,8 @@ def feed(bundle: Bundle, common: dict[Key, int], ids: list[list[int]], sinks: It
                     (name, as_torch(value, entry["dtype"]))]
                 if name in sketch_also and not entry.get("sketch"):
                     columns = np.arange(value.shape[1], dtype=np.int64)
-                    out.append((name + SUFFIX, torch.from_numpy(sketch(value, entry["dtype"], columns))))
+                    kept = sketch(value, entry["dtype"], columns, digest or bundle.sketch_digest)
+                    out.append((name + SUFFIX, torch.from_numpy(kept)))
                 for record, rows in out:
                     for sink in sinks:
                         sink.emit(record, rows, rows_map)

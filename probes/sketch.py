@@ -6,12 +6,18 @@ sequence). It keeps full tensors only inside a bounded ``Window`` (by default
 the first layers, the embeddings, the final norm, the logits and the
 log-softmax) and, for every other record, one *sketch* per row:
 
-* a 64-bit digest: the sum (mod 2^64) over the row's elements of a hash of the
-  element's raw bits and its *logical* column. Equal rows have equal digests; a
-  change to any one element changes the digest (up to a 2^-64 chance). Because
-  it is a sum over logical columns, a rank that holds a column slice hashes its
-  slice alone, and the logical row's digest is the sum of the ranks' (no
-  gathering while the model runs);
+* a 64-bit digest: two independent 32-bit sums (mod 2^32) over the row's
+  elements of a hash of the element's raw bits and its *logical* column
+  (``fmix32x2``: murmur3's 32-bit finalizer, two seeds). Equal rows have equal
+  digests; a change to any one element changes both halves (the hash is a
+  bijection of the bits for each column), several changes collide with a chance
+  near 2^-64. Because it is a sum over logical columns, a rank that holds a
+  column slice hashes its slice alone, and the logical row's digest is the sum of
+  the ranks' (no gathering while the model runs). Bundles written before (no
+  ``sketch_digest`` in a rank's metadata) hold ``splitmix64`` digests (one 64-bit
+  sum of splitmix64's finalizer), which are read as such; the 32-bit one is
+  three times cheaper on a CPU, whose SIMD units multiply 32-bit lanes natively,
+  and a capture computes it inside the step (``sketch_device.py``);
 * the row's largest magnitude and its sum of squares, also combinable across
   ranks (max, sum). Two rows' ``|max_a - max_b|`` and ``|norm_a - norm_b| /
   sqrt(width)`` are lower bounds of their largest element difference.
@@ -34,8 +40,12 @@ from logdiff.probes.layout import Placement
 
 WIDTH = 5  # digest_hi, digest_lo, absmax, sumsq, elements
 SUFFIX = "#sketch"  # a sketch's record name in the scan's stores: ``name + SUFFIX``
+DIGEST, LEGACY = "fmix32x2", "splitmix64"  # the digest a capture writes; the one bundles without a name hold
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+#: fmix32x2: murmur3's fmix32 multipliers, and the seed of each 32-bit half (hi, lo)
+FMIX1, FMIX2 = 0x85EBCA6B, 0xC2B2AE35
+SEEDS = (0x9E3779B9, 0x7F4A7C15)
 
 
 @dataclass(frozen=True)
@@ -71,25 +81,59 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def fmix32(x: np.ndarray) -> np.ndarray:
+    """murmur3's 32-bit finalizer (a bijection), element-wise on uint32, in place where ``x`` allows."""
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(FMIX1)
+        x ^= x >> np.uint32(13)
+        x *= np.uint32(FMIX2)
+        x ^= x >> np.uint32(16)
+    return x
+
+
 def _floats(raw: np.ndarray, dtype: str) -> np.ndarray:
     from logdiff.probes.unshard import to_float32
 
     return to_float32(raw, dtype).astype(np.float64)
 
 
-def sketch(raw: np.ndarray, dtype: str, columns: np.ndarray) -> np.ndarray:
-    """``[rows, WIDTH]`` float64 sketches of ``raw [rows, width]`` (the record as stored: bfloat16 as raw int16
-    bits), whose column ``j`` is the logical row's column ``columns[j]``; a column < 0 is padding, left out."""
-    raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
-    keep = np.asarray(columns) >= 0
-    raw, cols = raw[:, keep], np.asarray(columns, dtype=np.int64)[keep].astype(np.uint64)
+def _splitmix_digest(raw: np.ndarray, cols: np.ndarray) -> np.ndarray:
     unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[raw.dtype.itemsize]
     bits = raw.view(unsigned).astype(np.uint64)
     with np.errstate(over="ignore"):
-        digest = _mix(bits ^ _mix(cols)[None, :]).sum(axis=1, dtype=np.uint64)
+        return _mix(bits ^ _mix(cols.astype(np.uint64))[None, :]).sum(axis=1, dtype=np.uint64)
+
+
+def _fmix_digest(raw: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Per row, ``sum_j fmix32(e_j ^ fmix32(c_j ^ seed))`` mod 2^32 for each seed, as hi and lo of a uint64; ``e_j``
+    is the element's bits (an 8-byte element's low half xor the mixed high half, per seed)."""
+    size = raw.dtype.itemsize
+    halves = []
+    for seed in SEEDS:
+        if size == 8:
+            pair = raw.view(np.uint32).reshape(raw.shape[0], -1, 2)  # little-endian: [low, high]
+            e = pair[..., 0] ^ fmix32(pair[..., 1] ^ np.uint32(seed))
+        else:
+            e = raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32)
+        e ^= fmix32(cols.astype(np.uint32) ^ np.uint32(seed))[None, :]
+        halves.append(fmix32(e).sum(axis=1, dtype=np.uint64) & np.uint64(0xFFFFFFFF))
+    return (halves[0] << np.uint64(32)) | halves[1]
+
+
+DIGESTS = {DIGEST: _fmix_digest, LEGACY: _splitmix_digest}
+
+
+def sketch(raw: np.ndarray, dtype: str, columns: np.ndarray, digest: str = DIGEST) -> np.ndarray:
+    """``[rows, WIDTH]`` float64 sketches of ``raw [rows, width]`` (the record as stored: bfloat16 as raw int16
+    bits), whose column ``j`` is the logical row's column ``columns[j]``; a column < 0 is padding, left out.
+    ``digest``: the bundle's (``DIGEST`` unless it is an older one, ``LEGACY``)."""
+    raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
+    keep = np.asarray(columns) >= 0
+    raw, cols = np.ascontiguousarray(raw[:, keep]), np.asarray(columns, dtype=np.int64)[keep]
     values = _floats(raw, dtype)
     out = np.empty((raw.shape[0], WIDTH), dtype=np.float64)
-    _put_digest(out, digest)
+    _put_digest(out, DIGESTS[digest](raw, cols))
     out[:, 2] = np.abs(values).max(axis=1, initial=0.0)
     out[:, 3] = np.square(values).sum(axis=1)
     out[:, 4] = raw.shape[1]
@@ -107,13 +151,17 @@ def digest_of(sketches: np.ndarray) -> np.ndarray:
     return (sketches[:, 0].astype(np.uint64) << np.uint64(32)) | sketches[:, 1].astype(np.uint64)
 
 
-def combine(pieces: list[np.ndarray]) -> np.ndarray:
+def combine(pieces: list[np.ndarray], digest: str = DIGEST) -> np.ndarray:
     """The logical rows' sketches from the sketches of column slices that partition them (the ranks of a
-    ``tp`` group holding shards): digests summed mod 2^64, largest magnitudes maxed, sums of squares summed."""
-    with np.errstate(over="ignore"):
-        digest = np.sum([digest_of(p) for p in pieces], axis=0, dtype=np.uint64)
+    ``tp`` group holding shards): digests summed (each 32-bit half mod 2^32; a ``LEGACY`` digest mod 2^64),
+    largest magnitudes maxed, sums of squares summed."""
     out = np.empty_like(pieces[0])
-    _put_digest(out, digest)
+    if digest == LEGACY:
+        with np.errstate(over="ignore"):
+            _put_digest(out, np.sum([digest_of(p) for p in pieces], axis=0, dtype=np.uint64))
+    else:
+        for column in (0, 1):
+            out[:, column] = np.sum([p[:, column] for p in pieces], axis=0) % 2.0**32  # exact: < 2^53
     for column, fold in ((2, np.max), (3, np.sum), (4, np.sum)):
         out[:, column] = fold([p[:, column] for p in pieces], axis=0)
     return out
@@ -148,9 +196,11 @@ def lower_bound(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.maximum(np.abs(a[:, 2] - b[:, 2]), norms)
 
 
-def unshard_sketches(pieces: list[tuple[Any, np.ndarray]], placement: Placement) -> dict[tuple[int, ...], Any]:
+def unshard_sketches(pieces: list[tuple[Any, np.ndarray]], placement: Placement,
+                     digest: str = DIGEST) -> dict[tuple[int, ...], Any]:
     """The logical rows' sketches of one record, one per ``tp`` group (as ``unshard.unshard`` keys them): a
-    replicated record's replicas compared by digest and one kept; a sharded one's slices combined."""
+    replicated record's replicas compared by digest and one kept; a sharded one's slices combined (``digest``:
+    the bundle's)."""
     from logdiff.probes.unshard import Logical
 
     groups: dict[tuple[int, ...], list[tuple[Any, np.ndarray]]] = {}
@@ -164,5 +214,5 @@ def unshard_sketches(pieces: list[tuple[Any, np.ndarray]], placement: Placement)
             same = all(np.array_equal(digest_of(a), digest_of(arrays[0])) for a in arrays[1:])
             out[key] = Logical(arrays[0], key, replicas_equal=same if len(arrays) > 1 else None)
         else:
-            out[key] = Logical(combine(arrays), key)
+            out[key] = Logical(combine(arrays, digest), key)
     return out

@@ -35,7 +35,8 @@ def join_stages(bundle_dir: str | Path, out_dir: str | Path) -> Path:
     """The bundle at ``bundle_dir`` with its pipeline stages joined, written to ``out_dir``; returns ``out_dir``."""
     from safetensors.numpy import save_file
 
-    from logdiff.probes.bundle import Bundle, _write_json
+    from logdiff.probes.bundle import Bundle
+    from logdiff.probes.bundle_writer import write_json
 
     bundle, out = Bundle(bundle_dir), Path(out_dir)
     parts = {p.layout.rank: p for p in bundle.ranks}
@@ -77,6 +78,6 @@ def join_stages(bundle_dir: str | Path, out_dir: str | Path) -> Path:
             steps.append({**{k: v for k, v in head.steps[step].items() if k != "records"}, "file": file,
                           "records": records})
         (rank_dir / "manifest.json").write_text(json.dumps({"layout": layout, "meta": meta, "steps": steps}, indent=1))
-    _write_json(out / "bundle.json", {"format": "logdiff-capture", "version": 1, "role": bundle.role,
+    write_json(out / "bundle.json", {"format": "logdiff-capture", "version": 1, "role": bundle.role,
                                       "world_size": len(firsts)})
     return out

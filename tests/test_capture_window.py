@@ -77,7 +77,8 @@ def test_a_partial_sum_or_another_split_is_kept_whole() -> None:
 
 
 def test_a_bundle_of_two_ranks_slices_reads_back_as_the_whole_rows_sketch(tmp_path: Path) -> None:
-    from logdiff.probes.bundle import Bundle, BundleWriter
+    from logdiff.probes.bundle import Bundle
+    from logdiff.probes.bundle_writer import BundleWriter
 
     x = RNG.standard_normal((5, 16)).astype(np.float32)
     group = {"tp": (0, 1)}

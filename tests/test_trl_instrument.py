@@ -14,7 +14,7 @@ from logdiff.integrations import trl as logdiff_trl
 
 
 def _trainer() -> SimpleNamespace:
-    generation = SimpleNamespace(llm=object(), generate=lambda *a, **k: "generated")
+    generation = SimpleNamespace(llm=object(), generate=lambda *a, **k: "generated", sync_weights=lambda: "synced")
     return SimpleNamespace(vllm_generation=generation, state=SimpleNamespace(global_step=0),
                            _get_per_token_logps_and_entropies=lambda *a, **k: "logps")
 
@@ -28,13 +28,15 @@ def test_a_trainer_without_a_colocated_engine_or_a_bad_interval_is_refused() -> 
 
 def test_close_puts_the_trainers_own_functions_back() -> None:
     trainer = _trainer()
-    generate, logps = trainer.vllm_generation.generate, trainer._get_per_token_logps_and_entropies
+    generation = trainer.vllm_generation
+    generate, sync, logps = generation.generate, generation.sync_weights, trainer._get_per_token_logps_and_entropies
     run = logdiff_trl.instrument(trainer, "out", every=2)
-    assert trainer.vllm_generation.generate is not generate
-    trainer.state.global_step = 1  # not a captured step: TRL's own function runs, nothing is recorded
-    assert trainer.vllm_generation.generate() == "generated" and run._armed is None
+    assert generation.generate is not generate and generation.sync_weights is not sync
+    trainer.state.global_step = 1  # not a captured step: TRL's own functions run, nothing is recorded
+    assert generation.sync_weights() == "synced" and generation.generate() == "generated" and run._armed is None
     run.close()
-    assert trainer.vllm_generation.generate is generate and trainer._get_per_token_logps_and_entropies is logps
+    assert generation.generate is generate and generation.sync_weights is sync
+    assert trainer._get_per_token_logps_and_entropies is logps
 
 
 def test_a_failure_is_logged_and_the_run_goes_on_unless_strict(caplog: pytest.LogCaptureFixture) -> None:

@@ -210,7 +210,8 @@ def test_model_with_other_weights_is_not_used(run: dict[str, Any]) -> None:
 def test_old_bundles_read_as_version_0(tmp_path: Path) -> None:
     """A bundle written before weight versions: every step version 0, its ``fingerprints`` that version's."""
     import numpy as np
-    from logdiff.probes.bundle import Bundle, BundleWriter
+    from logdiff.probes.bundle import Bundle
+    from logdiff.probes.bundle_writer import BundleWriter
     from logdiff.probes.layout import ParallelLayout
 
     from logdiff.bundle_weights import SideWeights, model_warning
@@ -235,7 +236,8 @@ def test_old_bundles_read_as_version_0(tmp_path: Path) -> None:
 def test_versions_of_the_matched_steps_only(tmp_path: Path) -> None:
     """Steps carry their version; a side's fingerprints are those of its matched sequences' versions."""
     import numpy as np
-    from logdiff.probes.bundle import Bundle, BundleWriter
+    from logdiff.probes.bundle import Bundle
+    from logdiff.probes.bundle_writer import BundleWriter
     from logdiff.probes.layout import ParallelLayout
 
     from logdiff.bundle_weights import MIXED, SideWeights

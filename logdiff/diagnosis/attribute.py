@@ -36,6 +36,16 @@ neutralises, so the causes' shares also sum to ``closed``.
 
 ``necessity``: with every *other* lever applied, does the gap stay open (max
 |Δ logprob| > 0)? A necessary cause must be fixed to reach logdiff = 0.
+
+``--attribution patched`` (``ScanConfig.attribution``) measures the same game
+without rescans where every player is a kernel lever whose family the recorded
+inference rows cover: ``D(S)`` from one training forward in which the ops of
+the families of ``S`` compute like the inference side's (the error each
+introduced there, measured on its recorded inputs, added; ``attribute_patched.py``
+explains the game and where it differs from rescans), then
+ONE end-to-end rescan with every lever applied confirms it (``confirmed``: both
+closed fractions). Otherwise it falls back to rescans and says why
+(``fallback``). ``game`` names the game that ran.
 """
 
 from __future__ import annotations
@@ -48,8 +58,9 @@ from dataclasses import replace
 from typing import Any
 
 from logdiff.config import KERNEL_FAMILIES, ScanConfig
-from logdiff.phases import silent
+from logdiff.diagnosis.attribute_patched import PATCHED, RESCAN
 from logdiff.diagnosis.cause import Cause
+from logdiff.phases import silent
 
 Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key)
 Coalition = frozenset  # a set of levers
@@ -171,24 +182,25 @@ def _fractions(measured: dict[Coalition, dict], key: str, orders: list, players:
             "share": {p: phi[p] / base for p in players}}
 
 
-def attribute(
-    causes: list[Cause],
-    cfg: ScanConfig,
-    metrics: Callable[[ScanConfig], dict[str, Any]],
-    progress: Callable[..., None] = silent,
-    known: Callable[[ScanConfig], bool] = lambda c: False,
-) -> dict[str, Any]:
-    """Fill each cause's ``share`` and ``necessity``; return the attribution summary.
+def choose_game(cfg: ScanConfig, players: list[Lever], patched: Any) -> tuple[str, str | None]:
+    """The game to measure (``rescan`` or ``patched``), and why ``patched`` was asked for but not used."""
+    if cfg.attribution != PATCHED:
+        return RESCAN, None
+    if patched is None:
+        return RESCAN, "the primary pair's inference rows were not kept (no probes, or a path scored elsewhere)"
+    others = [lever_name(p) for p in players if p[0] != "kernel"]
+    if others:
+        return RESCAN, f"{', '.join(others)}: no recorded op output neutralises a weight or config lever"
+    uncovered = patched.uncovered({p[1] for p in players})
+    if uncovered:
+        return RESCAN, "; ".join(f"{f}: {why}" for f, why in uncovered.items())
+    return PATCHED, None
 
-    ``metrics(cfg)`` is the primary pair's metrics under ``cfg``, cached
-    (``Rescanner.metrics``; ``cfg`` itself, the empty set of levers, is the
-    scan being diagnosed); ``known(cfg)`` whether that costs no rescan.
-    ``progress`` hears of each rescan as step k of n (logdiff/phases.py).
-    """
-    levers = {id(c): lever_of(c, cfg) for c in causes}
-    players = sorted({lv for lv in levers.values() if lv is not None})
-    orders, method = orders_of(players)
-    plan = {s: cfg if not s else apply_levers(cfg, set(s)) for s in coalitions(players, orders)}
+
+def _rescans(wanted: list[Coalition], players: list[Lever], cfg: ScanConfig, metrics: Callable, known: Callable,
+             progress: Callable[..., None]) -> dict[Coalition, dict]:
+    """Each coalition's metrics by an end-to-end rescan (cached: the empty set is the scan itself)."""
+    plan = {s: cfg if not s else apply_levers(cfg, set(s)) for s in wanted}
     total, done, measured = sum(not known(c) for c in plan.values()), 0, {}
     for s, c in plan.items():
         if not known(c):
@@ -196,17 +208,78 @@ def attribute(
             progress(f"attribution rescan {done} of {total}: {_describe(s, players)}", phase="attribute",
                      step=(done, total))
         measured[s] = metrics(c)
+    return measured
+
+
+def _patched(wanted: list[Coalition], players: list[Lever], game: Any,
+             progress: Callable[..., None]) -> dict[Coalition, dict]:
+    """Each coalition's metrics from one patched training forward (``attribute_patched.PatchedGame``)."""
+    measured = {}
+    for k, s in enumerate(wanted, 1):
+        progress(f"attribution forward {k} of {len(wanted)}: {_describe(s, players)}", phase="attribute",
+                 step=(k, len(wanted)))
+        measured[s] = game.metrics(frozenset(f for _, f in s))
+    return measured
+
+
+def _confirm(cfg: ScanConfig, players: list[Lever], metrics: Callable, known: Callable,
+             progress: Callable[..., None], patched_base: dict) -> dict[str, Any]:
+    """The one end-to-end rescan that confirms a patched game: every lever applied (often cached already)."""
+    every = apply_levers(cfg, set(players))
+    if not known(every):
+        progress("attribution rescan 1 of 1: every lever applied (confirming the patched game)", phase="attribute",
+                 step=(1, 1))
+    base, rest = _number(metrics(cfg), METRIC), metrics(every)
+    residual = _number(rest, METRIC)
+    closed = (base - residual) / base if base > 0 else 0.0
+    return {"baseline": _finite(base), "residual": _finite(residual), "closed": _finite(closed),
+            "residual_abs_diff_max": _finite(_number(rest, "abs_diff_max")),
+            "baseline_reproduced": _number(patched_base, METRIC) == base}
+
+
+def attribute(
+    causes: list[Cause],
+    cfg: ScanConfig,
+    metrics: Callable[[ScanConfig], dict[str, Any]],
+    progress: Callable[..., None] = silent,
+    known: Callable[[ScanConfig], bool] = lambda c: False,
+    patched: Any = None,
+) -> dict[str, Any]:
+    """Fill each cause's ``share`` and ``necessity``; return the attribution summary.
+
+    ``metrics(cfg)`` is the primary pair's metrics under ``cfg``, cached
+    (``Rescanner.metrics``; ``cfg`` itself, the empty set of levers, is the
+    scan being diagnosed); ``known(cfg)`` whether that costs no rescan.
+    ``progress`` hears of each rescan as step k of n (logdiff/phases.py).
+    ``patched``: the patched game (``attribute_patched.PatchedGame``, the
+    ``Rescanner``'s) for ``cfg.attribution == "patched"``; a patched forward that
+    fails falls back to rescans, saying why.
+    """
+    levers = {id(c): lever_of(c, cfg) for c in causes}
+    players = sorted({lv for lv in levers.values() if lv is not None})
+    orders, method = orders_of(players)
+    wanted = coalitions(players, orders)
+    game_name, fallback = choose_game(cfg, players, patched)
+    if game_name == PATCHED:
+        try:
+            measured = _patched(wanted, players, patched, progress)
+        except (RuntimeError, ValueError, IndexError) as e:  # a recorded row that does not fit its live op
+            game_name, fallback = RESCAN, f"a patched forward failed ({type(e).__name__}: {e})"
+    if game_name != PATCHED:
+        measured = _rescans(wanted, players, cfg, metrics, known, progress)
     game, kl = _fractions(measured, METRIC, orders, players), _fractions(measured, ALSO, orders, players)
     every = frozenset(players)
     maxed = {s: _number(m, "abs_diff_max") for s, m in measured.items()}
     counts = {p: sum(lv == p for lv in levers.values()) for p in players}
     for c in causes:
-        _explain(c, levers[id(c)], counts, game, measured, maxed, players)
+        _explain(c, levers[id(c)], counts, game, measured, maxed, players, game_name)
     return {
         "metric": METRIC,
         "method": method,
+        "game": game_name,
+        **({"fallback": fallback} if fallback else {}),
         **({"permutations": len(orders)} if method == "sampled" else {}),
-        "configurations": len(plan),
+        "configurations": len(wanted),
         "baseline": game["baseline"],
         "residual": game["residual"],
         "closed": game["closed"],
@@ -214,6 +287,8 @@ def attribute(
         "closed_k3_kl": kl["closed"],
         "baseline_abs_diff_max": _finite(maxed[frozenset()]),
         "residual_abs_diff_max": _finite(maxed[every]),
+        **({"confirmed": _confirm(cfg, players, metrics, known, progress, measured[frozenset()]),
+            "patched": patched.report()} if game_name == PATCHED else {}),
         "levers": [
             {"lever": lever_name(p), "causes": counts[p],
              "share": game["share"][p], "share_k3_kl": kl["share"][p],
@@ -226,7 +301,8 @@ def attribute(
 
 
 def _explain(c: Cause, lever: Lever | None, counts: dict[Lever, int], game: dict[str, Any],
-             measured: dict[Coalition, dict], maxed: dict[Coalition, float], players: list[Lever]) -> None:
+             measured: dict[Coalition, dict], maxed: dict[Coalition, float], players: list[Lever],
+             game_name: str = RESCAN) -> None:
     """Fill one cause's share, necessity and evidence from the measured game."""
     if lever is None:
         c.evidence.append("no rescan can neutralise this cause alone; share not measured")
@@ -238,6 +314,8 @@ def _explain(c: Cause, lever: Lever | None, counts: dict[Lever, int], game: dict
     what = f"the {lever[1]} reference kernel on both sides" if lever[0] == "kernel" else (
         "the training weights on the inference side" if lever[0] == "weights" else f"no override of {lever[1]}"
     )  # fmt: skip
+    if game_name == PATCHED:
+        what = f"the inference side's recorded {lever[1]} outputs fed to the training forward"
     if share is not None:
         split = f", split equally among the {n} causes it neutralises: {share / n:.1%} each" if n > 1 else ""
         c.evidence.append(f"{lever_name(lever)} ({what}): Shapley share {share:.1%} "

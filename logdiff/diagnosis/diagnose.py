@@ -156,7 +156,8 @@ def diagnose(
     rescanner.remember(cfg, pair.metrics)  # the empty set of levers is this scan itself
     try:
         if cfg.attribute:
-            found.attribution = attribute.attribute(causes, cfg, rescanner.metrics, progress, rescanner.knows)
+            found.attribution = attribute.attribute(causes, cfg, rescanner.metrics, progress, rescanner.knows,
+                                                     rescanner.patched)
     except Exception as e:  # noqa: BLE001 - classification stands without attribution
         found.warnings.append(f"attribution skipped ({type(e).__name__}: {e})")
     causes.sort(key=lambda c: (-(c.share if c.share is not None else -1.0), c.boundary))

@@ -7,6 +7,10 @@ so each costs one pass of each side), and it remembers each configuration's
 metrics (the primary pair's metrics dict, ``compare.token_metrics``) so that no
 configuration is scanned twice: the reference rerun, attribution's subsets of
 levers and the scan being diagnosed itself (``remember``) share one cache.
+
+``patched``: where the scan asked for ``--attribution patched``, the game that
+measures attribution's sets of levers without rescans
+(``attribute_patched.PatchedGame``), which ``attribute`` takes from here.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ class Rescanner:
     scan's own tokens).
     """
 
-    def __init__(self, measure: Callable[[ScanConfig], ScanResult]):
+    def __init__(self, measure: Callable[[ScanConfig], ScanResult], patched: Any = None):
         self._measure = measure
         self._metrics: dict[tuple, dict[str, Any]] = {}
+        self.patched = patched  # attribute_patched.PatchedGame, or None: attribution rescans
 
     def rescan(self, cfg: ScanConfig) -> ScanResult:
         """The undiagnosed result of ``cfg`` (not cached: its depth may differ)."""

@@ -148,7 +148,8 @@ class Engine(ABC):
 
     @classmethod
     def check_available(cls) -> None:
-        """Raise ``EngineUnavailable`` (exit 3) when this engine cannot load here; cheap, loads no model."""
+        """Raise ``EngineUnavailable`` (exit 3) when this engine cannot load here, ``InputError`` (exit 2) when the
+        environment forbids running it; cheap, loads no model, asked on every ``acquire`` (a pooled engine too)."""
 
     def __init__(self, spec: EngineSpec):
         from logdiff.isa import apply_emulation

@@ -40,10 +40,10 @@ class EnginePool:
     def acquire(self, name: str, spec: EngineSpec) -> Engine:
         """The loaded engine for (name, spec), loading it on first use."""
         key = (name, spec)
+        cls = get_engine(name)
+        cls.check_available()  # on every use (the environment may have changed), before evicting a working sibling
         if key in self._engines:
             return self._engines[key]
-        cls = get_engine(name)
-        cls.check_available()  # before evicting a working sibling for an engine that cannot load
         if cls.exclusive:
             for pool in list(_POOLS):
                 pool._evict(cls)

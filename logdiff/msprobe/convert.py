@@ -242,7 +242,7 @@ def convert(dump_dir: str | Path, out_dir: str | Path, role: str, config: dict[s
     """Write the bundle of the msprobe dump at ``dump_dir`` (one rank, tensor mode) into ``out_dir``, as ``role``'s
     side, for the model of ``config`` (its config.json: the dump holds none). Returns ``out_dir``."""
     from logdiff.version import __version__
-    from logdiff.probes.bundle import BundleWriter
+    from logdiff.probes.bundle_writer import BundleWriter
     from logdiff.probes.layout import ParallelLayout
 
     steps = read_dump(Path(dump_dir)) if rank is None else rank.steps  # rank: one of several (ranks.RankView)

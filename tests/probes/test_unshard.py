@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from logdiff.probes.bundle import Bundle, BundleWriter
+from logdiff.probes.bundle import Bundle
+from logdiff.probes.bundle_writer import BundleWriter
 from logdiff.probes.errors import InputError
 from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement, shard
 from logdiff.probes.unshard import to_float32, unshard

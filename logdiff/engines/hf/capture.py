@@ -60,7 +60,7 @@ class ModelView:
 
 
 def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = None, fingerprints: bool = True,
-            log_softmax: Any = None, window: int | str | None = 2) -> Any:
+            log_softmax: Any = None, window: int | str | None = 2, wait: bool = True) -> Any:
     """A context manager recording every forward of ``model`` into the bundle at ``out_dir`` (this rank's part).
 
     ``window``: the records kept whole: those of the first ``window`` decoder layers and of no layer
@@ -70,7 +70,9 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
     one at a time, a collective every rank joins here; weights wider than bfloat16 are hashed rounded to
     bfloat16 and float16 too, ``fingerprints_at``); False skips it, and the comparison then names the
     weights unverified. ``log_softmax``: the trainer's own (a temperature, a consistent kernel) for
-    ``Capture.logprobs``.
+    ``Capture.logprobs``. ``wait``: leaving the block waits for the bundle to be written (records are sketched and
+    written by a thread of the writer's, off the forward); False returns at once (``Capture.wait()`` later, or the
+    process's exit, waits), so a training step is not held up by its capture's files.
     """
     from logdiff.version import __version__
     from logdiff.probes.capture import Capture
@@ -103,7 +105,7 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
         meta["fingerprints"] = sets[None]
         if narrow:
             meta["fingerprints_at"] = {at: sets[at] for at in narrow}
-    return Capture(model, ModelView(model, log_softmax), out_dir, role, layout, meta, kept)
+    return Capture(model, ModelView(model, log_softmax), out_dir, role, layout, meta, kept, wait)
 
 
 def layout_of_model(model: Any) -> Any:

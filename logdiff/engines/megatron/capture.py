@@ -81,7 +81,7 @@ class MegatronCapture:
     def __init__(self, model: Any, out_dir: str | Path, hf_config: Any, role: str = "train", layout: Any = None,
                  fingerprints: bool = True, window: int | str | None = 2):
         from logdiff.engines.megatron.placements import layout_of_megatron
-        from logdiff.probes.bundle import BundleWriter
+        from logdiff.probes.bundle_writer import BundleWriter
         from logdiff.probes.sketch import Window
         from logdiff.version import __version__
 
@@ -112,7 +112,7 @@ class MegatronCapture:
             meta["contract_error"] = f"{type(e).__name__}: {e}"
         if fingerprints:
             meta.update(self._fingerprints())
-        self.writer = BundleWriter(out_dir, role, self.layout, meta)
+        self.writer = BundleWriter(out_dir, role, self.layout, meta, background=True)
         self._handles: list[Any] = []
         self._wrapped: list[Any] = []
         self._step: tuple[int, int] | None = None  # (batch, length) of the running forward
@@ -270,7 +270,8 @@ class MegatronCapture:
         self._step = (batch, length)
 
     def _emit(self, name: str, tensor: Any) -> None:
-        """Record ``tensor`` (``[s, b, ...]``, this rank's) as rows ``b * S + s``, copied now."""
+        """Record ``tensor`` (``[s, b, ...]``, this rank's) as rows ``b * S + s`` (the writer copies or sketches it
+        now: bias_dropout_add writes in place)."""
         if self._step is None:
             return
         from logdiff.engines.megatron.placements import record_placement
@@ -279,7 +280,7 @@ class MegatronCapture:
         batch, length = self._step
         t = _first(tensor).detach()
         local = int(t.shape[0])
-        rows = t.transpose(0, 1).reshape(batch * local, -1).clone()  # a copy: bias_dropout_add writes in place
+        rows = t.transpose(0, 1).reshape(batch * local, -1)
         split = local != length
         if split and (not self.sp or local * self.tp != length):
             raise RuntimeError(f"logdiff.engines.megatron.capture: {name} holds {local} of {length} positions")

@@ -98,13 +98,13 @@ class VLLMEngine(Engine):
 
     @classmethod
     def check_available(cls) -> None:
+        if os.environ.get("LOGDIFF_CAPTURE"):  # the worker plugin would record this engine beside the scan's probes
+            raise InputError("LOGDIFF_CAPTURE is set: it captures a vLLM engine you run yourself; unset it for a "
+                             "logdiff scan, which records its own engine")
         import_vllm()
 
     def __init__(self, spec: EngineSpec):
         super().__init__(spec)
-        if os.environ.get("LOGDIFF_CAPTURE"):  # the worker plugin would record this engine beside the scan's probes
-            raise InputError("LOGDIFF_CAPTURE is set: it captures a vLLM engine you run yourself; unset it for a "
-                             "logdiff scan, which records its own engine")
         vllm = import_vllm()
         from logdiff.engines.vllm.forced import ForcedTokens
 

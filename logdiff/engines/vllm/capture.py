@@ -121,7 +121,8 @@ def install(worker: Any, out_dir: str | Path) -> VllmCapture:
 
 
 @contextlib.contextmanager
-def recording(runner: Any, out_dir: str | Path, window: Window | None = None) -> Iterator[VllmCapture]:
+def recording(runner: Any, out_dir: str | Path, window: Window | None = None,
+              wait: bool = True) -> Iterator[VllmCapture]:
     """Record every forward of the worker whose model runner is ``runner`` into ``out_dir`` while the block runs
     (an in-process engine's, for one RL step: ``logdiff.integrations.trl``), then put everything back:
 
@@ -129,11 +130,12 @@ def recording(runner: Any, out_dir: str | Path, window: Window | None = None) ->
       and log_softmax are recorded by then;
     * every weight load marks the capture's weights dirty (``VllmCapture.weights_loaded``): the model's
       ``load_weights`` (the instance's, which a CUDA-graph wrapper forwards to) and the runner's
-      ``reload_weights`` (vLLM's in-place reload, whose kernel-format path copies without ``load_weights``)."""
+      ``reload_weights`` (vLLM's in-place reload, whose kernel-format path copies without ``load_weights``);
+    * ``wait=False``: leaving the block does not wait for the bundle's writer thread (``VllmCapture.wait``)."""
     from logdiff.probes.patching import Patches
 
     layout = vllm_layout()
-    capture = VllmCapture(runner, out_dir, layout, worker_meta(runner, len(layout.group("tp"))), window)
+    capture = VllmCapture(runner, out_dir, layout, worker_meta(runner, len(layout.group("tp"))), window, wait)
     with Patches() as patches:
         capture.__enter__()
         patches.on_exit(capture.close)
@@ -290,8 +292,9 @@ class VllmCapture(Capture):
     base_steps = False  # vLLM calls the whole model; its steps come from the runner's batch
 
     def __init__(self, runner: Any, out_dir: str | Path, layout: ParallelLayout, meta: dict[str, Any],
-                 window: Window | None = None):
-        super().__init__(runner.get_model(), _WorkerView(runner), out_dir, "infer", layout, meta, window=window)
+                 window: Window | None = None, wait: bool = True):
+        super().__init__(runner.get_model(), _WorkerView(runner), out_dir, "infer", layout, meta, window=window,
+                         wait=wait)
         self.runner = runner
         self.vocab = int(getattr(self.model.config, "vocab_size", 0)) or None
         self._seq_of: dict[str, int] = {}

@@ -76,8 +76,13 @@ DISPATCHED = "_logdiff_dispatched"
 
 @contextlib.contextmanager
 def fingerprint_at_dispatch() -> Iterator[None]:
-    """While the block runs (an engine loading), record the fingerprints of every weight the CPU dispatch removes."""
+    """While the block runs (an engine loading, a weight sync's reload), record the fingerprints of every weight
+    the CPU dispatch removes (nothing on a build without it: its layers keep their plain weights)."""
     from vllm.model_executor.layers import utils
+
+    if not hasattr(utils, "dispatch_cpu_unquantized_gemm"):
+        yield
+        return
 
     from logdiff.probes.patching import Patches
 

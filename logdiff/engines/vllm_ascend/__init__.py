@@ -24,7 +24,7 @@ import importlib.util
 from typing import Any
 
 from logdiff.engines.base import package_version
-from logdiff.engines.vllm import VLLMEngine, import_vllm
+from logdiff.engines.vllm import VLLMEngine
 from logdiff.probes.errors import EngineUnavailable
 
 #: env variable -> what consistent mode needs of it on the NPU
@@ -73,7 +73,7 @@ class VLLMAscendEngine(VLLMEngine):
     @classmethod
     def check_available(cls) -> None:
         import_ascend()
-        import_vllm()
+        super().check_available()  # vLLM's own checks (the capture plugin's variable)
         from vllm.platforms import current_platform
 
         if current_platform.device_type != "npu":

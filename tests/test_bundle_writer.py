@@ -1,0 +1,159 @@
+"""The capture's writer off the step's critical path (probes/bundle_writer.py, probes/sketch_device.py, issue 36).
+
+* Sketches computed in torch (on the tensor's device) have the numpy sketch's digest and largest magnitude, bit
+  for bit, for every dtype a capture records; a one-ulp change changes both 32-bit halves of the digest.
+* The background writer stores what the tensor held when it was recorded (the engine may overwrite it in place
+  afterwards), sketches deferred to its thread equal those made in the step, steps are written in order and the
+  manifest on disk lists only written steps; a failure in the thread is one error at ``close``.
+* Bundles keep the digest they were written with: an older bundle (no ``sketch_digest``) reads its sketches
+  as ``splitmix64``, and ``compare`` refuses two bundles whose sketches hold different digests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from logdiff.probes.bundle import Bundle
+from logdiff.probes.bundle_writer import BundleWriter, host_array
+from logdiff.probes.layout import REPLICATE, ParallelLayout
+from logdiff.probes.sketch import DIGEST, LEGACY, combine, digest_of, sketch
+from logdiff.probes.sketch_device import sketch_rows
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64]
+
+
+def _values(dtype: torch.dtype, rows: int = 9, width: int = 40) -> torch.Tensor:
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0)) * 30
+    if dtype == torch.int64:
+        return x.to(dtype)
+    x = x.to(dtype)
+    x[0, 0], x[1, 1], x[2, 2], x[3, 3] = float("nan"), float("inf"), -0.0, 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_device_sketch_is_the_numpy_sketch(dtype: torch.dtype) -> None:
+    x = _values(dtype)
+    columns = np.arange(40) + 100
+    columns[-3:] = -1  # padding: left out by both
+    raw, name = host_array(x)
+    expected = sketch(raw, name, columns)
+    got = sketch_rows(x, columns).numpy()
+    assert np.array_equal(digest_of(got), digest_of(expected))
+    assert np.array_equal(got[:, 2], expected[:, 2], equal_nan=True)
+    assert np.array_equal(got[:, 4], expected[:, 4])
+    finite = np.isfinite(expected[:, 3])
+    assert np.allclose(got[finite, 3], expected[finite, 3], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_a_one_ulp_change_changes_both_halves_of_the_digest(dtype: torch.dtype) -> None:
+    x = _values(dtype)
+    y = x.clone()
+    bits = y.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[y.element_size()])
+    bits[5, 7] += 1  # the next representable value: one ulp
+    assert not torch.equal(x, y)
+    a, b = sketch_rows(x, np.arange(40)).numpy(), sketch_rows(y, np.arange(40)).numpy()
+    differs = (a[:, :2] != b[:, :2])
+    assert differs[5].all() and not np.delete(differs, 5, axis=0).any()
+
+
+def test_the_halves_combine_across_slices_and_the_legacy_digest_still_reads() -> None:
+    raw, name = host_array(_values(torch.bfloat16))
+    for digest in (DIGEST, LEGACY):
+        whole = sketch(raw, name, np.arange(40), digest)
+        pieces = [sketch(raw[:, k : k + 10], name, np.arange(k, k + 10), digest) for k in range(0, 40, 10)]
+        assert np.array_equal(digest_of(combine(pieces, digest)), digest_of(whole))
+    # the two digests differ: a bundle must say which it holds
+    assert not np.array_equal(digest_of(sketch(raw, name, np.arange(40), DIGEST)),
+                              digest_of(sketch(raw, name, np.arange(40), LEGACY)))
+
+
+def _write(root: Path, steps: list[torch.Tensor], background: bool, defer_bytes: int = 1 << 30,
+           sketched: bool = False, overwrite: bool = False) -> Bundle:
+    writer = BundleWriter(root, "train", ParallelLayout(), {"note": "test"}, background=background,
+                          defer_bytes=defer_bytes)
+    for k, x in enumerate(steps):
+        n = x.shape[0]
+        writer.begin_step(torch.arange(n), torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.ones(n))
+        writer.record("h", x, REPLICATE, rows=np.arange(n), sketch_columns=np.arange(x.shape[1]) if sketched else None)
+        if overwrite:
+            x.add_(1.0)  # what vLLM's fused residual add does to a recorded tensor later in the forward
+    writer.close()
+    return Bundle(root)
+
+
+def test_the_background_writer_keeps_what_was_recorded(tmp_path: Path) -> None:
+    steps = [_values(torch.bfloat16, rows=4 + k) for k in range(5)]
+    originals = [x.clone() for x in steps]
+    bundle = _write(tmp_path / "bg", steps, background=True, overwrite=True)
+    part = bundle.ranks[0]
+    assert [s["file"] for s in part.steps] == [f"step-{k:06d}.safetensors" for k in range(5)]
+    assert part.meta["sketch_digest"] == DIGEST and bundle.sketch_digest == DIGEST
+    for k, x in enumerate(originals):
+        stored = part.load(k, ["h"])["h"]
+        assert np.array_equal(stored, host_array(x)[0])  # the value at record time, not the overwritten one
+        assert not np.array_equal(stored, host_array(steps[k])[0])  # negative control: the tensor did change
+
+
+def test_deferred_sketches_equal_sketches_made_in_the_step(tmp_path: Path) -> None:
+    steps = [_values(torch.float32, rows=6) for _ in range(3)]
+    deferred = _write(tmp_path / "deferred", [x.clone() for x in steps], True, sketched=True, overwrite=True)
+    now = _write(tmp_path / "now", [x.clone() for x in steps], True, defer_bytes=0, sketched=True, overwrite=True)
+    for k in range(3):
+        a, b = deferred.ranks[0].load(k, ["h"])["h"], now.ranks[0].load(k, ["h"])["h"]
+        assert a.shape == (6, 5) and np.array_equal(digest_of(a), digest_of(b))
+        assert np.array_equal(digest_of(a), digest_of(sketch(host_array(steps[k])[0], "float32", np.arange(40))))
+
+
+def test_a_failing_writer_thread_is_one_error_and_the_bundle_lists_only_written_steps(tmp_path: Path) -> None:
+    import time
+
+    writer = BundleWriter(tmp_path / "b", "train", ParallelLayout(), background=True)
+    x = _values(torch.float32)
+    writer.begin_step(torch.arange(9), torch.arange(9))
+    writer.record("h", x, REPLICATE)
+    writer.begin_step(torch.arange(9), torch.arange(9))  # step 0 goes to the thread
+    deadline = time.monotonic() + 60
+    while writer._written < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer._written == 1
+    blocker = tmp_path / "b" / "rank-00000" / ".step-000001.safetensors.tmp"
+    blocker.mkdir()  # the next file cannot be written (a directory where its temporary goes; root ignores modes)
+    writer.record("h", x, REPLICATE)
+    with pytest.raises(RuntimeError, match="bundle writer failed"):
+        writer.close()
+    manifest = json.loads((tmp_path / "b" / "rank-00000" / "manifest.json").read_text())
+    assert [s["file"] for s in manifest["steps"]] == ["step-000000.safetensors"]  # only the step on disk
+    assert Bundle(tmp_path / "b").ranks[0].load(0, ["h"])["h"].shape == (9, 40)
+
+
+def test_an_older_bundle_reads_its_sketches_as_splitmix64_and_compare_refuses_mixed_digests(tmp_path: Path) -> None:
+    from logdiff.offline import open_bundles
+    from logdiff.probes.errors import InputError
+
+    x = _values(torch.bfloat16)
+    new = _write(tmp_path / "new", [x], background=False, sketched=True)
+    assert new.sketch_digest == DIGEST
+    old_root = tmp_path / "old"
+    _write(old_root, [x], background=False, sketched=True)
+    manifest_path = old_root / "rank-00000" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["meta"]["sketch_digest"]
+    manifest_path.write_text(json.dumps(manifest))
+    old = Bundle(old_root)
+    assert old.sketch_digest == LEGACY
+    logical = old.logical(0, "h")
+    # an old bundle's sketches are read as they are (its digest is what it was written with)
+    assert np.array_equal(next(iter(logical.values())).value, old.ranks[0].load(0, ["h"])["h"], equal_nan=True)
+    with pytest.raises(InputError, match="different digests"):
+        open_bundles(tmp_path / "new", old_root)
+    manifest["meta"]["sketch_digest"] = "crc32"
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="row sketch digests"):
+        Bundle(old_root)
