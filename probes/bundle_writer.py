@@ -5,16 +5,18 @@ capture records from inside the user's forward pass, so everything the writer
 does there is time the training step waits for. ``BundleWriter`` therefore
 splits a record in two:
 
-* **in the hook** (``record``): only device work that needs no host round trip.
-  A record outside the capture's window is sketched on its own device
-  (``sketch_device.sketch_rows``: five float64 values per row); a whole record is
-  copied on its device (one contiguous copy: the engine may overwrite the tensor
-  later, vLLM's fused residual add does so in place). Neither waits for the
-  device;
+* **in the hook** (``record``): nothing that waits for a device. On an
+  accelerator a record outside the capture's window is sketched there
+  (``sketch_device.sketch_rows``: five float64 values per row) and a whole record
+  is copied there; on the host both are copied (one contiguous copy: the engine
+  may overwrite the tensor later, vLLM's fused residual add does so in place),
+  the sketch left to the thread while the copies it holds stay under
+  ``defer_bytes`` (``DEFER_BYTES``), else made in the hook;
 * **in the writer's thread** (``background=True``): the device-to-host copies,
-  bfloat16's bit view, the step's safetensors file and the manifest. Steps are
-  queued in order and written in order; at most ``pending`` steps wait (the
-  next ``end_step`` blocks until one is written), so host memory stays bounded.
+  the host sketches, bfloat16's bit view, the step's safetensors file and the
+  manifest. Steps are queued in order and written in order; at most ``pending``
+  steps wait (the next ``end_step`` blocks until one is written), so memory
+  stays bounded.
 
 The step's manifest entry is made at ``end_step`` in the caller's thread (so the
 caller sees ``manifest["steps"]`` grow as before), but the manifest on disk lists
@@ -22,8 +24,9 @@ only steps whose file has been written: a run killed at any moment leaves a
 readable bundle of its written steps (at most ``pending`` recorded steps lost).
 An error in the thread (a full disk) is raised by the next ``end_step``, by
 ``close`` or by ``wait``. ``close(wait=False)`` returns at once and lets the thread
-finish the bundle while the step goes on (the interpreter's exit waits for it). ``background=False`` (a converter writing from files) writes each
-step in the calling thread, as before.
+finish the bundle while the step goes on (the interpreter's exit waits for it).
+``background=False`` (a converter writing from files) writes each step in the
+calling thread.
 """
 
 from __future__ import annotations
@@ -34,10 +37,9 @@ import logging
 import os
 import queue
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from dataclasses import dataclass
 
 import numpy as np
 

@@ -151,7 +151,7 @@ class Capture:
             self.writer.close(wait=self.wait_on_exit)
 
     def wait(self) -> None:
-        """Block until the bundle is written (after the block, where it did not wait); raise what writing failed with."""
+        """Block until the bundle is written (where the block did not wait); raise what writing failed with."""
         self.writer.wait()
 
     def logprobs(self, logits: Any) -> Any:
