@@ -55,6 +55,7 @@ import numpy as np
 
 from logdiff.probes.bundle_writer import BundleWriter
 from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement, placement_of, shard
+from logdiff.probes.replay import row_index
 from logdiff.probes.sketch import Window, local_columns
 
 PATH = "capture"
@@ -81,9 +82,9 @@ class BundleSink:
         if hasattr(rows, "to_local"):  # a DTensor (a row-parallel layer's input, say): it states its placement
             placement, rows = placement_of(rows), rows.to_local()
         idx = np.nonzero(rmap.valid)[0]
-        if len(idx):  # a run of rows is a view (the writer copies or sketches it at once), others a gather
+        if len(idx):  # a run of rows (np.nonzero: sorted, unique) is a view (the writer copies or sketches it at once)
             first, last = int(idx[0]), int(idx[-1])
-            kept = rows[first : last + 1] if last - first == len(idx) - 1 else rows[_index(idx, rows)]  # sorted, unique
+            kept = rows[first : last + 1] if last - first == len(idx) - 1 else rows[row_index(idx, rows.device)]
             self.capture._record(name, kept, rmap.seq[idx], rmap.pos[idx], placement)
 
 
@@ -297,13 +298,6 @@ class Capture:
             if source in self._placements:
                 return self._placements[source]
         return REPLICATE
-
-
-def _index(idx: np.ndarray, rows: Any) -> Any:
-    """``idx`` as an index tensor on ``rows``' device (torch indexes with a numpy array element by element)."""
-    import torch
-
-    return torch.as_tensor(idx, device=rows.device)
 
 
 def row_keys(seq: np.ndarray, pos: np.ndarray) -> np.ndarray:

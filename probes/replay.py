@@ -98,3 +98,50 @@ def attention(
 def function(fn: Callable[[Any], Any], input_name: str, template: Any) -> ReplaySpec:
     """A one-input function (the engine's log_softmax)."""
     return ReplaySpec([(input_name, template, PLAIN)], lambda xs: fn(xs[0]), method="function")
+
+
+@dataclass
+class StoredInput:
+    """One input of a replayed op: its live rows, and the stored path's rows at ``rows`` (None: none stored)."""
+
+    template: Any
+    layout: Layout
+    live: Any  # [n, width] the live input's rows
+    rows: Any  # the row ids the stored path has (numpy)
+    stored: Any  # the stored path's values there, on the live rows' device and dtype, or None
+
+    def tensor(self) -> Any:
+        """The live input with the stored rows put over the live ones, in the live call's shape."""
+        rows = self.live.clone()
+        if self.stored is not None:
+            rows[row_index(self.rows, rows.device)] = self.stored
+        return self.layout.from_rows(rows, like=self.template)
+
+
+def stored_inputs(spec: ReplaySpec, store: Any, rmap: Any) -> tuple[list[StoredInput], Any] | str:
+    """The inputs of ``spec``'s op rebuilt from the stored path's rows (``store.get(name)``) at the rows of ``rmap``,
+    and the mask of rows whose every input the stored path has; or, where an input was not recorded there, its
+    name. A causal op (attention) needs each input at every earlier position too."""
+    import numpy as np
+
+    n = len(rmap)
+    ok = rmap.valid.copy()
+    inputs = []
+    for in_name, template, layout in spec.inputs:
+        source = store.get(in_name)
+        if source is None:
+            return in_name
+        have = rmap.valid & (source.has_prefix if spec.causal else source.has)(rmap.seq, rmap.pos)
+        hidx = np.nonzero(have)[0]
+        live = layout.to_rows(template, n)
+        sub = source.read(rmap.seq[hidx], rmap.pos[hidx]).to(live.device, live.dtype) if len(hidx) else None
+        inputs.append(StoredInput(template, layout, live, hidx, sub))
+        ok &= have
+    return inputs, ok
+
+
+def row_index(idx: Any, device: Any) -> Any:
+    """Numpy row ids as a torch index on ``device`` (torch indexes with a numpy array element by element)."""
+    import torch
+
+    return torch.as_tensor(idx, device=device)

@@ -347,40 +347,27 @@ class PathComparer:
         forces the run)."""
         import torch
 
-        n = len(rmap)
-        ok = rmap.valid & stored.has(rmap.seq, rmap.pos)
-        inputs = []  # (template, layout, live rows, substituted row indices, the stored rows there)
-        for in_name, template, layout in spec.inputs:
-            source = self.store.get(in_name)
-            if source is None:
-                self.replay_skipped[name] = f"input {in_name} was not recorded on the stored path"
-                return
-            check = source.has_prefix if spec.causal else source.has
-            have = rmap.valid & check(rmap.seq, rmap.pos)
-            hidx = np.nonzero(have)[0]
-            live = layout.to_rows(template, n)
-            sub = source.read(rmap.seq[hidx], rmap.pos[hidx]).to(live.device, live.dtype) if len(hidx) else None
-            inputs.append((template, layout, live, hidx, sub))
-            ok &= have
+        from logdiff.probes.replay import row_index, stored_inputs
+
+        rebuilt = stored_inputs(spec, self.store, rmap)
+        if isinstance(rebuilt, str):
+            self.replay_skipped[name] = f"input {rebuilt} was not recorded on the stored path"
+            return
+        inputs, ok = rebuilt
+        ok &= stored.has(rmap.seq, rmap.pos)
         if not ok.any():
             return
         # on an accelerator the test would wait for the device (``device_summary``): there the replay runs
         same = not self.replay_equal_inputs and live_out.device.type == "cpu" and all(
-            sub is None or torch.equal(sub, live[hidx]) for _, _, live, hidx, sub in inputs
+            i.stored is None or torch.equal(i.stored, i.live[row_index(i.rows, i.live.device)]) for i in inputs
         )
         self.replays["equal_inputs" if same else "run"] += 1
         if same:
             out_rows = live_out
         else:
-            xs = []
-            for template, layout, live, hidx, sub in inputs:
-                rows = live.clone()
-                if sub is not None:
-                    rows[hidx] = sub
-                xs.append(layout.from_rows(rows, like=template))
             with torch.no_grad():
-                out = spec.run(xs)
-            out_rows = spec.out_layout.to_rows(out, n)
+                out = spec.run([i.tensor() for i in inputs])
+            out_rows = spec.out_layout.to_rows(out, len(rmap))
         oidx = np.nonzero(ok)[0]
         local = self._local.get(name)
         if local is None:

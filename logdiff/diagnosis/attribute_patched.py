@@ -107,41 +107,26 @@ class Patcher(Recorder):
         """``live + (stored output - live op on the stored inputs)`` at the rows the stored path has."""
         import torch
 
+        from logdiff.probes.replay import row_index, stored_inputs
+
         n = len(rmap)
-        ok = rmap.valid & stored.has(rmap.seq, rmap.pos)
-        xs = []
-        for in_name, template, in_layout in spec.inputs:  # the op's inputs rebuilt from stored rows, as a replay
-            source = self.store.get(in_name)
-            if source is None:
-                self.not_patched[name] = f"input {in_name} was not recorded on the stored path"
-                return
-            have = rmap.valid & (source.has_prefix if spec.causal else source.has)(rmap.seq, rmap.pos)
-            hidx = np.nonzero(have)[0]
-            rows = in_layout.to_rows(template, n).clone()
-            if len(hidx):  # a torch index: indexing a tensor with a numpy array goes element by element
-                stored_in = source.read(rmap.seq[hidx], rmap.pos[hidx]).to(rows.device, rows.dtype)
-                rows[_index(hidx, rows.device)] = stored_in
-            xs.append(in_layout.from_rows(rows, like=template))
-            ok &= have
-        oidx = np.nonzero(ok)[0]
+        rebuilt = stored_inputs(spec, self.store, rmap)  # the op's inputs rebuilt from stored rows, as a replay
+        if isinstance(rebuilt, str):
+            self.not_patched[name] = f"input {rebuilt} was not recorded on the stored path"
+            return
+        inputs, ok = rebuilt
+        oidx = np.nonzero(ok & stored.has(rmap.seq, rmap.pos))[0]
         if not len(oidx):
             return
         with torch.no_grad():
             live = layout.to_rows(tensor.detach(), n).clone()
-            at = _index(oidx, live.device)
+            at = row_index(oidx, live.device)
             if live.shape[1] != stored.width:
                 raise ValueError(f"{name}: the stored rows are {stored.width} wide, the live ones {live.shape[1]}")
-            replayed = spec.out_layout.to_rows(spec.run(xs), n)[at].float()
+            replayed = spec.out_layout.to_rows(spec.run([i.tensor() for i in inputs]), n)[at].float()
             introduced = stored.read(rmap.seq[oidx], rmap.pos[oidx]).to(live.device, torch.float32) - replayed
             live[at] = (live[at].float() + introduced).to(live.dtype)
             tensor.copy_(layout.from_rows(live, like=tensor))
-
-
-def _index(idx: np.ndarray, device: Any) -> Any:
-    """Row ids as a torch index on ``device``."""
-    import torch
-
-    return torch.from_numpy(idx).to(device)
 
 
 class PatchedGame:
