@@ -17,10 +17,11 @@ rank's *local* tensor. The manifest gives each record's dtype, local shape and
 ``Placement`` (``layout.py``), so ``unshard`` can rebuild the logical tensor. A record
 outside the capture's full window holds only its row sketches (``sketch.py``;
 ``"sketch": true`` in the manifest), rebuilt across ranks by ``unshard_sketches``.
-Steps are written as they finish (memory stays flat) and the manifest is
-rewritten atomically after each, so a run that dies leaves a readable bundle of
-the steps it completed (``bundle_writer.py``, which writes a capture's steps in a
-thread of its own). bfloat16 is stored as its raw 16-bit pattern (``int16``) with
+Steps are written as they finish (memory stays flat) and each written step's
+manifest entry is appended to the rank's step log until the writer closes and
+writes the manifest whole (``"step_log"`` in an open writer's manifest names the
+log), so a run that dies leaves a readable bundle of the steps it completed
+(``bundle_writer.py``, which writes a capture's steps in a thread of its own). bfloat16 is stored as its raw 16-bit pattern (``int16``) with
 ``dtype: bfloat16`` in the manifest, since numpy has no bfloat16.
 
 **Weight versions.** A rank whose weights change while it records (a rollout engine
@@ -149,6 +150,8 @@ class Bundle:
         self.ranks: list[RankPart] = []
         for part in sorted(self.root.glob("rank-*/manifest.json")):
             m = checked.read_json(part, "manifest.json")
+            if "step_log" in m:  # a writer that has not closed (still running, or killed)
+                m["steps"] = checked.read_step_log(part, m["step_log"])
             self.ranks.append(RankPart(checked.check_manifest(part, m), m.get("meta", {}), m["steps"], part.parent))
         if not self.ranks:
             raise InputError(f"{self.root}: a bundle with no rank's records")

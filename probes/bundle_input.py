@@ -32,6 +32,24 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def read_step_log(manifest: Path, name: Any) -> list[Any]:
+    """The step entries an open writer's log holds (``bundle_writer.STEP_LOG``), one JSON value per line; a
+    last line cut short (the writer stopped while appending it) is left out, any other bad line refused."""
+    path = inside(manifest.parent, name, f"{manifest}: step_log")
+    try:
+        lines = path.read_text().split("\n")
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: not a readable step log ({type(e).__name__})") from None
+    steps = []
+    for i, line in enumerate(lines):
+        try:
+            steps.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:  # only the last, unterminated line may be cut short
+                raise InputError(f"{path}: line {i + 1} is not a JSON step entry") from None
+    return steps
+
+
 def inside(directory: Path, name: Any, where: str) -> Path:
     """``directory / name``, refused unless it resolves inside ``directory`` (links followed)."""
     if not isinstance(name, str) or not name or Path(name).is_absolute():

@@ -19,9 +19,15 @@ splits a record in two:
   stays bounded.
 
 The step's manifest entry is made at ``end_step`` in the caller's thread (so the
-caller sees ``manifest["steps"]`` grow as before), but the manifest on disk lists
+caller sees ``manifest["steps"]`` grow as before), but the bundle on disk lists
 only steps whose file has been written: a run killed at any moment leaves a
 readable bundle of its written steps (at most ``pending`` recorded steps lost).
+While the writer is open, a written step's entry is appended to the rank's step
+log (``STEP_LOG``, one JSON line each) and ``manifest.json`` holds the layout and
+metadata with ``"step_log"`` naming the log, rewritten only when the metadata
+changes; closing writes the manifest whole, its steps inline, and removes the log.
+Rewriting the whole manifest after every step instead costs time quadratic in
+the steps (a rollout engine records one step per decode step).
 An error in the thread (a full disk) is raised by the next ``end_step``, by
 ``close`` or by ``wait``. ``close(wait=False)`` returns at once and lets the thread
 finish the bundle while the step goes on (the interpreter's exit waits for it).
@@ -54,6 +60,8 @@ RESERVED = ("tokens", "positions", "sequences", "valid")
 PENDING = 2
 #: host bytes of records a background writer may hold to sketch them in its thread, not in the step
 DEFER_BYTES = 256 << 20
+#: an open writer's log of its written steps' manifest entries (one JSON object per line), beside manifest.json
+STEP_LOG = "steps.jsonl"
 
 
 def write_json(path: Path, data: dict[str, Any] | str) -> None:
@@ -156,7 +164,8 @@ class BundleWriter:
         self._tokens: dict[str, np.ndarray] | None = None
         self._fields: dict[str, Any] = {}
         self._lock = threading.Lock()  # the manifest: the caller edits it, the thread dumps it
-        self._written = 0  # steps whose file is on disk (the manifest on disk lists these)
+        self._written = 0  # steps whose file is on disk (the manifest or the step log lists these)
+        self._meta_changed = True  # the manifest on disk lacks the metadata as it is now
         self._queue: queue.Queue | None = queue.Queue(maxsize=pending) if background else None
         self._defer_bytes = defer_bytes if background else 0
         self._held = 0  # host bytes the queued steps hold (the thread frees them as it writes)
@@ -194,6 +203,7 @@ class BundleWriter:
     def meta_update(self, meta: dict[str, Any]) -> None:
         with self._lock:
             self.manifest["meta"].update(meta)
+            self._meta_changed = True
 
     def end_step(self) -> None:
         """Close the step: its manifest entry now, its file now or (``background``) in the writer's thread."""
@@ -234,7 +244,7 @@ class BundleWriter:
         self.end_step()
         if self._thread is None:
             self._raise_error()
-            self._dump_manifest()
+            self._finish_manifest()
             return
         if not self._closing:
             self._closing = True
@@ -269,13 +279,26 @@ class BundleWriter:
             arrays.clear()
             with self._lock:
                 self._held -= held
+        with self._lock:
+            entry = json.dumps(self.manifest["steps"][self._written])
+            header = self._header() if self._meta_changed else None
+            self._meta_changed = False
+        if header is not None:
+            write_json(self.dir / "manifest.json", header)
+        with open(self.dir / STEP_LOG, "a") as log:
+            log.write(entry + "\n")
         self._written += 1
-        self._dump_manifest()
 
-    def _dump_manifest(self) -> None:
+    def _header(self) -> str:
+        """The open writer's manifest (under the lock): layout and metadata, its steps in the step log."""
+        return json.dumps({**self.manifest, "steps": [], "step_log": STEP_LOG}, indent=1)
+
+    def _finish_manifest(self) -> None:
+        """The manifest whole, every written step inline; then the step log is not needed."""
         with self._lock:
             text = json.dumps({**self.manifest, "steps": self.manifest["steps"][: self._written]}, indent=1)
         write_json(self.dir / "manifest.json", text)
+        (self.dir / STEP_LOG).unlink(missing_ok=True)
 
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -287,7 +310,7 @@ class BundleWriter:
                     logging.getLogger("logdiff").warning("logdiff: %s: the bundle writer failed (%s: %s)", self.dir,
                                                          type(e).__name__, e)
         if self._error is None:
-            self._dump_manifest()  # the metadata the capture added after its last step
+            self._finish_manifest()  # with the metadata the capture added after its last step
 
     def _raise_error(self) -> None:
         if self._error is not None and not self._reported:

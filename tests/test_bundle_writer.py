@@ -4,7 +4,10 @@
   for bit, for every dtype a capture records; a one-ulp change changes both 32-bit halves of the digest.
 * The background writer stores what the tensor held when it was recorded (the engine may overwrite it in place
   afterwards), sketches deferred to its thread equal those made in the step, steps are written in order and the
-  manifest on disk lists only written steps; a failure in the thread is one error at ``close``.
+  bundle on disk lists only written steps; a failure in the thread is one error at ``close``.
+* An open writer appends each written step's entry to its step log and rewrites the manifest only when the
+  metadata changes (not once per step); a writer that never closes leaves a bundle read through the log, a
+  line cut short at its end left out, and closing writes today's manifest whole and removes the log.
 * Bundles keep the digest they were written with: an older bundle (no ``sketch_digest``) reads its sketches
   as ``splitmix64``, and ``compare`` refuses two bundles whose sketches hold different digests.
 """
@@ -128,9 +131,62 @@ def test_a_failing_writer_thread_is_one_error_and_the_bundle_lists_only_written_
     writer.record("h", x, REPLICATE)
     with pytest.raises(RuntimeError, match="bundle writer failed"):
         writer.close()
-    manifest = json.loads((tmp_path / "b" / "rank-00000" / "manifest.json").read_text())
-    assert [s["file"] for s in manifest["steps"]] == ["step-000000.safetensors"]  # only the step on disk
-    assert Bundle(tmp_path / "b").ranks[0].load(0, ["h"])["h"].shape == (9, 40)
+    part = Bundle(tmp_path / "b").ranks[0]
+    assert [s["file"] for s in part.steps] == ["step-000000.safetensors"]  # only the step on disk
+    assert part.load(0, ["h"])["h"].shape == (9, 40)
+
+
+def _steps(writer: BundleWriter, n: int) -> None:
+    x = _values(torch.float32, rows=4)
+    for k in range(n):
+        writer.begin_step(torch.arange(4), torch.arange(4))
+        writer.record("h", x + k, REPLICATE)
+        writer.end_step()
+
+
+def test_an_open_writer_logs_its_steps_and_rewrites_the_manifest_only_when_the_metadata_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from logdiff.probes import bundle_writer
+
+    dumps: list[str] = []
+    real = bundle_writer.write_json
+    monkeypatch.setattr(bundle_writer, "write_json", lambda path, data: (dumps.append(path.name), real(path, data)))
+    rank = tmp_path / "b" / "rank-00000"
+    writer = BundleWriter(tmp_path / "b", "train", ParallelLayout())
+    _steps(writer, 30)
+    assert dumps.count("manifest.json") == 1  # the first step's header, not one manifest per step
+    head = json.loads((rank / "manifest.json").read_text())
+    assert head["steps"] == [] and head["step_log"] == "steps.jsonl"
+    assert len((rank / "steps.jsonl").read_text().splitlines()) == 30
+    assert Bundle(tmp_path / "b").num_steps == 30  # an open writer's bundle reads through its log
+    writer.meta_update({"fingerprints": {"w": "ab"}})
+    _steps(writer, 1)
+    assert dumps.count("manifest.json") == 2  # the changed metadata, once
+    assert Bundle(tmp_path / "b").ranks[0].meta["fingerprints"] == {"w": "ab"}
+    writer.close()
+    manifest = json.loads((rank / "manifest.json").read_text())
+    assert "step_log" not in manifest and not (rank / "steps.jsonl").exists()  # closed: the manifest whole
+    assert [s["file"] for s in manifest["steps"]] == [f"step-{k:06d}.safetensors" for k in range(31)]
+
+
+def test_a_killed_writers_step_log_reads_without_its_cut_line_and_a_bad_log_is_refused(tmp_path: Path) -> None:
+    from logdiff.probes.errors import InputError
+
+    rank = tmp_path / "b" / "rank-00000"
+    writer = BundleWriter(tmp_path / "b", "train", ParallelLayout())
+    _steps(writer, 3)  # never closed: the process died here
+    log = rank / "steps.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join(lines) + "\n" + lines[-1][:25])  # a fourth entry cut short while it was appended
+    part = Bundle(tmp_path / "b").ranks[0]
+    assert len(part.steps) == 3 and part.load(2, ["h"])["h"].shape == (4, 40)
+    log.write_text("\n".join([lines[0], lines[1][:25], lines[2]]) + "\n")  # a bad line before the last
+    with pytest.raises(InputError, match="line 2 is not a JSON step entry"):
+        Bundle(tmp_path / "b")
+    manifest = json.loads((rank / "manifest.json").read_text())
+    (rank / "manifest.json").write_text(json.dumps({**manifest, "step_log": "../../elsewhere.jsonl"}))
+    with pytest.raises(InputError, match="outside its rank directory"):
+        Bundle(tmp_path / "b")
 
 
 def test_an_older_bundle_reads_its_sketches_as_splitmix64_and_compare_refuses_mixed_digests(tmp_path: Path) -> None:

@@ -236,6 +236,11 @@ def test_hf_dump_equals_logdiffs_own_capture_of_the_same_forwards(qwen3: Path, t
     spec = {}
     exec((DATA / "inputs.py").read_text(), spec)  # PROMPTS, UNPADDED, PAD
     model = AutoModelForCausalLM.from_pretrained(str(qwen3), dtype=torch.bfloat16).eval()
+    ids, embedded = (_pt(HF, f"Module.model.embed_tokens.Embedding.forward.0.{k}.0.pt") for k in ("input", "output"))
+    with torch.no_grad():
+        if not torch.equal(model.model.embed_tokens(ids), embedded):  # a lookup: equal wherever the weights are
+            pytest.skip("the demo Qwen3 built here has other weights than the fixtures' (its training rounds "
+                        "differently on this host's ISA)")
     with logdiff.capture(model, tmp_path / "capture", "infer", window="all"), torch.no_grad():
         for prompts in (spec["PROMPTS"], spec["UNPADDED"]):
             L = max(map(len, prompts))
