@@ -10,7 +10,8 @@ from other processes hurts all of them alike; the table gives the median and
 the spread (min-max) of the wall time, and each process's peak RSS from
 ``wait4`` (the child's own ``ru_maxrss``). Ratios are medians over the
 plain run's median at the same size. Scans also report their per-phase
-``timings`` (result.json), kept in the JSON as the profile.
+``timings`` (result.json), kept in the JSON as the profile, and the bytes their
+row stores wrote to scratch files (``scratch_bytes``).
 
 Before and after: ``--baseline-rev REV`` also runs ``modules --no-attribute``
 with the code of git revision REV (exported to a temporary package tree put
@@ -53,6 +54,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 PYTHON = sys.executable
@@ -95,6 +97,7 @@ class Workload:
     walls: list[float] = field(default_factory=list)
     rss: list[int] = field(default_factory=list)
     timings: list[dict[str, float]] = field(default_factory=list)
+    scratch: list[int] = field(default_factory=list)  # bytes the scan's row stores wrote (result.json)
     failed: str | None = None
     env: dict[str, str] | None = None  # the process environment (a baseline revision's PYTHONPATH)
 
@@ -133,8 +136,9 @@ def token_scaling(rows: list[dict[str, object]]) -> dict[str, object]:
 
 def run_process(
     argv: list[str], json_path: Path | None, env: dict[str, str] | None = None
-) -> tuple[float, int, dict[str, float], str | None]:
-    """Wall seconds, peak RSS bytes (this child only), the scan's phase timings, and an error if it failed."""
+) -> tuple[float, int, dict[str, Any], str | None]:
+    """Wall seconds, peak RSS bytes (this child only), the scan's ``timings`` and ``scratch_bytes`` (result.json),
+    and an error if it failed."""
     t = time.perf_counter()
     cwd = env.get("PYTHONPATH") if env else None  # not the checkout: its own logdiff/ would shadow the baseline
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
@@ -143,11 +147,12 @@ def run_process(
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t
     rss = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    timings: dict[str, float] = {}
+    report: dict[str, Any] = {}
     if json_path is not None and json_path.is_file():
-        timings = json.loads(json_path.read_text()).get("timings") or {}
+        result = json.loads(json_path.read_text())
+        report = {k: result[k] for k in ("timings", "scratch_bytes") if result.get(k) is not None}
     failed = None if proc.returncode in (0, 1) else f"exit {proc.returncode}: {err.strip().splitlines()[-1:]}"
-    return wall, rss, timings, failed
+    return wall, rss, report, failed
 
 
 def workloads(model: str, path: Path, base: Shape, depths: list[str], scales: list[int], tmp: Path) -> list[Workload]:
@@ -239,6 +244,8 @@ def summarize(w: Workload, plain: Workload | None) -> dict[str, object]:
     if w.timings:
         phases = {k for t in w.timings for k in t}
         row["timings_median_s"] = {k: round(statistics.median(t.get(k, 0.0) for t in w.timings), 2) for k in sorted(phases)}
+    if w.scratch:
+        row["scratch_bytes"] = int(statistics.median(w.scratch))
     if plain is not None and plain.walls:
         row["wall_ratio"] = round(wall / statistics.median(plain.walls), 2)
         row["rss_ratio"] = round(rss / statistics.median(plain.rss), 2)
@@ -256,7 +263,8 @@ def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object
             continue
         spread = f"{r['wall_s']:.1f} ({r['wall_min_s']:.1f}-{r['wall_max_s']:.1f})"
         print(f"{r['model']:<10} {r['workload']:<34} {r['scale']:>2} {spread:>22} {r.get('wall_ratio', ''):>5}x "
-              f"{r['peak_rss_bytes'] / 2**30:>7.2f}G {r.get('rss_ratio', ''):>5}x")  # fmt: skip
+              f"{r['peak_rss_bytes'] / 2**30:>7.2f}G {r.get('rss_ratio', ''):>5}x"
+              + (f"  scratch {r['scratch_bytes'] / 2**30:.2f}G" if "scratch_bytes" in r else ""))  # fmt: skip
     for c in consistent:
         print(f"consistent vs stock, {c['model']}, {c['workload']}: {c['stock_s']:.3f} s -> {c['consistent_s']:.3f} s "
               f"({c['ratio']:.2f}x)")  # fmt: skip
@@ -319,14 +327,16 @@ def main() -> None:
                     continue
                 print(f"[round {round_ + 1}/{repeats}] {w.model} {w.name} x{w.scale}", file=sys.stderr, flush=True)
                 js = Path(w.argv[-1]) if "--json" in w.argv else None
-                wall, rss, timings, failed = run_process(w.argv, js, w.env)
+                wall, rss, report, failed = run_process(w.argv, js, w.env)
                 if failed:
                     w.failed = failed
                     continue
                 w.walls.append(wall)
                 w.rss.append(rss)
-                if timings:
-                    w.timings.append(timings)
+                if "timings" in report:
+                    w.timings.append(report["timings"])
+                if "scratch_bytes" in report:
+                    w.scratch.append(report["scratch_bytes"])
         skip = args.skip_consistent or args.token_scaling
         consistent = [] if skip else consistent_vs_stock(demo, args.quick, 3 if args.quick else 5, tmp)
         loop_models = (args.in_loop or ("demo" if args.quick else "demo,smollm2")).split(",")

@@ -272,6 +272,7 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
     result.warn(NEEDS_ENGINES)
     result.conclude()
     result.timings, result.peak_rss_bytes = progress.close(), peak_rss_bytes()
+    result.scratch_bytes = session.scratch_bytes
     return result
 
 

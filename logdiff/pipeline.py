@@ -348,6 +348,7 @@ def scan(cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any] | 
             run.probes.close()
     result.conclude()
     result.timings, result.peak_rss_bytes = progress.close(), peak_rss_bytes()
+    result.scratch_bytes = run.probes.scratch_bytes if run.probes is not None else None
     return result
 
 

@@ -142,6 +142,7 @@ class ScanResult:
     cause_groups: list[Json] = field(default_factory=list)
     timings: dict[str, float] | None = None
     peak_rss_bytes: int | None = None
+    scratch_bytes: int | None = None  # what the scan's row stores wrote to scratch files (None: nothing recorded)
     complete: bool = True
     created: str = field(default_factory=lambda: dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
 
@@ -211,4 +212,5 @@ class ScanResult:
         out["cause_groups"] = self.cause_groups
         if self.timings is not None:
             out["timings"], out["peak_rss_bytes"] = self.timings, self.peak_rss_bytes
+            out["scratch_bytes"] = self.scratch_bytes
         return out

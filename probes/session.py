@@ -119,6 +119,7 @@ class ProbeSession:
         self.tracers: dict[tuple[str, str], OpTracer] = {}
         self.position_offsets: dict[str, dict[int, int]] = {}  # ``PairRecord.position_offsets``
         self._store_count = 0
+        self._every_store: list[PathStore] = []  # closed or not: what they wrote is the scan's scratch
         self._recorders: list[Recorder] = []
         #: MoE router logits per (role, path), in memory (``routing.RouterSink``); empty for dense models
         self.routers: dict[tuple[str, str], RouterSink] = {}
@@ -211,7 +212,14 @@ class ProbeSession:
     def _new_store(self, path: str, max_len: int, sequences: int | None = None) -> StoreSink:
         """A store for ``path`` in the next numbered directory of the session (of its first ``sequences`` only)."""
         self._store_count += 1
-        return StoreSink(self.root / f"{self._store_count:02d}", path, len(self.seqs), max_len, sequences)
+        store = StoreSink(self.root / f"{self._store_count:02d}", path, len(self.seqs), max_len, sequences)
+        self._every_store.append(store)
+        return store
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes this session's row stores have written to scratch files (every store, replaced ones too)."""
+        return sum(s.written_bytes for s in self._every_store)
 
     def _router_sink(self, role: str, path: str) -> RouterSink:
         """The path's router sink (created on its first pass; dropped with its store when a path reruns)."""

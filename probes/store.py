@@ -60,6 +60,7 @@ class RowStore:
         self._prefix: np.ndarray | None = None  # cached running AND of ``present`` along positions
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (seq, pos, rows) not yet in the file
         self._pending_bytes = 0
+        self.written_bytes = 0  # bytes written to the file so far (the scan's scratch: ``ScanResult.scratch_bytes``)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         os.ftruncate(self._fd, num_sequences * max_len * width * self._itemsize)
 
@@ -119,7 +120,7 @@ class RowStore:
 
     def _write(self, seq: np.ndarray, pos: np.ndarray, data: np.ndarray) -> None:
         for s, p, _n, idx in _runs(seq, pos):
-            os.pwrite(self._fd, _rows(data, idx), self._offset(s, p))  # the array's own buffer: no bytes copy
+            self.written_bytes += os.pwrite(self._fd, _rows(data, idx), self._offset(s, p))  # the array's own buffer
 
     def read(self, seq: np.ndarray, pos: np.ndarray) -> Any:
         """Rows at ``(seq[i], pos[i])`` as a torch tensor ``[n, width]`` (unwritten rows are zeros)."""
@@ -182,6 +183,11 @@ class PathStore:
 
     def get(self, name: str) -> RowStore | None:
         return self.boundaries.get(name)
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes written to this path's files so far."""
+        return sum(s.written_bytes for s in self.boundaries.values())
 
     def close(self) -> None:
         """Close and delete the files."""

@@ -331,7 +331,8 @@ def fmt_bytes(n: Any) -> str:
 
 
 def cost_text(result: dict) -> str | None:
-    """What a scan cost, in one line: its wall time, its three longest phases and the peak memory."""
+    """What a scan cost, in one line: its wall time, its three longest phases, the peak memory and the scratch
+    its row stores wrote."""
     timings = result.get("timings")
     timings = {k: v for k, v in timings.items() if is_number(v)} if isinstance(timings, dict) else {}
     peak = result.get("peak_rss_bytes")
@@ -342,6 +343,9 @@ def cost_text(result: dict) -> str | None:
                      + ", ".join(f"{k} {fmt_duration(v)}" for k, v in longest) + ")")
     if is_number(peak):
         parts.append(f"peak memory {fmt_bytes(peak)}")
+    scratch = result.get("scratch_bytes")
+    if is_number(scratch) and scratch > 0:
+        parts.append(f"{fmt_bytes(scratch)} of scratch written")
     return " · ".join(parts) or None
 
 

@@ -45,7 +45,8 @@ def test_scan_defaults_to_where_and_why(qwen3: Path, tmp_path: Path) -> None:
         assert timings[phase] >= 0, (phase, timings)
     # (load may take ~0 s: an earlier test can have pooled the engines already, in any test order)
     assert sum(timings.values()) > 0 and result["peak_rss_bytes"] > 100 * 2**20
-    assert "took " in output and "peak memory" in output
+    assert result["scratch_bytes"] > 0  # the inference paths' rows, written to the scan's row stores
+    assert "took " in output and "peak memory" in output and "of scratch written" in output
     assert "attribution rescan" not in output                    # CliRunner is not a terminal: no progress
 
 
@@ -54,7 +55,7 @@ def test_depth_logprobs_is_the_quick_screen_and_check_defaults_to_it(qwen3: Path
     quick, _ = _scan(["scan", str(qwen3), *FAST, *EPS, "--depth", "logprobs"], tmp_path / "q.json")
     assert quick["settings"]["depth"] == "logprobs"
     assert quick["first_divergence"] is None and quick["causes"] == [] and quick["verdict"] == "divergent"
-    assert "locate" not in quick["timings"] and "load" in quick["timings"]
+    assert "locate" not in quick["timings"] and "load" in quick["timings"] and quick["scratch_bytes"] is None
     gated, _ = _scan(["check", str(qwen3), *FAST, "--max-abs-diff", "100"], tmp_path / "c.json")
     assert gated["settings"]["depth"] == "logprobs"
 

@@ -43,6 +43,7 @@ def test_small_writes_wait_in_a_buffer_and_read_back_as_written(tmp_path: Path) 
     assert store.has(np.array([0, 1]), np.array([39, 39])).all()
     back = store.read(np.repeat([0, 1], 40), np.tile(np.arange(40), 2)).numpy().reshape(2, 40, 8)
     assert np.array_equal(back, expect) and not store._pending
+    assert store.written_bytes == (2 * 40 + 1) * 8 * 4  # every row written once, position 3 of sequence 1 twice
     store.close()
 
 
