@@ -70,6 +70,7 @@ SCANS = {  # workload -> extra `logdiff scan` arguments
     "logprobs": ["--depth", "logprobs"],
     "modules --no-attribute": ["--depth", "modules", "--no-attribute"],
     "modules": ["--depth", "modules"],
+    "modules --attribution patched": ["--depth", "modules", "--attribution", "patched"],
     "ops": ["--depth", "ops"],
 }
 

@@ -29,6 +29,25 @@ def test_ulp_distance_counts_representable_steps() -> None:
     assert ulp_distance(a, a, "bfloat16").sum().item() == 0
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64"])
+def test_ordered_bits_is_the_sign_magnitude_line_for_every_pattern(dtype: str) -> None:
+    """Every 16-bit pattern (and random wider ones, the extremes included) against the definition in Python:
+    a pattern with its sign bit set maps to minus its magnitude bits, any other to itself (so -0 and +0 to 0)."""
+    from logdiff.probes.ulps import INT_OF, ordered_bits
+
+    int_name, bits = INT_OF[dtype]
+    if bits == 16:
+        raw = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    else:
+        info = torch.iinfo(getattr(torch, int_name))
+        extremes = torch.tensor([info.min, info.min + 1, -1, 0, 1, info.max], dtype=getattr(torch, int_name))
+        raw = torch.cat([extremes, torch.randint(info.min, info.max, (4096,), dtype=getattr(torch, int_name))])
+    mask = (1 << (bits - 1)) - 1
+    expect = [-(r & mask) if r < 0 else r for r in raw.tolist()]
+    got = ordered_bits(raw.view(getattr(torch, dtype)), dtype)
+    assert got.dtype == (torch.int32 if bits == 16 else torch.int64) and got.tolist() == expect
+
+
 def test_coarser() -> None:
     assert coarser("float32", "bfloat16") == "bfloat16"
     assert coarser("float16", "bfloat16") == "bfloat16"
