@@ -27,7 +27,8 @@ per sequence), intercept and R^2, and the scan's slope over the plain run's.
 In-loop capture: ``bench/bench_trl_step.py`` on the demo model (and the real SmolLM2-135M in the full run,
 ``--in-loop``): TRL's GRPO step with vLLM colocated, without logdiff, instrumented between captures, captured
 at the default window and with every record whole, and captured and compared; step wall and CPU time, peak
-RSS and the bundles' bytes per step. Consistent vs stock kernels: the HF forward and vLLM generate, from
+RSS and the bundles' bytes per step; and ``bench/bench_fsdp_capture.py`` on the same models: an FSDP2 scoring
+pass on 2 ranks without logdiff and captured (default window, every record whole). Consistent vs stock kernels: the HF forward and vLLM generate, from
 ``bench/bench_consistent.py`` in its own process. Models: the demo Qwen3 (``--demo DIR``, else a random model of its
 shape), and in the full run a 0.5B-class and a 1.5B-class Qwen3 built from
 config with random bf16 weights.
@@ -220,14 +221,14 @@ def consistent_vs_stock(demo: Path, skip_large: bool, repeats: int, tmp: Path) -
     return json.loads(js.read_text())
 
 
-def in_loop_capture(models: dict[str, Path], repeats: int, tmp: Path) -> dict[str, object]:
-    """``bench/bench_trl_step.py`` per model, each in its own process: TRL's GRPO step with vLLM colocated,
-    uninstrumented, instrumented but not captured, captured (default window, every record whole) and compared."""
+def in_loop_capture(script: str, models: dict[str, Path], repeats: int, tmp: Path) -> dict[str, object]:
+    """A bench of capture inside a training step (``bench_trl_step.py``: TRL's GRPO step with vLLM colocated;
+    ``bench_fsdp_capture.py``: an FSDP2 scoring pass) per model, each in its own process: its table per model."""
     out: dict[str, object] = {}
     for name, path in models.items():
-        js = tmp / f"trl-{name}.json"
-        argv = [PYTHON, str(BENCH / "bench_trl_step.py"), str(path), "--repeats", str(repeats), "--json", str(js)]
-        print(f"[in-loop capture] {name}", file=sys.stderr, flush=True)
+        js = tmp / f"{Path(script).stem}-{name}.json"
+        argv = [PYTHON, str(BENCH / script), str(path), "--repeats", str(repeats), "--json", str(js)]
+        print(f"[in-loop capture] {script} {name}", file=sys.stderr, flush=True)
         done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         out[name] = json.loads(js.read_text())["table"] if done.returncode == 0 else {
             "failed": (done.stderr.strip().splitlines() or ["?"])[-1]}
@@ -254,7 +255,7 @@ def summarize(w: Workload, plain: Workload | None) -> dict[str, object]:
 
 
 def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object]], info: dict[str, object],
-                in_loop: dict[str, dict[str, dict]]) -> None:
+                in_loop: dict[str, dict[str, dict]], in_fsdp: dict[str, dict[str, dict]]) -> None:
     print(f"\n{info['cpu']} ({info['cores']} cores, {info['isa']}), torch {info['torch']}, vLLM {info['vllm']} "
           f"GEMM {info['vllm_cpu_gemm']}")  # fmt: skip
     print(f"{'model':<10} {'workload':<34} {'x':>2} {'wall s (min-max)':>22} {'ratio':>6} {'peak RSS':>9} {'ratio':>6}")
@@ -277,6 +278,14 @@ def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object
             print(f"in-loop capture, {model}, {name}: step {row['wall_s']:.2f} s ({row['wall_ratio']:.2f}x wall, "
                   f"{row['cpu_ratio']:.2f}x CPU), peak RSS {row['rss_ratio']:.2f}x, "
                   f"{row['bundle_bytes_per_step'] / 2**20:.1f} MB of bundles per step")  # fmt: skip
+    for model, table in in_fsdp.items():
+        for name, row in table.items():
+            if name == "failed":
+                print(f"FSDP scoring capture, {model}: failed: {row}")
+                continue
+            print(f"FSDP scoring capture, {model}, {name}: pass {row['step_s']:.2f} s ({row['step_ratio']:.2f}x), "
+                  f"drain {row['drain_s']:.2f} s, peak RSS {row['rss_ratio']:.2f}x, "
+                  f"{row['bundle_bytes'] / 2**20:.1f} MB of bundle")  # fmt: skip
 
 
 def main() -> None:
@@ -342,19 +351,22 @@ def main() -> None:
         consistent = [] if skip else consistent_vs_stock(demo, args.quick, 3 if args.quick else 5, tmp)
         loop_models = (args.in_loop or ("demo" if args.quick else "demo,smollm2")).split(",")
         loop_paths = {m: demo if m == "demo" else _smollm2(tmp) for m in loop_models if m in ("demo", "smollm2")}
-        in_loop = {} if args.token_scaling else in_loop_capture(loop_paths, 1 if args.quick else repeats, tmp)
+        loop_repeats = 1 if args.quick else repeats
+        in_loop, in_fsdp = ({}, {}) if args.token_scaling else (
+            in_loop_capture("bench_trl_step.py", loop_paths, loop_repeats, tmp),
+            in_loop_capture("bench_fsdp_capture.py", loop_paths, loop_repeats, tmp))
     plain = {(w.model, w.scale): w for w in plan if w.name == "plain"}
     rows = [summarize(w, plain.get((w.model, w.scale))) for w in plan]
     info["load_avg_end"], info["bench_seconds"] = os.getloadavg(), round(time.time() - started, 1)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "quick": args.quick,
               "repeats": repeats, "machine": info, "runs": rows, "consistent_vs_stock": consistent,
-              "in_loop_capture": in_loop}  # fmt: skip
+              "in_loop_capture": in_loop, "in_loop_fsdp": in_fsdp}  # fmt: skip
     if args.token_scaling:
         result["token_scaling"] = token_scaling(rows)
     out = args.out or BENCH / "results" / f"run-{info['isa']}-{datetime.date.today()}{'-quick' if args.quick else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print_table(rows, consistent, info, in_loop)
+    print_table(rows, consistent, info, in_loop, in_fsdp)
     if args.token_scaling:
         print(f"token scaling: {json.dumps(result['token_scaling'])}")
     print(f"\nwrote {out}")

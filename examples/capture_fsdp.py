@@ -10,12 +10,23 @@ its share in right-padded batches inside ``logdiff.capture`` and writes its part
 of the bundle at ``DIR``: whole records for the first ``--window`` layers (2; ``all``
 for every layer), row sketches for the rest. gloo on CPU, NCCL on CUDA. Each rank
 prints one line.
+
+As in a training loop, the capture does not hold the step up: its block returns at
+once (``wait=False``) while each rank's writer thread finishes the files, and the
+rank waits for them after the pass. ``--timing FILE``: rank 0 writes the scoring
+pass's wall time (every rank's forwards, after one warm-up forward, until the
+slowest rank's capture block has returned) and the writers' drain after it, as
+JSON; ``--no-capture`` scores without logdiff, the baseline of
+``bench/bench_fsdp_capture.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import time
 from pathlib import Path
 
 
@@ -38,6 +49,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per forward on each rank")
     parser.add_argument("--window", default="2", help="decoder layers whose records are kept whole (the rest as row "
                         "sketches), or 'all' (default: 2)")
+    parser.add_argument("--no-capture", action="store_true", help="score without logdiff (a baseline)")
+    parser.add_argument("--timing", type=Path, help="rank 0 writes the pass's wall time and the writers' drain here")
     args = parser.parse_args()
 
     import torch
@@ -64,7 +77,13 @@ def main() -> None:
         for layer in adapter_of(model).layers(model):  # the architecture adapter knows where the layers are
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        with logdiff.capture(model, args.out, role="train", window=args.window), torch.no_grad():
+        with torch.no_grad():  # FSDP's first gathers, before the pass (a training loop has run steps before)
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
+        dist.barrier()
+        started = time.perf_counter()
+        capture = contextlib.nullcontext() if args.no_capture else logdiff.capture(
+            model, args.out, role="train", window=args.window, wait=False)
+        with capture, torch.no_grad():
             for start in range(0, len(seqs), args.batch):
                 batch = seqs[start : start + args.batch]
                 width = max(len(s) for s in batch)
@@ -74,7 +93,16 @@ def main() -> None:
         with torch.no_grad():  # after the capture, so not recorded: keeps the ranks' collectives in step
             for _ in range(forwards - -(-len(seqs) // args.batch)):
                 model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
-        print(f"rank {rank}/{world}: captured {len(seqs)} sequences into {args.out}", flush=True)
+        dist.barrier()
+        step = time.perf_counter() - started
+        if not args.no_capture:
+            capture.wait()  # the bundle's files, written while the pass went on
+        dist.barrier()
+        if args.timing is not None and rank == 0:
+            args.timing.write_text(json.dumps({"step_s": step, "drain_s": time.perf_counter() - started - step}))
+        done = "scored" if args.no_capture else "captured"
+        print(f"rank {rank}/{world}: {done} {len(seqs)} sequences" + ("" if args.no_capture else f" into {args.out}"),
+              flush=True)
     finally:
         dist.destroy_process_group()
 
