@@ -9,7 +9,13 @@ that the block creates and drops on exit. The block is found through a
 one's caches, and code outside every block (or on another thread) sees none.
 
 Caching never changes a result: every cached value is a pure function of its
-key, and every kernel computes the same bits with or without it.
+key, and every kernel computes the same bits with or without it. A prepared
+weight's key holds the tensor's version counter, which in-place updates bump,
+except a fused optimizer's: ``torch.optim.AdamW(fused=True)`` (HF Trainer's
+default ``adamw_torch_fused``) writes the parameters without bumping it. So a
+block also drops the prepared copies of every parameter an optimizer steps
+(``torch.optim``'s global step hook, removed with the block): a training step's
+next forward sees the new weights whatever optimizer made them.
 """
 
 from __future__ import annotations
@@ -43,10 +49,24 @@ def kernel_caches() -> Iterator[KernelCaches]:
         return
     caches = KernelCaches()
     token = _ACTIVE.set(caches)
+    stepped = _forget_stepped_parameters(caches)
     try:
         yield caches
     finally:
+        stepped.remove()
         _ACTIVE.reset(token)
+
+
+def _forget_stepped_parameters(caches: KernelCaches) -> Any:
+    """A global optimizer step hook dropping the prepared copies of the parameters each step updated."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def forget(optimizer: Any, *_: Any) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                caches.weights.pop(id(p), None)
+
+    return register_optimizer_step_post_hook(forget)
 
 
 def active() -> KernelCaches | None:

@@ -478,7 +478,10 @@ def test_ep2_routes_every_token_as_ep1_and_a_planted_router_weight_is_found(moe)
     assert first is None or (first["inputs_equal"] and first["boundary"].endswith(".mlp")), first
     planted = _compare(moe["ep2"] / "planted", moe["ep1"] / "stock")
     assert planted["contracts"]["weights"]["differs"] == ["model.layers.1.mlp.gate.weight"]
-    assert planted["first_divergence"]["boundary"] == "model.layers.1.mlp.gate"
+    # where EP = 2 already parts from EP = 1 before layer 1 on this host (an operator path: the experts' outputs
+    # summed in another order, allowed above), that comes first; else the planted gate is the first divergence
+    earlier = first is not None and int(first["boundary"].split(".")[2]) < 1
+    assert planted["first_divergence"]["boundary"] == (first["boundary"] if earlier else "model.layers.1.mlp.gate")
     (cause,) = [c for c in planted["causes"] if c["boundary"] == "model.layers.1.mlp.gate"]
     assert (cause["class"], cause["kind"]) == ("framework_difference", "weights")
     moved = _routes(moe["ep2"] / "planted", 1)

@@ -273,5 +273,9 @@ def test_msprobes_own_compare_runs_on_the_dumps_and_agrees_where_it_can_align(ru
     assert failed and all(r["Bench Name"] for r in rows)  # the same engine twice: every entry matched by name
     first = results("vllm-dump/clean", "vllm-dump/stale")["first_divergence"]
     assert first["boundary"] == "model.layers.2.self_attn.o_proj" and first["inputs_equal"]
-    assert failed[0].startswith("Module.model.layers.2.self_attn.o_proj.") and failed[0].endswith(".output.0")
+    # msprobe's first error is o_proj's output, or, where its rule takes o_proj's differing parameters to explain
+    # its output ("input/parameters ... while the output", near its thresholds on some hosts' demo weights), the
+    # output of the attention module that returns o_proj's as is: the same tensor, and nothing before it fails
+    assert failed[0].endswith(".output.0") and failed[0].startswith(
+        ("Module.model.layers.2.self_attn.o_proj.", "Module.model.layers.2.self_attn.Qwen3Attention.forward.0."))
 

@@ -30,7 +30,9 @@ importance ratio, however close the kernels are. Two kinds of evidence, both
      names the sampler and its parameters that reproduce it (top-k, top-p,
      min-p, top-k then top-p, typical-p), or reports a renormalisation over a
      support no sampler it knows describes ("sampler not identified", with the
-     kept mass per token); a temperature and a truncation together are fitted
+     kept mass per token; not where the preflight found weights that differ,
+     which shift the logprobs per position as well: a warning says so instead);
+     a temperature and a truncation together are fitted
      jointly (``joint_temperature``), since each biases the other's fit alone
      (``sampling_semantics``);
    * a BOS on one side only: the trainer's model rescored with its BOS toggled
@@ -452,6 +454,7 @@ def diagnose(result: ScanResult, run: Any, infer: Any) -> Findings:
 
     contracts = result.contracts or preflight(run.train_engine, infer, weights=False)
     masks = [s.response_mask for s in run.sequences]
+    differing = ((contracts or {}).get("weights") or {}).get("differs") or []
     found = Findings()
     fits: dict[str, dict[str, Any]] = {}
     ref: list[Reference] | None = None
@@ -470,6 +473,13 @@ def diagnose(result: ScanResult, run: Any, infer: Any) -> Findings:
             f = analyse_pair(run.train.logprobs, scores.logprobs, masks, ref)
         if ref and (f is None or _no_sampler_named(f)):  # a BOS on one side is the more specific explanation
             f = _bos_test(run, scores.logprobs, masks, ref, bos_cache) or f
+        if f is not None and _no_sampler_named(f) and differing:
+            # other weights shift a token's logprob per position too, which truncation.py's NOISE_BELOW rule tells
+            # apart only statistically: with weights known to differ, a support no sampler describes is no evidence
+            found.warnings.append(f"{scores.path}: its logprobs exceed the trainer's by a per-position offset, as "
+                                  f"over a truncated support no sampler describes, but {len(differing)} weight(s) "
+                                  "differ, which shifts them as well: no truncation is reported")
+            f = None
         if f is not None:
             fits[scores.path] = f
     found.causes = [c for c in [contract_cause(contracts)] if c is not None] + numeric_causes(fits)

@@ -48,3 +48,27 @@ def test_caching_changes_no_bits() -> None:
         again = _run(inputs)  # served from the caches
     for a, b, c in zip(plain, first, again):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+
+def test_a_fused_optimizer_step_is_seen_though_it_leaves_the_version_counter() -> None:
+    """``AdamW(fused=True)`` (HF Trainer's default) updates a parameter in place without bumping its version
+    counter (the negative control), so the prepared copy keyed by it would stay stale: the block drops the
+    prepared copies of every parameter an optimizer steps, and the next call computes with the new weights."""
+    x, w, *_ = _inputs(0)
+    param = torch.nn.Parameter(w.clone())
+    opt = torch.optim.AdamW([param], lr=1e-2, fused=True)
+    with kernel_caches() as caches:
+        before = linear(x, param.detach())
+        linear(x, param)
+        assert id(param) in caches.weights
+        param.grad = torch.ones_like(param)
+        version = param._version
+        opt.step()
+        assert param._version == version  # the fused step leaves the version counter: no key would change
+        assert id(param) not in caches.weights
+        after = linear(x, param)
+        assert not torch.equal(after, before) and torch.equal(after, linear(x, param.detach().clone()))
+    with kernel_caches():
+        pass
+    opt.step()  # outside every block: the hook went with its block
