@@ -34,21 +34,17 @@ def ordered_bits(x: Any, dtype: str) -> Any:
 
     Sign-magnitude bits to a signed line: ``(raw ^ (sign & magnitude_mask)) - sign``
     with ``sign`` the arithmetic shift of the raw pattern (0 or -1), so +0 and -0
-    both map to 0. 16-bit patterns are widened to int32 first (sign-extended, so
-    the same line; distances cannot overflow, and a CPU's SIMD units shift and mask
-    32-bit lanes where torch runs int16 ones far slower); 32- and 64-bit ones are
-    mapped in their own width and returned as int64 (whose distances exceed every
-    ulp count of interest). Two temporaries, the rest in place.
+    both map to 0. Computed in the raw width, widened only for 16-bit types
+    (int32, so that distances cannot overflow) and float64 (int64 saturates
+    nowhere that matters: its distances exceed every ulp count of interest).
     """
     import torch
 
     int_name, bits = INT_OF[dtype]
     raw = x.to(getattr(torch, dtype)).contiguous().view(getattr(torch, int_name))
-    if bits == 16:
-        raw = raw.to(torch.int32)
     sign = raw >> (bits - 1)
-    ordered = (sign & ((1 << (bits - 1)) - 1)).bitwise_xor_(raw).sub_(sign)
-    return ordered if bits == 16 else ordered.to(torch.int64)
+    ordered = (raw ^ (sign & ((1 << (bits - 1)) - 1))) - sign
+    return ordered.to(torch.int32 if bits == 16 else torch.int64)
 
 
 def ulp_distance(a: Any, b: Any, dtype: str) -> Any:
