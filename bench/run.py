@@ -270,23 +270,15 @@ def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object
     for c in consistent:
         print(f"consistent vs stock, {c['model']}, {c['workload']}: {c['stock_s']:.3f} s -> {c['consistent_s']:.3f} s "
               f"({c['ratio']:.2f}x)")  # fmt: skip
-    for model, table in in_loop.items():
-        for name, row in table.items():
-            if name == "failed":
-                print(f"in-loop capture, {model}: failed: {row}")
-                continue
-            print(f"in-loop capture, {model}, {name}: step {row['wall_s']:.2f} s ({row['wall_ratio']:.2f}x wall, "
-                  f"{row['cpu_ratio']:.2f}x CPU), peak RSS {row['rss_ratio']:.2f}x, "
-                  f"{row['bundle_bytes_per_step'] / 2**20:.1f} MB of bundles per step")  # fmt: skip
-    for model, table in in_fsdp.items():
-        for name, row in table.items():
-            if name == "failed":
-                print(f"FSDP scoring capture, {model}: failed: {row}")
-                continue
-            print(f"FSDP scoring capture, {model}, {name}: pass {row['step_s']:.2f} s ({row['step_ratio']:.2f}x), "
-                  f"drain {row['drain_s']:.2f} s, peak RSS {row['rss_ratio']:.2f}x, "
-                  f"{row['bundle_bytes'] / 2**20:.1f} MB of bundle")  # fmt: skip
-
+    trl = ("in-loop capture", lambda r: f"step {r['wall_s']:.2f} s ({r['wall_ratio']:.2f}x wall, "
+           f"{r['cpu_ratio']:.2f}x CPU), peak RSS {r['rss_ratio']:.2f}x, "
+           f"{r['bundle_bytes_per_step'] / 2**20:.1f} MB of bundles per step")
+    fsdp = ("FSDP scoring capture", lambda r: f"pass {r['step_s']:.2f} s ({r['step_ratio']:.2f}x), drain "
+            f"{r['drain_s']:.2f} s, peak RSS {r['rss_ratio']:.2f}x, {r['bundle_bytes'] / 2**20:.1f} MB of bundle")
+    for (title, line), tables in ((trl, in_loop), (fsdp, in_fsdp)):
+        for model, table in tables.items():
+            for name, row in table.items():
+                print(f"{title}, {model}: failed: {row}" if name == "failed" else f"{title}, {model}, {name}: {line(row)}")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

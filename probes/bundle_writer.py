@@ -153,6 +153,7 @@ class BundleWriter:
         self.layout = layout
         self.dir = self.root / f"rank-{layout.rank:05d}"
         self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / STEP_LOG).unlink(missing_ok=True)  # a killed earlier run's, in a reused directory
         write_json(self.root / "bundle.json", {"format": FORMAT, "version": VERSION, "role": role,
                                                "world_size": layout.world_size})
         from logdiff.probes.sketch import DIGEST

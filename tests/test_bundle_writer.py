@@ -187,6 +187,9 @@ def test_a_killed_writers_step_log_reads_without_its_cut_line_and_a_bad_log_is_r
     (rank / "manifest.json").write_text(json.dumps({**manifest, "step_log": "../../elsewhere.jsonl"}))
     with pytest.raises(InputError, match="outside its rank directory"):
         Bundle(tmp_path / "b")
+    again = BundleWriter(tmp_path / "b", "train", ParallelLayout())  # the directory reused: a log of its own
+    _steps(again, 1)
+    assert Bundle(tmp_path / "b").num_steps == 1
 
 
 def test_an_older_bundle_reads_its_sketches_as_splitmix64_and_compare_refuses_mixed_digests(tmp_path: Path) -> None:
