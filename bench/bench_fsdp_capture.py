@@ -32,6 +32,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from run import quiet_child  # bench/run.py, beside this file
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "capture_fsdp.py"
 PLAIN = "FSDP alone"
 WORKLOADS: dict[str, list[str]] = {
@@ -60,18 +62,10 @@ def run_once(model: Path, seqs: Path, batch: int, flags: list[str]) -> dict[str,
                 str(EXAMPLE), str(model), "--sequences", str(seqs), "--out", str(out), "--batch", str(batch),
                 "--timing", str(timing), *flags]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-        pid = os.fork()
-        if pid == 0:  # the child: torchrun, its output discarded
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
-            os.execve(argv[0], argv, env)
-        _, status, usage = os.wait4(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise RuntimeError(f"{' '.join(argv)} failed")
+        rss = quiet_child(argv, env)
         clock = json.loads(timing.read_text())
         written = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else 0
-        return {"step": clock["step_s"], "drain": clock["drain_s"], "rss": int(usage.ru_maxrss) * 1024,
+        return {"step": clock["step_s"], "drain": clock["drain_s"], "rss": rss,
                 "bundle_bytes": written}
 
 

@@ -37,6 +37,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from run import quiet_child  # bench/run.py, beside this file
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
 PLAIN = "TRL alone"
 #: workload -> (the example's flags, the steps its figure averages: indices into the 3 steps)
@@ -56,20 +58,12 @@ def run_once(model: str, flags: list[str], env: dict[str, str] | None = None) ->
         out = Path(tmp)
         argv = [sys.executable, str(EXAMPLE), model, "--out", str(out / "runs"), "--dtype", "bfloat16", "--steps",
                 str(STEPS), "--json", str(out / "run.json"), *flags]
-        pid = os.fork()
-        if pid == 0:  # the child: the example, its output discarded
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
-            os.execve(sys.executable, argv, env if env is not None else dict(os.environ))
-        _, status, usage = os.wait4(pid, 0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise RuntimeError(f"{' '.join(argv)} failed")
+        rss = quiet_child(argv, env if env is not None else dict(os.environ))
         run = json.loads((out / "run.json").read_text())
         steps = sorted((out / "runs").glob("step-*")) if (out / "runs").is_dir() else []
         written = sum(f.stat().st_size for step in steps for side in ("train", "infer")
                       for f in (step / side).rglob("*") if f.is_file())  # fmt: skip
-        return {"wall": run["step_wall_s"], "cpu": run["step_cpu_s"], "rss": int(usage.ru_maxrss) * 1024,
+        return {"wall": run["step_wall_s"], "cpu": run["step_cpu_s"], "rss": rss,
                 "bundle_bytes_per_step": written / len(steps) if steps else 0}
 
 
@@ -114,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     envs: dict[str, dict[str, str] | None] = dict.fromkeys(chosen)
     with tempfile.TemporaryDirectory(prefix="logdiff-bench-baseline-") as tmp:
         if args.baseline_rev:
-            from run import baseline_tree  # bench/run.py, beside this file
+            from run import baseline_tree
 
             old = f"capture (default window) @{args.baseline_rev}"
             WORKLOADS[old] = WORKLOADS["capture (default window)"]

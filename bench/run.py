@@ -28,8 +28,8 @@ In-loop capture: ``bench/bench_trl_step.py`` on the demo model (and the real Smo
 ``--in-loop``): TRL's GRPO step with vLLM colocated, without logdiff, instrumented between captures, captured
 at the default window and with every record whole, and captured and compared; step wall and CPU time, peak
 RSS and the bundles' bytes per step; and ``bench/bench_fsdp_capture.py`` on the same models: an FSDP2 scoring
-pass on 2 ranks without logdiff and captured (default window, every record whole). Consistent vs stock kernels: the HF forward and vLLM generate, from
-``bench/bench_consistent.py`` in its own process. Models: the demo Qwen3 (``--demo DIR``, else a random model of its
+pass on 2 ranks without logdiff and captured (default window, every record whole). Consistent vs stock
+kernels: the HF forward and vLLM generate, from ``bench/bench_consistent.py`` in its own process. Models: the demo Qwen3 (``--demo DIR``, else a random model of its
 shape), and in the full run a 0.5B-class and a 1.5B-class Qwen3 built from
 config with random bf16 weights.
 
@@ -157,6 +157,21 @@ def run_process(
     return wall, rss, report, failed
 
 
+def quiet_child(argv: list[str], env: dict[str, str]) -> int:
+    """Run ``argv`` (``argv[0]`` a path) with its output discarded; its peak RSS in bytes (``wait4``: the largest of
+    the child and the descendants it waited for, e.g. torchrun's ranks). A failed run is a ``RuntimeError``."""
+    pid = os.fork()
+    if pid == 0:  # the child
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        os.execve(argv[0], argv, env)
+    _, status, usage = os.wait4(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed")
+    return int(usage.ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
+
+
 def workloads(model: str, path: Path, base: Shape, depths: list[str], scales: list[int], tmp: Path) -> list[Workload]:
     out = []
     for k in scales:
@@ -279,6 +294,7 @@ def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object
         for model, table in tables.items():
             for name, row in table.items():
                 print(f"{title}, {model}: failed: {row}" if name == "failed" else f"{title}, {model}, {name}: {line(row)}")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

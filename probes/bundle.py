@@ -21,8 +21,9 @@ Steps are written as they finish (memory stays flat) and each written step's
 manifest entry is appended to the rank's step log until the writer closes and
 writes the manifest whole (``"step_log"`` in an open writer's manifest names the
 log), so a run that dies leaves a readable bundle of the steps it completed
-(``bundle_writer.py``, which writes a capture's steps in a thread of its own). bfloat16 is stored as its raw 16-bit pattern (``int16``) with
-``dtype: bfloat16`` in the manifest, since numpy has no bfloat16.
+(``bundle_writer.py``, which writes a capture's steps in a thread of its own).
+bfloat16 is stored as its raw 16-bit pattern (``int16``) with ``dtype: bfloat16``
+in the manifest, since numpy has no bfloat16.
 
 **Weight versions.** A rank whose weights change while it records (a rollout engine
 that the trainer syncs new weights into) numbers them: each step entry in the manifest

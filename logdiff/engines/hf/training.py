@@ -9,8 +9,8 @@ backwards) and holds one ``kernel_caches()`` block for its whole life: a
 prepared weight copy is keyed by the tensor's version counter, and the block
 drops the copies of whatever an optimizer steps (a fused AdamW, HF Trainer's
 default, leaves the counter: ``kernels/caches.py``), so an ``optimizer.step()``
-that updates the weights in place inside the block is seen by the next forward. It returns a handle that is both a context manager
-and an installer (``handle.undo()``), for loops that cannot wrap a ``with``
+that updates the weights in place inside the block is seen by the next
+forward. It returns a handle that is both a context manager and an installer (``handle.undo()``), for loops that cannot wrap a ``with``
 block around their step.
 
 The name the issue asked for, ``logdiff.kernels.consistent_training``, cannot
