@@ -8,15 +8,24 @@ splits a record in two:
 * **in the hook** (``record``): nothing that waits for a device. On an
   accelerator a record outside the capture's window is sketched there
   (``sketch_device.sketch_rows``: five float64 values per row) and a whole record
-  is copied there; on the host both are copied (one contiguous copy: the engine
-  may overwrite the tensor later, vLLM's fused residual add does so in place),
-  the sketch left to the thread while the copies it holds stay under
-  ``defer_bytes`` (``DEFER_BYTES``), else made in the hook;
+  is copied there; on the host a whole record is copied (one contiguous copy:
+  the engine may overwrite the tensor later, vLLM's fused residual add does so
+  in place) and a sketched one is copied for the thread to sketch while the
+  writer's host copies stay within ``hold_bytes``, else sketched in the hook
+  (numpy's blocked sketch: no copy);
 * **in the writer's thread** (``background=True``): the device-to-host copies,
   the host sketches, bfloat16's bit view, the step's safetensors file and the
-  manifest. Steps are queued in order and written in order; at most ``pending``
-  steps wait (the next ``end_step`` blocks until one is written), so memory
-  stays bounded.
+  manifest. Steps are queued in order and written in order.
+
+Memory stays bounded on two counts: at most ``pending`` steps wait, and the host
+copies of the steps recorded but not written stay within ``hold_bytes`` (by
+default ``HOLD_SHARE`` of the process's peak resident memory when the writer
+starts: a capture left on in a loop costs a tenth more memory at most, beyond
+one step's whole records); past either, ``end_step`` waits for the thread. On a
+CPU the copies a thread would sketch buy little time for their memory, since a
+step uses every core (docs/capture.md, "An FSDP2 trainer": a quarter gigabyte
+of them cost 1.48x the uncaptured peak; within the share, 1.19x, at 1.14x the
+time instead of 1.01x), so the share is small. Device copies are not counted.
 
 The step's manifest entry is made at ``end_step`` in the caller's thread (so the
 caller sees ``manifest["steps"]`` grow as before), but the bundle on disk lists
@@ -58,8 +67,8 @@ ROLES = ("train", "infer")
 RESERVED = ("tokens", "positions", "sequences", "valid")
 #: steps recorded but not yet written that a background writer holds before ``end_step`` waits
 PENDING = 2
-#: host bytes of records a background writer may hold to sketch them in its thread, not in the step
-DEFER_BYTES = 256 << 20
+#: the share of the process's peak resident memory at its start a background writer may hold in host copies
+HOLD_SHARE = 0.1
 #: an open writer's log of its written steps' manifest entries (one JSON object per line), beside manifest.json
 STEP_LOG = "steps.jsonl"
 
@@ -109,10 +118,17 @@ class _Kept:
         return sketch(raw.reshape(raw.shape[0], -1), dtype, self.columns)
 
 
+def _default_hold() -> int:
+    """``HOLD_SHARE`` of the process's peak resident memory so far (nothing held where it cannot be read)."""
+    from logdiff.phases import peak_rss_bytes
+
+    return int(HOLD_SHARE * (peak_rss_bytes() or 0))
+
+
 def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | None, defer: int) -> _Kept:
     """What a record keeps of ``tensor`` until the writer stores it, never waiting for a device: on an accelerator
     the row sketches or a private copy, on its device; on the host a private copy, sketched by the writer's
-    thread when ``defer`` bytes (the writer's budget left) hold it, else sketched now."""
+    thread when ``defer`` bytes (what the writer's ``hold_bytes`` leave) hold it, else sketched now."""
     sketched = sketch_columns is not None
     if isinstance(tensor, np.ndarray):
         array, dtype = host_array(tensor)
@@ -130,11 +146,16 @@ def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | No
     rows = t.reshape(t.shape[0], -1) if sketched else t
     host = t.device.type == "cpu"
     nbytes = t.numel() * t.element_size() if host else 0
-    if sketched and not (host and nbytes <= defer):
+    if sketched and host and nbytes > defer:  # sketched now, by numpy (on a CPU, faster than ``sketch_rows``)
+        from logdiff.probes.sketch import sketch
+
+        kept = sketch(host_array(rows)[0], dtype, sketch_columns)
+        return _Kept(kept, dtype, placement, True, list(kept.shape), nbytes=kept.nbytes)
+    if sketched and not host:
         from logdiff.probes.sketch_device import sketch_rows
 
         kept = sketch_rows(rows, sketch_columns)
-        return _Kept(kept, dtype, placement, True, list(kept.shape), nbytes=kept.numel() * 8 if host else 0)
+        return _Kept(kept, dtype, placement, True, list(kept.shape))
     copy = rows.clone(memory_format=torch.contiguous_format)  # the engine may overwrite ``t`` later
     if sketched:
         columns = np.asarray(sketch_columns, dtype=np.int64)
@@ -146,7 +167,7 @@ class BundleWriter:
     """Writes one rank's part of a bundle, step by step (``background``: in a thread of its own)."""
 
     def __init__(self, root: str | Path, role: str, layout: ParallelLayout, meta: dict[str, Any] | None = None,
-                 background: bool = False, pending: int = PENDING, defer_bytes: int = DEFER_BYTES):
+                 background: bool = False, pending: int = PENDING, hold_bytes: int | None = None):
         if role not in ROLES:
             raise ValueError(f"role {role!r} (expected one of {', '.join(ROLES)})")
         self.root = Path(root)
@@ -165,10 +186,11 @@ class BundleWriter:
         self._tokens: dict[str, np.ndarray] | None = None
         self._fields: dict[str, Any] = {}
         self._lock = threading.Lock()  # the manifest: the caller edits it, the thread dumps it
+        self._freed = threading.Condition(self._lock)  # the thread wrote a step: its host copies are gone
         self._written = 0  # steps whose file is on disk (the manifest or the step log lists these)
         self._meta_changed = True  # the manifest on disk lacks the metadata as it is now
         self._queue: queue.Queue | None = queue.Queue(maxsize=pending) if background else None
-        self._defer_bytes = defer_bytes if background else 0
+        self._hold_bytes = (_default_hold() if hold_bytes is None else hold_bytes) if background else 0
         self._held = 0  # host bytes the queued steps hold (the thread frees them as it writes)
         self._step_bytes = 0  # host bytes the step being recorded holds
         self._thread: threading.Thread | None = None
@@ -195,7 +217,7 @@ class BundleWriter:
             raise RuntimeError("record() outside a step: call begin_step() first")
         if name in RESERVED or "#" in name or name in self._records:
             raise ValueError(f"record {name!r} twice in one step, or under a reserved name")
-        kept = _snapshot(tensor, placement, sketch_columns, self._defer_bytes - self._held - self._step_bytes)
+        kept = _snapshot(tensor, placement, sketch_columns, self._hold_bytes - self._held - self._step_bytes)
         self._records[name] = kept
         self._step_bytes += kept.nbytes
         if rows is not None:
@@ -229,7 +251,9 @@ class BundleWriter:
         if self._queue is None:
             self._write(file, arrays, 0)
             return
-        with self._lock:
+        with self._freed:  # the queued steps' copies and this one's within ``hold_bytes``, or nothing else queued
+            while self._held and self._held + held > self._hold_bytes and self._error is None:
+                self._freed.wait()
             self._held += held
         if self._closing:
             raise RuntimeError(f"{self.dir}: a step recorded after the bundle writer was closed")
@@ -278,8 +302,7 @@ class BundleWriter:
             os.replace(tmp, self.dir / file)
         finally:
             arrays.clear()
-            with self._lock:
-                self._held -= held
+            self._release(held)
         with self._lock:
             entry = json.dumps(self.manifest["steps"][self._written])
             header = self._header() if self._meta_changed else None
@@ -301,15 +324,24 @@ class BundleWriter:
         write_json(self.dir / "manifest.json", text)
         (self.dir / STEP_LOG).unlink(missing_ok=True)
 
+    def _release(self, held: int) -> None:
+        with self._freed:
+            self._held -= held
+            self._freed.notify_all()
+
     def _drain(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self._error is None:  # after a failure the rest are dropped (the caller hears of the first once)
-                try:
-                    self._write(*item)
-                except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by end_step or wait
+            if self._error is not None:  # after a failure the rest are dropped (the caller hears of the first once)
+                self._release(item[2])
+                continue
+            try:
+                self._write(*item)
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread by end_step or wait
+                with self._freed:
                     self._error = e
-                    logging.getLogger("logdiff").warning("logdiff: %s: the bundle writer failed (%s: %s)", self.dir,
-                                                         type(e).__name__, e)
+                    self._freed.notify_all()
+                logging.getLogger("logdiff").warning("logdiff: %s: the bundle writer failed (%s: %s)", self.dir,
+                                                     type(e).__name__, e)
         if self._error is None:
             self._finish_manifest()  # with the metadata the capture added after its last step
 

@@ -92,12 +92,6 @@ def fmix32(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _floats(raw: np.ndarray, dtype: str) -> np.ndarray:
-    from logdiff.probes.unshard import to_float32
-
-    return to_float32(raw, dtype).astype(np.float64)
-
-
 def _splitmix_digest(raw: np.ndarray, cols: np.ndarray) -> np.ndarray:
     unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[raw.dtype.itemsize]
     bits = raw.view(unsigned).astype(np.uint64)
@@ -105,39 +99,79 @@ def _splitmix_digest(raw: np.ndarray, cols: np.ndarray) -> np.ndarray:
         return _mix(bits ^ _mix(cols.astype(np.uint64))[None, :]).sum(axis=1, dtype=np.uint64)
 
 
-def _fmix_digest(raw: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """Per row, ``sum_j fmix32(e_j ^ fmix32(c_j ^ seed))`` mod 2^32 for each seed, as hi and lo of a uint64; ``e_j``
-    is the element's bits (an 8-byte element's low half xor the mixed high half, per seed)."""
-    size = raw.dtype.itemsize
-    halves = []
-    for seed in SEEDS:
-        if size == 8:
-            pair = raw.view(np.uint32).reshape(raw.shape[0], -1, 2)  # little-endian: [low, high]
-            e = pair[..., 0] ^ fmix32(pair[..., 1] ^ np.uint32(seed))
-        else:
-            e = raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]).astype(np.uint32)
-        e ^= fmix32(cols.astype(np.uint32) ^ np.uint32(seed))[None, :]
-        halves.append(fmix32(e).sum(axis=1, dtype=np.uint64) & np.uint64(0xFFFFFFFF))
-    return (halves[0] << np.uint64(32)) | halves[1]
-
-
-DIGESTS = {DIGEST: _fmix_digest, LEGACY: _splitmix_digest}
+DIGESTS = (DIGEST, LEGACY)
+#: elements of the block of rows the host sketch works on at a time, so that its temporaries stay in cache
+BLOCK_ELEMENTS = 1 << 14
 
 
 def sketch(raw: np.ndarray, dtype: str, columns: np.ndarray, digest: str = DIGEST) -> np.ndarray:
     """``[rows, WIDTH]`` float64 sketches of ``raw [rows, width]`` (the record as stored: bfloat16 as raw int16
     bits), whose column ``j`` is the logical row's column ``columns[j]``; a column < 0 is padding, left out.
-    ``digest``: the bundle's (``DIGEST`` unless it is an older one, ``LEGACY``)."""
+    ``digest``: the bundle's (``DIGEST`` unless it is an older one, ``LEGACY``).
+
+    Each block of rows is hashed and measured through a few preallocated buffers, in place, so a record costs
+    no temporaries its size (a capture's writer sketches gigabytes per step). The values are those of the
+    whole-array expressions: ``sum_j fmix32(e_j ^ fmix32(c_j ^ seed))`` mod 2^32 per seed (``e_j``: the
+    element's bits, an 8-byte element's low half xor its mixed high half), and the float32 value's largest
+    magnitude and float64 sum of squares, each row reduced by numpy as a whole row."""
     raw = np.ascontiguousarray(raw).reshape(raw.shape[0], -1)
     keep = np.asarray(columns) >= 0
-    raw, cols = np.ascontiguousarray(raw[:, keep]), np.asarray(columns, dtype=np.int64)[keep]
-    values = _floats(raw, dtype)
+    cols = np.asarray(columns, dtype=np.int64)[keep]
+    if not keep.all():
+        raw = np.ascontiguousarray(raw[:, keep])
     out = np.empty((raw.shape[0], WIDTH), dtype=np.float64)
-    _put_digest(out, DIGESTS[digest](raw, cols))
-    out[:, 2] = np.abs(values).max(axis=1, initial=0.0)
-    out[:, 3] = np.square(values).sum(axis=1)
     out[:, 4] = raw.shape[1]
+    if digest == LEGACY:
+        _put_digest(out, _splitmix_digest(raw, cols))
+    blocks = _Blocks(raw, dtype, cols, fmix=digest == DIGEST)
+    for start in range(0, raw.shape[0], blocks.rows):
+        blocks.sketch(raw[start : start + blocks.rows], out[start : start + blocks.rows])
     return out
+
+
+class _Blocks:
+    """``sketch``'s buffers for blocks of ``rows`` rows of one record, and the work on one block."""
+
+    def __init__(self, raw: np.ndarray, dtype: str, cols: np.ndarray, fmix: bool):
+        width = raw.shape[1]
+        self.rows = max(1, BLOCK_ELEMENTS // max(width, 1))
+        self.dtype = dtype
+        shape = (min(self.rows, raw.shape[0]), width)
+        self.bits, self.hash, self.tmp = (np.empty(shape, np.uint32) for _ in range(3))
+        self.values = np.empty(shape, np.float64)
+        self.mixed = [fmix32(cols.astype(np.uint32) ^ np.uint32(seed)) for seed in SEEDS] if fmix else []
+
+    def sketch(self, block: np.ndarray, out: np.ndarray) -> None:
+        n, size = block.shape[0], block.dtype.itemsize
+        bits, h, tmp = self.bits[:n], self.hash[:n], self.tmp[:n]
+        if size < 8:  # the element's bits, zero-extended
+            np.copyto(bits, block.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size]), casting="unsafe")
+        with np.errstate(over="ignore"):
+            for column, (seed, mixed) in enumerate(zip(SEEDS, self.mixed)):
+                if size == 8:
+                    pair = block.view(np.uint32).reshape(n, -1, 2)  # little-endian: [low, high]
+                    np.bitwise_xor(pair[..., 1], np.uint32(seed), out=h)
+                    np.bitwise_xor(_fmix32_inplace(h, tmp), pair[..., 0], out=h)
+                else:
+                    np.copyto(h, bits)
+                np.bitwise_xor(h, mixed, out=h)
+                out[:, column] = _fmix32_inplace(h, tmp).sum(axis=1, dtype=np.uint32)  # mod 2^32
+        values = self.values[:n]
+        if self.dtype == "bfloat16":
+            np.left_shift(bits, 16, out=tmp)
+            np.copyto(values, tmp.view(np.float32))
+        else:
+            np.copyto(values, block.astype(np.float32), casting="unsafe")  # as ``unshard.to_float32`` reads it
+        out[:, 2] = np.abs(values, out=values).max(axis=1, initial=0.0)
+        out[:, 3] = np.square(values, out=values).sum(axis=1)
+
+
+def _fmix32_inplace(x: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """``fmix32(x)`` computed in ``x`` (``tmp``: a buffer of its shape)."""
+    for shift, multiplier in ((16, FMIX1), (13, FMIX2)):
+        np.bitwise_xor(x, np.right_shift(x, shift, out=tmp), out=x)
+        np.multiply(x, np.uint32(multiplier), out=x)
+    return np.bitwise_xor(x, np.right_shift(x, 16, out=tmp), out=x)
 
 
 def _put_digest(sketches: np.ndarray, digest: np.ndarray) -> None:

@@ -4,7 +4,9 @@
   for bit, for every dtype a capture records; a one-ulp change changes both 32-bit halves of the digest.
 * The background writer stores what the tensor held when it was recorded (the engine may overwrite it in place
   afterwards), sketches deferred to its thread equal those made in the step, steps are written in order and the
-  bundle on disk lists only written steps; a failure in the thread is one error at ``close``.
+  bundle on disk lists only written steps; a failure in the thread is one error at ``close``. The host copies
+  of the steps queued stay within ``hold_bytes`` (``end_step`` waits for the thread), and a failed thread is
+  an error there, not a wait.
 * An open writer appends each written step's entry to its step log and rewrites the manifest only when the
   metadata changes (not once per step); a writer that never closes leaves a bundle read through the log, a
   line cut short at its end left out, and closing writes today's manifest whole and removes the log.
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -39,10 +42,12 @@ def _values(dtype: torch.dtype, rows: int = 9, width: int = 40) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("shape", [(9, 40), (45, 1000), (5, 20_000)], ids=str)  # one block; 16 rows a block; a row
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_device_sketch_is_the_numpy_sketch(dtype: torch.dtype) -> None:
-    x = _values(dtype)
-    columns = np.arange(40) + 100
+def test_the_device_sketch_is_the_numpy_sketch(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    """Also across numpy's blocks of rows (``sketch.BLOCK_ELEMENTS``): torch's whole-tensor sketch is the reference."""
+    x = _values(dtype, *shape)
+    columns = np.arange(shape[1]) + 100
     columns[-3:] = -1  # padding: left out by both
     raw, name = host_array(x)
     expected = sketch(raw, name, columns)
@@ -77,10 +82,10 @@ def test_the_halves_combine_across_slices_and_the_legacy_digest_still_reads() ->
                               digest_of(sketch(raw, name, np.arange(40), LEGACY)))
 
 
-def _write(root: Path, steps: list[torch.Tensor], background: bool, defer_bytes: int = 1 << 30,
+def _write(root: Path, steps: list[torch.Tensor], background: bool, hold_bytes: int = 1 << 30,
            sketched: bool = False, overwrite: bool = False) -> Bundle:
     writer = BundleWriter(root, "train", ParallelLayout(), {"note": "test"}, background=background,
-                          defer_bytes=defer_bytes)
+                          hold_bytes=hold_bytes)
     for k, x in enumerate(steps):
         n = x.shape[0]
         writer.begin_step(torch.arange(n), torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.ones(n))
@@ -107,7 +112,7 @@ def test_the_background_writer_keeps_what_was_recorded(tmp_path: Path) -> None:
 def test_deferred_sketches_equal_sketches_made_in_the_step(tmp_path: Path) -> None:
     steps = [_values(torch.float32, rows=6) for _ in range(3)]
     deferred = _write(tmp_path / "deferred", [x.clone() for x in steps], True, sketched=True, overwrite=True)
-    now = _write(tmp_path / "now", [x.clone() for x in steps], True, defer_bytes=0, sketched=True, overwrite=True)
+    now = _write(tmp_path / "now", [x.clone() for x in steps], True, hold_bytes=0, sketched=True, overwrite=True)
     for k in range(3):
         a, b = deferred.ranks[0].load(k, ["h"])["h"], now.ranks[0].load(k, ["h"])["h"]
         assert a.shape == (6, 5) and np.array_equal(digest_of(a), digest_of(b))
@@ -134,6 +139,59 @@ def test_a_failing_writer_thread_is_one_error_and_the_bundle_lists_only_written_
     part = Bundle(tmp_path / "b").ranks[0]
     assert [s["file"] for s in part.steps] == ["step-000000.safetensors"]  # only the step on disk
     assert part.load(0, ["h"])["h"].shape == (9, 40)
+
+
+def _held_at_each_step(tmp_path: Path, hold_bytes: int, monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], int]:
+    """The host bytes a background writer holds after each of 6 steps of 4 whole 16 KiB records (its thread slowed
+    to 0.2 s a step), and one step's bytes."""
+    import time
+
+    slow = BundleWriter._write
+    monkeypatch.setattr(BundleWriter, "_write", lambda self, *a: (time.sleep(0.2), slow(self, *a))[1])
+    writer = BundleWriter(tmp_path / f"held-{hold_bytes}", "train", ParallelLayout(), background=True,
+                          pending=8, hold_bytes=hold_bytes)
+    x = torch.zeros(64, 64)
+    held = []
+    for k in range(6):
+        writer.begin_step(torch.arange(64), torch.arange(64))
+        for name in "abcd":
+            writer.record(name, x + k, REPLICATE)
+        writer.end_step()
+        held.append(writer._held)
+    writer.close()
+    assert len(Bundle(tmp_path / f"held-{hold_bytes}").ranks[0].steps) == 6
+    return held, 4 * x.numel() * 4
+
+
+def test_the_writers_host_copies_stay_within_hold_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    held, step = _held_at_each_step(tmp_path, 2 * 4 * 64 * 64 * 4, monkeypatch)  # two steps' worth
+    assert max(held) <= 2 * step
+    held, step = _held_at_each_step(tmp_path, 0, monkeypatch)  # nothing beyond the step being queued
+    assert max(held) <= step
+    held, step = _held_at_each_step(tmp_path, 1 << 30, monkeypatch)  # negative control: the queue runs ahead
+    assert max(held) > 2 * step
+
+
+def test_a_failed_writer_at_its_byte_bound_raises_instead_of_waiting(tmp_path: Path) -> None:
+    writer = BundleWriter(tmp_path / "b", "train", ParallelLayout(), background=True, hold_bytes=0)
+    (tmp_path / "b" / "rank-00000" / ".step-000000.safetensors.tmp").mkdir()  # the first file cannot be written
+    x = _values(torch.float32)
+    raised: list[BaseException] = []
+
+    def steps() -> None:
+        try:
+            for _ in range(4):  # the second end_step waits for the first step's bytes, then hears of the failure
+                writer.begin_step(torch.arange(9), torch.arange(9))
+                writer.record("h", x, REPLICATE)
+                writer.end_step()
+        except RuntimeError as e:
+            raised.append(e)
+
+    caller = threading.Thread(target=steps, daemon=True)
+    caller.start()
+    caller.join(timeout=60)
+    assert not caller.is_alive(), "end_step waits for bytes a failed thread will never free"
+    assert raised and "bundle writer failed" in str(raised[0])
 
 
 def _steps(writer: BundleWriter, n: int) -> None:
