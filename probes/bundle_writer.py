@@ -118,9 +118,32 @@ class _Kept:
         return sketch(raw.reshape(raw.shape[0], -1), dtype, self.columns)
 
 
+def _sketch_small_together(arrays: dict[str, Any]) -> None:
+    """Sketch the step's small records still to sketch in one call per dtype and columns, in place: a decode step
+    records hundreds of boundaries of a few rows each, and numpy's fixed cost per call, not the elements, is then
+    what a sketch costs. Rows are sketched independently, so the values are each record's own; a record of at
+    least ``sketch.BLOCK_ELEMENTS`` is sketched alone (no copy of it is made)."""
+    from logdiff.probes.sketch import BLOCK_ELEMENTS, sketch
+
+    groups: dict[tuple[str, int], list[tuple[str, np.ndarray]]] = {}
+    for name, kept in arrays.items():
+        if isinstance(kept, _Kept) and kept.columns is not None and kept.value.numel() < BLOCK_ELEMENTS:
+            raw = host_array(kept.value)[0]
+            groups.setdefault((kept.dtype, id(kept.columns)), []).append((name, raw.reshape(raw.shape[0], -1)))
+    for (dtype, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        columns = arrays[members[0][0]].columns
+        together = sketch(np.concatenate([raw for _, raw in members]), dtype, columns)
+        start = 0
+        for name, raw in members:
+            arrays[name] = together[start : start + raw.shape[0]]
+            start += raw.shape[0]
+
+
 def _default_hold() -> int:
     """``HOLD_SHARE`` of the process's peak resident memory so far (nothing held where it cannot be read)."""
-    from logdiff.phases import peak_rss_bytes
+    from logdiff.probes.rss import peak_rss_bytes
 
     return int(HOLD_SHARE * (peak_rss_bytes() or 0))
 
@@ -297,6 +320,7 @@ class BundleWriter:
 
         tmp = self.dir / f".{file}.tmp"
         try:
+            _sketch_small_together(arrays)
             save_file({name: host_array(a.stored() if isinstance(a, _Kept) else a)[0] for name, a in arrays.items()},
                       str(tmp))
             os.replace(tmp, self.dir / file)

@@ -119,6 +119,29 @@ def test_deferred_sketches_equal_sketches_made_in_the_step(tmp_path: Path) -> No
         assert np.array_equal(digest_of(a), digest_of(sketch(host_array(steps[k])[0], "float32", np.arange(40))))
 
 
+def test_small_records_sketched_together_are_each_records_own_sketches(tmp_path: Path) -> None:
+    """The thread sketches a step's small records in one call per dtype and columns (a decode step's hundreds of
+    boundaries): each record still reads back as its own rows' sketches, next to a larger record sketched alone
+    and a record of another dtype, and equal to the same step sketched record by record in the step."""
+    columns = np.arange(40)
+    records = {"a": _values(torch.float32, rows=4), "b": _values(torch.float32, rows=5) * 2,
+               "c": _values(torch.bfloat16, rows=4), "d": _values(torch.bfloat16, rows=6) - 1,
+               "big": _values(torch.float32, rows=500)}  # 20,000 elements: at least BLOCK_ELEMENTS, alone
+    bundles = {}
+    for hold in (1 << 30, 0):
+        writer = BundleWriter(tmp_path / f"hold-{hold}", "train", ParallelLayout(), background=True, hold_bytes=hold)
+        writer.begin_step(torch.arange(500), torch.arange(500))
+        for name, x in records.items():
+            writer.record(name, x, REPLICATE, rows=np.arange(len(x)), sketch_columns=columns)
+        writer.close()
+        bundles[hold] = Bundle(tmp_path / f"hold-{hold}").ranks[0].load(0, list(records))
+    for name, x in records.items():
+        raw, dtype = host_array(x)
+        expected = sketch(raw, dtype, columns)
+        for got in bundles.values():
+            assert np.array_equal(got[name], expected, equal_nan=True), name
+
+
 def test_a_failing_writer_thread_is_one_error_and_the_bundle_lists_only_written_steps(tmp_path: Path) -> None:
     import time
 
