@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -101,8 +102,9 @@ def main() -> None:
         if args.timing is not None and rank == 0:
             args.timing.write_text(json.dumps({"step_s": step, "drain_s": time.perf_counter() - started - step}))
         done = "scored" if args.no_capture else "captured"
-        print(f"rank {rank}/{world}: {done} {len(seqs)} sequences" + ("" if args.no_capture else f" into {args.out}"),
-              flush=True)
+        line = f"rank {rank}/{world}: {done} {len(seqs)} sequences" + ("" if args.no_capture else f" into {args.out}")
+        sys.stdout.write(line + "\n")  # one write: ranks share the stdout, and print() writes the newline apart
+        sys.stdout.flush()
     finally:
         dist.destroy_process_group()
 
