@@ -166,10 +166,11 @@ class _Layout:
         )
 
 
-def _version(t: torch.Tensor) -> int:
-    if t.is_inference():  # no version counter (and cannot change in place); asked first: a raised error costs ~70 us
-        return -1
-    return t._version
+def _version(t: torch.Tensor) -> int | None:
+    """The tensor's version counter; None for an inference tensor, which has none yet can be refilled in place
+    inside ``inference_mode`` (a persistent buffer), so only its values tell. Asked first: a raised error costs
+    ~70 us."""
+    return None if t.is_inference() else t._version
 
 
 def _layout(
@@ -185,7 +186,8 @@ def _layout(
     caches = active()
     last = caches.attention_layout if caches is not None else None
     if last is not None and len(key) == len(last[0]):
-        if all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, last[0], strict=True)):
+        same = all(a is b if isinstance(a, torch.Tensor) else a == b for a, b in zip(key, last[0], strict=True))
+        if same and key[1] is not None and key[3] is not None:  # the same tensors, unchanged since
             return last[1]
         if key[4:] == last[0][4:] and last[1].built_for(q_positions, kv_lens):
             caches.attention_layout = (key, last[1])  # fresh tensors, the same values (vLLM's, per layer)

@@ -57,3 +57,21 @@ def test_a_tensor_changed_in_place_is_not_matched_to_its_old_values():
         lens -= 1
         got = attention_batched(q, k, v, pos.clone(), 0.2, lens.clone())
     assert torch.equal(got, attention_batched(q, k, v, pos, 0.2, lens))
+
+
+def test_an_inference_buffer_refilled_in_place_is_not_matched_to_its_old_values():
+    """An inference tensor has no version counter: the same persistent buffer, refilled in place inside
+    inference_mode between forwards (as a graph-captured engine's are), must be judged by its values."""
+    q, k, v = _qkv(torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        pos, lens = _positions([40, 33, 21], 5)
+        with kernel_caches() as caches:
+            attention_batched(q, k, v, pos, 0.2, lens)
+            layout = caches.attention_layout[1]
+            assert attention_batched(q, k, v, pos, 0.2, lens) is not None and caches.attention_layout[1] is layout
+            pos -= 1
+            lens -= 1
+            got = attention_batched(q, k, v, pos, 0.2, lens)
+            assert caches.attention_layout[1] is not layout
+        want = attention_batched(q, k, v, pos.clone(), 0.2, lens.clone())
+    assert torch.equal(got, want)
