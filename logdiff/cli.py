@@ -169,11 +169,11 @@ def scan(
         None, metavar="FAMILIES", help="With --consistent, only these op families (comma-separated): "
         "linear, rms_norm, rope, attention, silu_and_mul, moe, log_softmax.",
     ),  # fmt: skip
-    attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (rescans)."),
+    attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (see --attribution)."),
     attribution: str = typer.Option(
-        "rescan", metavar="GAME", help="How the shares are measured: rescan (end-to-end rescans of every set of "
-        "levers) or patched (one training forward per set, its ops moved to the error the inference side's "
-        "recorded ops introduced; one rescan confirms; falls back to rescan where the records cannot).",
+        "patched", metavar="GAME", help="How the shares are measured: patched (one training forward per set of "
+        "levers, its ops moved to the error the inference side's recorded ops introduced; one rescan confirms; "
+        "falls back to rescan where the records cannot) or rescan (end-to-end rescans of every set).",
     ),  # fmt: skip
     replay_all_paths: bool = typer.Option(
         False, "--replay-all-paths", help="At --depth modules|ops, replay the training path's ops on every "

@@ -15,7 +15,7 @@ from logdiff.errors import InputError
 DEPTHS = ("logprobs", "modules", "ops")
 KERNEL_FAMILIES = ("linear", "rms_norm", "rope", "attention", "silu_and_mul", "moe", "log_softmax")
 #: how attribution measures its game: end-to-end rescans, or the training forward patched from the recorded
-#: inference rows (logdiff/diagnosis/attribute_patched.py)
+#: inference rows (logdiff/diagnosis/attribute_patched.py; the default, falling back to rescans where it cannot)
 ATTRIBUTION_GAMES = ("rescan", "patched")
 
 
@@ -41,11 +41,12 @@ class ScanConfig:
     consistent: bool = False
     #: with ``consistent``, install only these op families (None: all of them)
     consistent_kernels: tuple[str, ...] | None = None
-    #: at depth modules|ops, measure each cause's share and necessity (rescans)
+    #: at depth modules|ops, measure each cause's share and necessity (``attribution`` says how)
     attribute: bool = True
-    #: how attribution measures each set of levers: ``rescan`` (end-to-end rescans) or ``patched`` (one training
-    #: forward whose ops take the error the inference side's recorded ops introduced, confirmed by one rescan)
-    attribution: str = "rescan"
+    #: how attribution measures each set of levers: ``patched`` (one training forward whose ops take the error the
+    #: inference side's recorded ops introduced, confirmed by one rescan; rescans where the records cannot) or
+    #: ``rescan`` (end-to-end rescans)
+    attribution: str = "patched"
     #: at depth modules|ops, replay the training path's ops on every inference path's inputs, not only on the
     #: primary path's (the one the diagnosis reads); each replayed path costs one more training forward
     replay_all_paths: bool = False

@@ -94,7 +94,7 @@ def _additive(effects: dict[str, float], base: float = 1.0) -> Game:
     return lambda s: base - sum(effects.get(x, 0.0) for x in s)
 
 
-STOCK = ScanConfig(model=Path("m"), depth="modules")
+STOCK = ScanConfig(model=Path("m"), depth="modules", attribution="rescan")  # the rescan game itself
 THREE = ["attention", "rms_norm", "rope"]
 
 

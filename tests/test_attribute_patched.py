@@ -66,7 +66,7 @@ def _rescanner(base_gap: float, every_gap: float) -> tuple[rescan.Rescanner, lis
 
 
 def test_the_attribution_game_is_a_validated_setting() -> None:
-    assert ScanConfig(model=Path("m")).attribution == "rescan"  # the default is unchanged
+    assert ScanConfig(model=Path("m")).attribution == "patched"  # the default, rescans where it cannot
     with pytest.raises(InputError, match="--attribution"):
         ScanConfig(model=Path("m"), attribution="guess")
 
@@ -112,11 +112,20 @@ def test_levers_the_records_cannot_patch_fall_back_to_rescans(causes: list[Cause
     assert game.forwards == [] and len(seen) == rescans
 
 
-def test_without_a_patched_game_the_default_is_todays_rescans() -> None:
+def test_without_a_patched_game_the_default_falls_back_to_rescans_and_says_why() -> None:
     r, seen = _rescanner(1.0, 0.0)
     summary = attribute.attribute([_operator_path("rope")], ScanConfig(model=Path("m"), depth="modules"),
                                   r.metrics, known=r.knows)
-    assert summary["game"] == "rescan" and "fallback" not in summary and len(seen) == 1
+    assert summary["game"] == "rescan" and "inference rows were not kept" in summary["fallback"] and len(seen) == 1
+
+
+def test_asked_for_rescans_run_rescans_without_a_fallback() -> None:
+    cfg = ScanConfig(model=Path("m"), depth="modules", attribution="rescan")
+    game = FakeGame(lambda s: 0.0)
+    r, seen = _rescanner(1.0, 0.0)
+    r.remember(cfg, {"abs_diff_mean": 1.0, "abs_diff_max": 10.0, "k3_kl": 0.1})
+    summary = attribute.attribute([_operator_path("rope")], cfg, r.metrics, known=r.knows, patched=game)
+    assert summary["game"] == "rescan" and "fallback" not in summary and len(seen) == 1 and game.forwards == []
 
 
 # --- on the demo Qwen3 -----------------------------------------------------------------------------

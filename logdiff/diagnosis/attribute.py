@@ -37,7 +37,7 @@ neutralises, so the causes' shares also sum to ``closed``.
 ``necessity``: with every *other* lever applied, does the gap stay open (max
 |Δ logprob| > 0)? A necessary cause must be fixed to reach logdiff = 0.
 
-``--attribution patched`` (``ScanConfig.attribution``) measures the same game
+``--attribution patched`` (``ScanConfig.attribution``, the default) measures the same game
 without rescans where every player is a kernel lever whose family the recorded
 inference rows cover: ``D(S)`` from one training forward in which the ops of
 the families of ``S`` compute like the inference side's (the error each

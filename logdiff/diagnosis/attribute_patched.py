@@ -1,9 +1,11 @@
 """Attribution's game measured on the recorded rows: the training forward moved to the inference side's ops.
 
-Today's game (``attribute.py``) measures ``D(S)`` by end-to-end rescans: the
-levers of ``S`` applied (a kernel lever: the reference kernel of its family on
-both sides), both paths run again. This module measures a *patched* game on the
-scan's own records instead, with no inference run and no reference kernel:
+The rescan game (``attribute.py``, ``--attribution rescan``) measures ``D(S)`` by
+end-to-end rescans: the levers of ``S`` applied (a kernel lever: the reference
+kernel of its family on both sides), both paths run again. This module measures
+a *patched* game on the scan's own records instead, with no inference run and no
+reference kernel (the default since it was measured against the rescans:
+docs/causes.md):
 
     D_p(S) = mean |Δ logprob| between the inference path's recorded logprobs and
              ONE teacher-forced forward of the training model on the scan's
@@ -67,7 +69,7 @@ from logdiff.config import ATTRIBUTION_GAMES
 from logdiff.diagnosis.cause import FAMILY
 from logdiff.probes.record import Recorder
 
-#: attribution's games: end-to-end rescans (the default) or the training forward patched with recorded outputs
+#: attribution's games: end-to-end rescans, or the training forward patched with recorded outputs (the default)
 RESCAN, PATCHED = ATTRIBUTION_GAMES
 
 

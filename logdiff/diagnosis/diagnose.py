@@ -12,7 +12,9 @@ training path against the first inference path):
    sides, at logprobs depth first (bitwise-equal logprobs there mean no op
    introduces error any more), else at module depth;
 4. ``classify.classify_op`` per introducing op, fused add+norm merged;
-5. ``attribute.attribute``: Shapley shares from rescans at logprobs depth.
+5. ``attribute.attribute``: Shapley shares, by default from patched training
+   forwards on the recorded rows and one confirming rescan
+   (``attribute_patched.py``), else from rescans at logprobs depth.
 
 Every rerun goes through a ``Rescanner`` (``rescan.py``), which remembers each
 configuration's result so that attribution reuses the reference rescan.
