@@ -13,7 +13,8 @@ the seeds, per game).
 
 Usage::
 
-    .venv/bin/python bench/bench_attribution_games.py DIR [DIR ...] [--sequences 4] [--tokens 32] [--seeds 0,1,2] [--json PATH]
+    .venv/bin/python bench/bench_attribution_games.py DIR [DIR ...] [--sequences 4] [--tokens 32] [--seeds 0,1,2] \
+        [--json PATH]
 
 ``DIR``: model directories (``logdiff demo-model DIR --arch ARCH`` builds the demo architectures).
 """

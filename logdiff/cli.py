@@ -169,7 +169,7 @@ def scan(
         None, metavar="FAMILIES", help="With --consistent, only these op families (comma-separated): "
         "linear, rms_norm, rope, attention, silu_and_mul, moe, log_softmax.",
     ),  # fmt: skip
-    attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (see --attribution)."),
+    attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (--attribution)."),
     attribution: str = typer.Option(
         "patched", metavar="GAME", help="How the shares are measured: patched (one training forward per set of "
         "levers, its ops moved to the error the inference side's recorded ops introduced; one rescan confirms; "

@@ -14,8 +14,8 @@ from logdiff.errors import InputError
 
 DEPTHS = ("logprobs", "modules", "ops")
 KERNEL_FAMILIES = ("linear", "rms_norm", "rope", "attention", "silu_and_mul", "moe", "log_softmax")
-#: how attribution measures its game: end-to-end rescans, or the training forward patched from the recorded
-#: inference rows (logdiff/diagnosis/attribute_patched.py; the default, falling back to rescans where it cannot)
+#: how attribution measures its game: end-to-end rescans, or (the default) the training forward patched from the
+#: recorded inference rows (logdiff/diagnosis/attribute_patched.py), which falls back to rescans where it cannot
 ATTRIBUTION_GAMES = ("rescan", "patched")
 
 
