@@ -171,6 +171,18 @@ def test_a_bos_on_one_side_only_is_a_tokens_finding() -> None:
     assert sampling.bos_finding(_split(sampling.tempered(ref, tok, 1.0) + noise), [None] * 4, refs, toggled, True) is None
 
 
+def test_the_bos_test_decides_on_the_first_sequences_it_rescored() -> None:
+    """``_bos_test`` rescores only the first sequences (``BOS_TEST_POSITIONS``): the finding reads those alone."""
+    ref, tok = _model()
+    shifted, _ = _model(seed=5)
+    refs = _refs(ref, tok)
+    toggled = [sampling.Reference.of(r, t) for r, t in zip(_split(shifted), _split(tok))][:1]
+    noise = np.random.default_rng(3).normal(0, 0.01, len(tok))
+    f = sampling.bos_finding(_split(sampling.tempered(shifted, tok, 1.0) + noise), [None] * 4, refs, toggled, True)
+    assert f["kind"] == "tokens" and f["positions"] == len(_split(tok)[0])
+    assert sampling.bos_finding(_split(sampling.tempered(ref, tok, 1.0) + noise), [None] * 4, refs, toggled, True) is None
+
+
 # --- the contract ---------------------------------------------------------------------------
 
 

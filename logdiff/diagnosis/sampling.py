@@ -73,6 +73,9 @@ SAME_TEMPERATURE = 0.03
 T_MIN, T_MAX = 0.05, 20.0
 #: at most this many scored positions feed the fits (the full-vocabulary reference is [positions, vocab])
 MAX_FIT_POSITIONS = 256
+#: the BOS test rescores the first sequences until this many positions: a BOS on one side only moves every
+#: logprob far beyond kernel noise, so a few dozen positions decide it, and each rescored sequence is a forward
+BOS_TEST_POSITIONS = 64
 #: an offset below this many nats is no truncation (float32 log_softmax of a sharp distribution)
 MIN_OFFSET = 1e-3
 #: a truncation is named only from offsets at this many positions at least (one odd token is noise)
@@ -255,11 +258,12 @@ def bos_finding(
 
     ``ref``: the training model on the sequences as given (the rows its scoring pass
     kept, ``full_logprobs``); ``toggled``: with the BOS prepended (``added``) or removed,
-    from an unpadded forward. Both differ from ``other`` by kernel rounding at most,
-    far below what a BOS on one side only moves.
+    from an unpadded forward, for the first of those sequences (``BOS_TEST_POSITIONS``).
+    Both differ from ``other`` by kernel rounding at most, far below what a BOS on one
+    side only moves.
     """
-    n = len(ref)
-    keep = [np.ones(len(r), bool) if m is None else np.asarray(m, bool) for r, m in zip(ref, masks[:n])]
+    n = min(len(ref), len(toggled))
+    keep = [np.ones(len(r), bool) if m is None else np.asarray(m, bool) for r, m in zip(ref[:n], masks[:n])]
     b = np.concatenate([np.asarray(x, np.float64)[k] for x, k in zip(other[:n], keep)])
     as_is = _mean_abs(b, np.concatenate([r.chosen[k] for r, k in zip(ref, keep)]))
     explained = _mean_abs(b, np.concatenate([r.chosen[k] for r, k in zip(toggled, keep)]))
@@ -417,7 +421,8 @@ def numeric_causes(findings: dict[str, dict[str, Any]]) -> list[Cause]:
 
 
 def _bos_test(run: Any, other: Sequence[np.ndarray], masks: list, ref: list[Reference], cache: dict) -> dict[str, Any] | None:
-    """Rescore with the model's BOS prepended (or removed where every prompt starts with it) and compare.
+    """Rescore the first sequences with the model's BOS prepended (or removed where every prompt starts with it)
+    and compare.
 
     The rescored references are computed once per scan (``cache``) and shared by every pair.
     """
@@ -430,7 +435,7 @@ def _bos_test(run: Any, other: Sequence[np.ndarray], masks: list, ref: list[Refe
         return [bos, *prompt] if added else prompt[1:]
 
     if "toggled" not in cache:
-        cache["toggled"] = reference_logprobs(run.train_engine, run.sequences, prompt=toggle) or []
+        cache["toggled"] = reference_logprobs(run.train_engine, run.sequences, BOS_TEST_POSITIONS, toggle) or []
     toggled = cache["toggled"]
     f = bos_finding(other, masks, ref, toggled, added) if toggled else None
     if f is not None:
