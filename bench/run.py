@@ -17,7 +17,9 @@ row stores wrote to scratch files (``scratch_bytes``).
 Before and after: ``--baseline-rev REV`` also runs ``modules --no-attribute``
 with the code of git revision REV (exported to a temporary package tree put
 first on ``PYTHONPATH``), in the same rounds, so a change's cost is measured
-side by side in one run rather than against an old table.
+side by side in one run rather than against an old table. ``--scratch-in-memory``
+also runs it with its scratch on tmpfs (``TMPDIR`` on ``/dev/shm``): the row
+stores' disk writes, the difference.
 
 Scaling: the plain run and ``modules --no-attribute`` at 1x, 2x and 4x the
 tokens (2x only with ``--quick``). ``--token-scaling``: instead, both on a random
@@ -40,6 +42,7 @@ Usage::
     .venv/bin/python bench/run.py --quick            # a few minutes on 2 cores
     .venv/bin/python bench/run.py [--repeats 3] [--models demo,0.5B,1.5B,smollm2] [--scales 1,2,4] [--out PATH]
     .venv/bin/python bench/run.py --models 0.5B --scales 1 --depths "modules --no-attribute" --baseline-rev HEAD~3
+    .venv/bin/python bench/run.py --models 0.5B --scales 1 --depths "modules --no-attribute" --scratch-in-memory
     .venv/bin/python bench/run.py --token-scaling --repeats 1
 """
 
@@ -105,6 +108,7 @@ class Workload:
     scratch: list[int] = field(default_factory=list)  # bytes the scan's row stores wrote (result.json)
     failed: str | None = None
     env: dict[str, str] | None = None  # the process environment (a baseline revision's PYTHONPATH)
+    cwd: str | None = None  # where it runs (a baseline revision's tree: the checkout's logdiff/ would shadow it)
 
 
 SCALING = Shape(2, 128, 128)  # x 1, 2, 4, 8, 16: 256 to 4,096 tokens per sequence
@@ -140,12 +144,11 @@ def token_scaling(rows: list[dict[str, object]]) -> dict[str, object]:
 
 
 def run_process(
-    argv: list[str], json_path: Path | None, env: dict[str, str] | None = None
+    argv: list[str], json_path: Path | None, env: dict[str, str] | None = None, cwd: str | None = None
 ) -> tuple[float, int, dict[str, Any], str | None]:
     """Wall seconds, peak RSS bytes (this child only), the scan's ``timings`` and ``scratch_bytes`` (result.json),
     and an error if it failed."""
     t = time.perf_counter()
-    cwd = env.get("PYTHONPATH") if env else None  # not the checkout: its own logdiff/ would shadow the baseline
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     err = proc.stderr.read() if proc.stderr else ""
     _, status, usage = os.wait4(proc.pid, 0)
@@ -312,6 +315,8 @@ def main() -> None:
                     "comma-separated from demo, smollm2, or 'none' (default: demo with --quick, demo,smollm2 else)")
     ap.add_argument("--depths", help="full run: which scan depths (comma-separated names of SCANS; default all)")
     ap.add_argument("--baseline-rev", help="also run `modules --no-attribute` with the code of this git revision")
+    ap.add_argument("--scratch-in-memory", action="store_true", help="also run `modules --no-attribute` with its "
+                    "scratch (TMPDIR: the row stores) on /dev/shm: what writing them to disk costs")
     ap.add_argument("--token-scaling", action="store_true", help="only plain and the module scan, 256-4096 tokens")
     ap.add_argument("--out", type=Path, help="JSON path (default bench/results/run-ISA-DATE.json)")
     args = ap.parse_args()
@@ -332,17 +337,24 @@ def main() -> None:
         if "demo" in models:
             plan += workloads("demo", demo, Shape(4, 32, 32), ["logprobs", "modules --no-attribute", "modules"], scales, tmp)
         depths = args.depths.split(",") if args.depths else list(SCANS)
-        baseline = baseline_tree(args.baseline_rev, tmp) if args.baseline_rev else None
+        variants = []  # (name suffix, process environment, directory) of extra `modules --no-attribute` workloads
+        if args.baseline_rev:
+            env = baseline_tree(args.baseline_rev, tmp)
+            variants.append((f"@{args.baseline_rev}", env, env["PYTHONPATH"]))
+        if args.scratch_in_memory:
+            shm = tempfile.TemporaryDirectory(prefix="logdiff-bench-", dir="/dev/shm")  # removed as main returns
+            variants.append(("(scratch on tmpfs)", {**os.environ, "TMPDIR": shm.name}, None))
         smollm2 = functools.cache(lambda: _smollm2(tmp))
         for name, shape in (("0.5B", LARGE), ("1.5B", XLARGE), ("smollm2", None)):
             if name in models:
                 path = smollm2() if shape is None else build_random_model(tmp / name, **shape)
                 plan += workloads(name, path, Shape(4, 128, 64), depths, scales, tmp)
-                if baseline is not None:
-                    (tmp / "baseline-out").mkdir(exist_ok=True)
-                    (old,) = workloads(name, path, Shape(4, 128, 64), ["modules --no-attribute"], [1], tmp / "baseline-out")[1:]
-                    old.name, old.env = f"modules --no-attribute @{args.baseline_rev}", baseline
-                    plan.append(old)
+                for i, (suffix, env, cwd) in enumerate(variants):
+                    out = tmp / f"variant-{i}"
+                    out.mkdir(exist_ok=True)
+                    (extra,) = workloads(name, path, Shape(4, 128, 64), ["modules --no-attribute"], [1], out)[1:]
+                    extra.name, extra.env, extra.cwd = f"modules --no-attribute {suffix}", env, cwd
+                    plan.append(extra)
         started = time.time()
         for round_ in range(repeats):
             for w in plan:
@@ -350,7 +362,7 @@ def main() -> None:
                     continue
                 print(f"[round {round_ + 1}/{repeats}] {w.model} {w.name} x{w.scale}", file=sys.stderr, flush=True)
                 js = Path(w.argv[-1]) if "--json" in w.argv else None
-                wall, rss, report, failed = run_process(w.argv, js, w.env)
+                wall, rss, report, failed = run_process(w.argv, js, w.env, w.cwd)
                 if failed:
                     w.failed = failed
                     continue
