@@ -279,13 +279,14 @@ def print_table(rows: list[dict[str, object]], consistent: list[dict[str, object
                 in_loop: dict[str, dict[str, dict]], in_fsdp: dict[str, dict[str, dict]]) -> None:
     print(f"\n{info['cpu']} ({info['cores']} cores, {info['isa']}), torch {info['torch']}, vLLM {info['vllm']} "
           f"GEMM {info['vllm_cpu_gemm']}")  # fmt: skip
-    print(f"{'model':<10} {'workload':<34} {'x':>2} {'wall s (min-max)':>22} {'ratio':>6} {'peak RSS':>9} {'ratio':>6}")
+    name_width = max([34, *(len(str(r["workload"])) for r in rows)])  # the workload column fits the longest name
+    print(f"{'model':<10} {'workload':<{name_width}} {'x':>2} {'wall s (min-max)':>22} {'ratio':>6} {'peak RSS':>9} {'ratio':>6}")
     for r in rows:
         if "wall_s" not in r:
-            print(f"{r['model']:<10} {r['workload']:<34} {r['scale']:>2} failed: {r['failed']}")
+            print(f"{r['model']:<10} {r['workload']:<{name_width}} {r['scale']:>2} failed: {r['failed']}")
             continue
         spread = f"{r['wall_s']:.1f} ({r['wall_min_s']:.1f}-{r['wall_max_s']:.1f})"
-        print(f"{r['model']:<10} {r['workload']:<34} {r['scale']:>2} {spread:>22} {r.get('wall_ratio', ''):>5}x "
+        print(f"{r['model']:<10} {r['workload']:<{name_width}} {r['scale']:>2} {spread:>22} {r.get('wall_ratio', ''):>5}x "
               f"{r['peak_rss_bytes'] / 2**30:>7.2f}G {r.get('rss_ratio', ''):>5}x"
               + (f"  scratch {r['scratch_bytes'] / 2**30:.2f}G" if "scratch_bytes" in r else ""))  # fmt: skip
     for c in consistent:
