@@ -159,27 +159,17 @@ def test_masked_positions_are_not_fitted() -> None:
     assert f["temperature"]["other"] == pytest.approx(0.7, abs=0.01)
 
 
-def test_a_bos_on_one_side_only_is_a_tokens_finding() -> None:
+@pytest.mark.parametrize("rescored", [4, 1])  # 1: ``_bos_test`` rescored the first sequences only (BOS_TEST_POSITIONS)
+def test_a_bos_on_one_side_only_is_a_tokens_finding(rescored: int) -> None:
     ref, tok = _model()
     shifted, _ = _model(seed=5)  # the same tokens scored after another prefix
     refs = _refs(ref, tok)
-    toggled = [sampling.Reference.of(r, t) for r, t in zip(_split(shifted), _split(tok))]
+    toggled = [sampling.Reference.of(r, t) for r, t in zip(_split(shifted), _split(tok))][:rescored]
     noise = np.random.default_rng(3).normal(0, 0.01, len(tok))
     f = sampling.bos_finding(_split(sampling.tempered(shifted, tok, 1.0) + noise), [None] * 4, refs, toggled, True)
     assert f["kind"] == "tokens" and f["bos"] == "missing"
+    assert f["positions"] == sum(len(part) for part in _split(tok)[:rescored])  # the rescored sequences alone
     # negative control: the logprobs of the sequences as given (kernel-like noise on top) are no BOS finding
-    assert sampling.bos_finding(_split(sampling.tempered(ref, tok, 1.0) + noise), [None] * 4, refs, toggled, True) is None
-
-
-def test_the_bos_test_decides_on_the_first_sequences_it_rescored() -> None:
-    """``_bos_test`` rescores only the first sequences (``BOS_TEST_POSITIONS``): the finding reads those alone."""
-    ref, tok = _model()
-    shifted, _ = _model(seed=5)
-    refs = _refs(ref, tok)
-    toggled = [sampling.Reference.of(r, t) for r, t in zip(_split(shifted), _split(tok))][:1]
-    noise = np.random.default_rng(3).normal(0, 0.01, len(tok))
-    f = sampling.bos_finding(_split(sampling.tempered(shifted, tok, 1.0) + noise), [None] * 4, refs, toggled, True)
-    assert f["kind"] == "tokens" and f["positions"] == len(_split(tok)[0])
     assert sampling.bos_finding(_split(sampling.tempered(ref, tok, 1.0) + noise), [None] * 4, refs, toggled, True) is None
 
 
