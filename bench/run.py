@@ -5,7 +5,9 @@ user runs it: ``bench/plain_rl_step.py`` (vLLM samples, vLLM scores prompt
 logprobs, HF one teacher-forced forward: the work an RL step does anyway),
 then ``logdiff scan`` at ``--depth logprobs``, ``modules --no-attribute``,
 ``modules`` (attribution's default, patched, game) and (full run) ``modules
---attribution rescan`` and ``ops``, on the same model and sequence shape.
+--attribution rescan``, ``ops`` and both module scans with ``--window 2`` (whole rows
+of the first two layers only, sketches beyond: the scratch it saves, and what
+attribution's second pass costs), on the same model and sequence shape.
 Runs alternate (every workload once per round, ``--repeats`` rounds) so load
 from other processes hurts all of them alike; the table gives the median and
 the spread (min-max) of the wall time, and each process's peak RSS from
@@ -79,6 +81,9 @@ SCANS = {  # workload -> extra `logdiff scan` arguments
     "modules": ["--depth", "modules"],
     "modules --attribution rescan": ["--depth", "modules", "--attribution", "rescan"],
     "ops": ["--depth", "ops"],
+    # a window of the first 2 layers (a capture's default): sketches beyond, a second pass for attribution
+    "modules --no-attribute --window 2": ["--depth", "modules", "--no-attribute", "--window", "2"],
+    "modules --window 2": ["--depth", "modules", "--window", "2"],
 }
 
 

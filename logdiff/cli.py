@@ -106,6 +106,12 @@ def _build_config(**kw: Any) -> Any:
             kw["batch_sizes"] = tuple(int(x) for x in sizes.split(","))
         except ValueError:
             raise InputError(f"--batch-compositions expects comma-separated integers, got {sizes!r}") from None
+    window = kw.pop("window", "all")
+    if window != "all":
+        try:
+            kw["window"] = int(window)
+        except ValueError:
+            raise InputError(f"--window expects 'all' or a number of layers, got {window!r}") from None
     families = kw.pop("consistent_kernels", None)
     kw["consistent_kernels"] = tuple(f.strip() for f in families.split(",") if f.strip()) if families else None
     return ScanConfig(train_set=train_set, infer_set=infer_set, infer=infer, **kw)
@@ -179,6 +185,12 @@ def scan(
         False, "--replay-all-paths", help="At --depth modules|ops, replay the training path's ops on every "
         "inference path's inputs (default: the primary path's only; each more path costs one training forward).",
     ),  # fmt: skip
+    window: str = typer.Option(
+        "all", metavar="LAYERS", help="At --depth modules|ops, keep whole rows of the first LAYERS decoder layers "
+        "only (and of the embeddings, final norm and logits); compare the others by row sketches (bitwise equality "
+        "per row, differences as lower bounds, no replay), fetching what the diagnosis needs there in a second "
+        "pass. Default all: every boundary whole.",
+    ),  # fmt: skip
     batch_compositions: Optional[str] = typer.Option(
         None, metavar="SIZES", help="Batch-invariance probe: score the sequences on the inference engine in "
         "batches of each size (e.g. 1,4,8) and compare them with the first.",
@@ -211,7 +223,7 @@ def scan(
         infer_ckpt=infer_ckpt, set_=set_, depth=depth or SCAN_DEPTH, consistent=consistent,
         consistent_kernels=consistent_kernels, attribute=attribute, attribution=attribution,
         replay_all_paths=replay_all_paths, drill=drill, batch_compositions=batch_compositions,
-        trust_remote_code=trust_remote_code, device=device, is_threshold=is_threshold,
+        trust_remote_code=trust_remote_code, device=device, is_threshold=is_threshold, window=window,
     )  # fmt: skip
     outputs.prepare(out, json_path)
     tables: dict[str, Any] = {}

@@ -52,6 +52,9 @@ class ScanConfig:
     replay_all_paths: bool = False
     #: at depth ops, the module to trace (default: the first divergent one)
     drill: str | None = None
+    #: at depth modules|ops, keep whole rows of the first ``window`` decoder layers only (and of the records of no
+    #: layer), compare the others by row sketches; None: every boundary whole (``probes/windowed.py``)
+    window: int | None = None
     #: batch-invariance probe: score the sequences at these batch sizes on the first inference engine
     batch_sizes: tuple[int, ...] | None = None
     #: let transformers and vLLM run Python code that ships with the model (auto_map)
@@ -93,6 +96,9 @@ class ScanConfig:
             raise InputError(f"--attribution must be one of {', '.join(ATTRIBUTION_GAMES)}, not {self.attribution!r}")
         if self.drill is not None and self.depth != "ops":
             raise InputError("--drill needs --depth ops (it names the module whose aten ops are traced)")
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 0 or self.depth == "logprobs"):
+            raise InputError(f"--window needs --depth modules or ops and a number of layers >= 0, not {self.window!r}")
         if self.consistent_kernels is not None and not self.consistent:
             raise InputError("--consistent-kernels needs --consistent")
         from logdiff.options import validate_side

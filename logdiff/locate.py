@@ -178,9 +178,9 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
         warnings.append(f"{n}: replay skipped ({why})")
     sketched = [n for n in order if summaries[n].sketched]
     if sketched:
-        warnings.append(f"{len(sketched)} boundaries were compared by row sketches only (a capture kept them outside "
-                        "its full window): equality per row is exact, their max |Δ| a lower bound, and their ops "
-                        "cannot be replayed")
+        warnings.append(f"{len(sketched)} boundaries were compared by row sketches only (kept outside a capture's "
+                        "or the scan's --window): equality per row is exact, their max |Δ| a lower bound, and their "
+                        "ops cannot be replayed")
 
     rows = []
     for name in order:

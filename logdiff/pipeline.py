@@ -139,6 +139,7 @@ def run_paths(cfg: ScanConfig, progress: Progress = silent, conformance_sequence
     probes = None
     if cfg.depth != "logprobs":
         from logdiff.probes.session import ProbeSession
+        from logdiff.probes.sketch import Window
 
         probes = ProbeSession(
             seqs,
@@ -148,6 +149,7 @@ def run_paths(cfg: ScanConfig, progress: Progress = silent, conformance_sequence
             ops=cfg.depth == "ops",
             drill=cfg.drill,
             conformance_sequences=conformance_sequences,
+            window=Window(cfg.window) if cfg.window is not None else None,
         )
 
     def recording(engine: Engine, role: str) -> Any:

@@ -7,6 +7,10 @@ compares them as they arrive. ``record(engine, role)`` attaches a
 ``record.Recorder`` with those sinks for the length of a ``with`` block, and
 ``pairs()`` gives ``locate`` one ``PairRecord`` per (train path, infer path).
 MoE router rows also go to a ``routing.RouterSink`` per (role, path).
+
+With a ``window`` (``scan --window``) the stores and comparers see the
+boundaries outside it as row sketches (``windowed.py``), and ``fetch`` runs a
+second, targeted pass for whole rows a diagnosis needs there.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from logdiff.probes.correspondence import CorrespondenceMap, build, fallback
 from logdiff.probes.ops import OpTracer
 from logdiff.probes.record import Recorder
 from logdiff.probes.routing import RouterSink, router_boundaries
+from logdiff.probes.sketch import Window
 from logdiff.probes.store import PathStore, is_run
 from logdiff.probes.summary import PathComparer
+from logdiff.probes.windowed import FetchSink, WindowedSinks
 
 #: sequences whose training-path rows a session keeps for the diagnosis's conformance check when one follows
 #: (``conformance_sequences``: a scan that diagnoses, a comparison of bundles with the training model; docs/causes.md)
@@ -74,6 +80,11 @@ class PairRecord:
     #: per side, the model position each sequence's first token was fed at, where not 0 (a left-padded row
     #: without ``position_ids``; bundles only): what its RoPE rotated by
     position_offsets: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: the boundaries kept whole (``scan --window``); the others were compared by row sketches
+    window: Window = field(default_factory=lambda: Window(None))
+    #: ``fetch(engine, path, run, names, role, sequences)``: whole rows of ``names`` from a second pass of a side
+    #: (``ProbeSession.fetch``), None where the pair was not recorded live
+    fetch: Any = None
 
 
 class ProbeSession:
@@ -95,6 +106,7 @@ class ProbeSession:
         drill: str | None = None,
         workdir: str | None = None,
         conformance_sequences: int = 0,
+        window: Window | None = None,
     ):
         self.seqs = seqs
         self.response_len = response_len
@@ -109,6 +121,7 @@ class ProbeSession:
         self.cmap = cmap
         self.ops = ops
         self.drill = drill
+        self.window = window or Window(None)  # every boundary whole unless a scan says otherwise
         self.root = Path(tempfile.mkdtemp(prefix="logdiff-probe-", dir=workdir))
         self.stores: dict[str, StoreSink] = {}
         #: the training paths' own rows, kept for the diagnosis's conformance check (docs/causes.md)
@@ -185,8 +198,8 @@ class ProbeSession:
             if path not in self.stores:
                 self.stores[path] = self._new_store(path, self.max_len)
                 self.owners[path] = owners
-            return [self.stores[path], *extra]
-        sinks = extra
+            return [*self._windowed([self.stores[path]]), *extra]
+        sinks = []
         if self.conformance_sequences:
             if path in self.train_stores and self.owners.get(f"train:{path}") is not owners:
                 self.train_stores.pop(path).close()  # a later run of the same path replaces it
@@ -200,7 +213,34 @@ class ProbeSession:
                 self.comparers[key] = PathComparer(store, self.max_len, replay)
             sinks.append(self.comparers[key])
         self.owners[f"train:{path}"] = owners
-        return sinks
+        return [*extra, *self._windowed(sinks)]
+
+    def _windowed(self, sinks: list[Any]) -> list[Any]:
+        """``sinks`` as the session's window has them see boundaries (router sinks never go through it)."""
+        return sinks if self.window.layers is None or not sinks else [WindowedSinks(sinks, self.window, self.cmap)]
+
+    def fetch(self, engine: Any, path: str, run: Any, names: set[str], role: str = "infer",
+              sequences: int | None = None) -> tuple[StoreSink, FetchSink]:
+        """Whole rows of boundaries ``names`` of ``role``'s path ``path`` (of its first ``sequences`` sequences),
+        from a second pass: ``run(recording)`` (``engine`` replaying the scan's tokens inside ``with recording():``,
+        after whatever it sets up first, as the scan did: consistent kernels) recorded into a new store, each row
+        checked against the sketch the scan stored of it (``FetchSink.mismatched``; the training side's sketches
+        are those of its conformance store). The store is the session's, deleted with it."""
+        first = self.stores[path] if role == "infer" else self.train_stores[path]
+        store = self._new_store(path, self.max_len, sequences)
+        sink = FetchSink(store, first, names)
+
+        @contextlib.contextmanager
+        def recording() -> Iterator[Recorder]:
+            with Recorder(engine, self.cmap, lambda p: [sink] if p == path else [], self.seqs,
+                          self.response_len) as rec:
+                yield rec
+            for w in rec.warnings:
+                if w not in self.warnings:
+                    self.warnings.append(w)
+
+        run(recording)
+        return store, sink
 
     def keep_rows(self, path: str) -> StoreSink:
         """A store of every row of training path ``path`` (an offline comparison checks its live replay model
@@ -246,6 +286,8 @@ class ProbeSession:
                     self.train_stores.get(train),
                     dict(self.reductions),
                     {side: dict(o) for side, o in self.position_offsets.items()},
+                    self.window,
+                    self.fetch if self.window.layers is not None and infer in self.stores else None,
                 )
             )
         return out

@@ -31,6 +31,7 @@ difference as a lower bound, and no replay.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,7 +140,7 @@ class _Blocks:
         shape = (min(self.rows, raw.shape[0]), width)
         self.bits, self.hash, self.tmp = (np.empty(shape, np.uint32) for _ in range(3))
         self.values = np.empty(shape, np.float64)
-        self.mixed = [fmix32(cols.astype(np.uint32) ^ np.uint32(seed)) for seed in SEEDS] if fmix else []
+        self.mixed = _mixed_columns(cols) if fmix else []
 
     def sketch(self, block: np.ndarray, out: np.ndarray) -> None:
         n, size = block.shape[0], block.dtype.itemsize
@@ -164,6 +165,22 @@ class _Blocks:
             np.copyto(values, block.astype(np.float32), casting="unsafe")  # as ``unshard.to_float32`` reads it
         out[:, 2] = np.abs(values, out=values).max(axis=1, initial=0.0)
         out[:, 3] = np.square(values, out=values).sum(axis=1)
+
+
+def _mixed_columns(cols: np.ndarray) -> list[np.ndarray]:
+    """``fmix32(column ^ seed)`` per seed: a record's logical columns, mixed; those of a whole row (``0..width``,
+    every record of a scan's window) made once per width (a decode step sketches a few rows per call)."""
+    if len(cols) and cols[0] == 0 and cols[-1] == len(cols) - 1 and bool((np.diff(cols) == 1).all()):
+        return list(_mixed_range(len(cols)))
+    return [fmix32(cols.astype(np.uint32) ^ np.uint32(seed)) for seed in SEEDS]
+
+
+@functools.lru_cache(maxsize=64)
+def _mixed_range(width: int) -> tuple[np.ndarray, ...]:
+    out = tuple(fmix32(np.arange(width, dtype=np.uint32) ^ np.uint32(seed)) for seed in SEEDS)
+    for a in out:
+        a.flags.writeable = False
+    return out
 
 
 def _fmix32_inplace(x: np.ndarray, tmp: np.ndarray) -> np.ndarray:

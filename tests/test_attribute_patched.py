@@ -39,7 +39,7 @@ class FakeGame:
     def __init__(self, gap: Callable[[frozenset], float], uncovered: dict[str, str] | None = None):
         self.gap, self._uncovered, self.forwards = gap, uncovered or {}, []
 
-    def uncovered(self, families: set[str]) -> dict[str, str]:
+    def prepare(self, families: set[str]) -> dict[str, str]:
         return {f: why for f, why in self._uncovered.items() if f in families}
 
     def report(self) -> dict[str, Any]:

@@ -99,6 +99,7 @@ def apply_levers(cfg: ScanConfig, levers: set[Lever]) -> ScanConfig:
         cfg,
         depth="logprobs",
         drill=None,
+        window=None,
         consistent=bool(families),
         consistent_kernels=None if families >= set(KERNEL_FAMILIES) or not families else tuple(sorted(families)),
         infer_ckpt=None if ("weights", "") in levers else cfg.infer_ckpt,
@@ -191,7 +192,7 @@ def choose_game(cfg: ScanConfig, players: list[Lever], patched: Any) -> tuple[st
     others = [lever_name(p) for p in players if p[0] != "kernel"]
     if others:
         return RESCAN, f"{', '.join(others)}: no recorded op output neutralises a weight or config lever"
-    uncovered = patched.uncovered({p[1] for p in players})
+    uncovered = patched.prepare({p[1] for p in players})
     if uncovered:
         return RESCAN, "; ".join(f"{f}: {why}" for f, why in uncovered.items())
     return PATCHED, None

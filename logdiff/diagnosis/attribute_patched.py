@@ -51,16 +51,20 @@ stored rows over the live ones, ``Layout.from_rows``), the op re-run, and the
 live tensor overwritten in place before the model reads it on. A residual add is
 read at the next norm's input (a pre-hook), so the residual stream changes too.
 
-When the game is usable (``PatchedGame.uncovered``): the training path scored
+When the game is usable (``PatchedGame.prepare``): the training path scored
 in this process (not on ranks of its own), and every op of each player's family
 that the training path emitted was replayed on stored rows during the scan
-(``PathComparer.local``). Anything else falls back to rescans; ``attribute``
-says which game ran and why.
+(``PathComparer.local``). A scan with a ``--window`` kept the ops beyond it as
+row sketches and replayed none of them: ``prepare`` then fetches their whole
+rows, and their inputs', in one more pass of the primary inference path on the
+scan's tokens (``probes/windowed.py``), checked row by row against the sketches
+the scan kept. Anything else falls back to rescans; ``attribute`` says which
+game ran and why.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -136,12 +140,19 @@ class PatchedGame:
 
     ``train``: the scan's training engine; ``record``: the primary pair's probes
     (``probes.session.PairRecord``: the stored inference rows and the comparer
-    that compared them); ``infer``: the primary inference path's recorded scores.
+    that compared them); ``infer``: the primary inference path's recorded scores;
+    ``fetch(names)``: whole rows of those boundaries from a second pass of the
+    inference path (``PairRecord.fetch``'s store and sink), or None where it cannot.
     """
 
-    def __init__(self, train: Any, record: Any, infer: Any, seqs: Sequence[Any], response_len: int, cfg: Any):
+    def __init__(self, train: Any, record: Any, infer: Any, seqs: Sequence[Any], response_len: int, cfg: Any,
+                 fetch: Callable[[set[str]], Any] | None = None):
         self.train, self.record, self.infer = train, record, infer
         self.seqs, self.response_len, self.cfg = list(seqs), response_len, cfg
+        self.fetch = fetch
+        self.store = record.store  # the rows patched ops read: the scan's, with any fetched ones over them
+        self.fetched: dict[str, Any] = {}  # what a second pass fetched, for the report
+        self.unfetched: str | None = None  # why the ops beyond the window stay unpatched, where a second pass failed
         kinds = {b.name: b.kind for b in record.cmap.boundaries}
         #: family -> the boundaries of that family the training path emitted
         self.boundaries: dict[str, list[str]] = {}
@@ -153,21 +164,49 @@ class PatchedGame:
         self.warnings: list[str] = []  # what the patching recorder warned of (misaligned rows)
         self.not_patched: dict[str, str] = {}  # boundary -> why a patched forward left it as it was
 
-    def uncovered(self, families: set[str]) -> dict[str, str]:
-        """Each family the stored rows cannot patch, with why (empty: the game is usable)."""
+    def prepare(self, families: set[str]) -> dict[str, str]:
+        """Each family the stored rows cannot patch, with why (empty: the game is usable); ops a ``--window`` kept
+        as sketches are fetched whole first (``_fetch_beyond_window``)."""
         if getattr(self.train, "tensor_parallel_size", 1) != 1 or getattr(self.train, "fsdp_size", 1) != 1:
             return {f: "the training path scored on ranks of its own, not in this process" for f in families}
         replayed = self.record.comparer.local  # the scan replayed these ops on the stored inputs
+        unreplayed = {f: [n for n in self.boundaries.get(f, []) if n not in replayed or not replayed[n].elements]
+                      for f in families}
+        whole = self._fetch_beyond_window({n for names in unreplayed.values() for n in names})
         out = {}
         for f in sorted(families):
             names = self.boundaries.get(f, [])
-            missing = [n for n in names if n not in replayed or not replayed[n].elements]
+            missing = [n for n in unreplayed[f] if n not in whole]
             if not names:
                 out[f] = "the training path emitted no boundary of this family"
+            elif missing and self.unfetched:
+                out[f] = f"{len(missing)} of its {len(names)} ops were not replayed in the scan, and {self.unfetched}"
             elif missing:
                 out[f] = (f"{len(missing)} of its {len(names)} ops were not replayed on stored inputs in the scan "
                           f"({missing[0]}{', ...' if len(missing) > 1 else ''})")
         return out
+
+    def _fetch_beyond_window(self, names: set[str]) -> set[str]:
+        """The ops among ``names`` now held whole, with their inputs, from a second pass: those whose rows or inputs'
+        rows the scan's window kept as sketches (nothing when it kept every boundary whole, or no pass can run)."""
+        from logdiff.diagnosis.beyond_window import sketched_ops, to_fetch
+
+        beyond = sketched_ops(self.record, names)
+        if not beyond or self.fetch is None:
+            return set()
+        wanted = to_fetch(self.record, beyond, self.record.store)
+        store, sink = self.fetch(wanted)
+        self.fetched = {"boundaries": len(wanted), "rows_checked": sink.checked,
+                        **({"mismatched": dict(sorted(sink.mismatched.items()))} if sink.mismatched else {})}
+        if sink.mismatched:  # the second pass computed other values than the scan: its rows cannot stand in
+            self.unfetched = (f"the second pass that fetched them did not reproduce the scan ({sum(sink.mismatched.values())} "
+                              f"rows of {len(sink.mismatched)} boundaries differ from the scan's sketches)")
+            return set()
+        from logdiff.probes.windowed import Overlay
+
+        self.store = Overlay(store, self.record.store)
+        return {n for n in beyond if self.store.get(n) is not None
+                and all(self.store.get(i) is not None for i in self.record.cmap.get(n).inputs)}
 
     def metrics(self, families: frozenset[str]) -> dict[str, Any]:
         """The primary pair's metrics (``compare.token_metrics``) with ``families`` patched: one training forward."""
@@ -177,7 +216,7 @@ class PatchedGame:
 
         names = {n for f in families for n in self.boundaries.get(f, [])}
         patcher = Patcher(self.train, self.record.cmap, self.seqs, self.response_len, self.record.train,
-                          self.record.store, names)
+                          self.store, names)
         with contextlib.ExitStack() as stack:
             if self.cfg.consistent:  # the scan's own kernels, as its training path ran
                 stack.enter_context(self.train.consistent(self.cfg.consistent_kernels))
@@ -193,7 +232,7 @@ class PatchedGame:
 
     def report(self) -> dict[str, Any]:
         """For the attribution summary: the training forwards run, and what they could not patch."""
-        out: dict[str, Any] = {"forwards": self.forwards}
+        out: dict[str, Any] = {"forwards": self.forwards, **({"fetched": self.fetched} if self.fetched else {})}
         if self.not_patched:
             out["not_patched"] = dict(sorted(self.not_patched.items()))
         if self.warnings:
@@ -209,4 +248,12 @@ def of_run(run: Any, result: Any, cfg: Any, record: Any) -> PatchedGame | None:
     infer = next((p for p in run.infers if p.path == result.primary.infer), None)
     if infer is None or run.train.path != result.primary.train:
         return None
-    return PatchedGame(run.train_engine, record, infer, run.sequences, cfg.response_len, cfg)
+    from logdiff.diagnosis.beyond_window import can_replay, second_pass
+
+    owner, fetch = run.engine_of(result.primary.infer), None
+    if record.fetch is not None and can_replay(owner):
+
+        def fetch(names: set[str]) -> Any:
+            return record.fetch(owner, record.infer, second_pass(owner, cfg, run.sequences), names)
+
+    return PatchedGame(run.train_engine, record, infer, run.sequences, cfg.response_len, cfg, fetch)

@@ -109,6 +109,10 @@ def diagnose(
         return found
     if not ops:
         found.warnings.append("the logprobs differ but no op was found to introduce the error")
+    if record is not None:  # the rows of ops beyond a --window, fetched
+        from logdiff.diagnosis.beyond_window import for_conformance
+
+        record = for_conformance(record, [op["boundary"] for op in ops], train, infer, cfg, found.warnings, progress)
     progress(f"checking {len(ops)} ops that introduce error against their exact functions", phase="conformance")
     check = _checker(record, (train, infer), arch, contracts, cfg.dtype) if ops or result.located.unresolved else None
     conformance = _conformance(ops, check)
