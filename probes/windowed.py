@@ -13,10 +13,10 @@ bound, ``summary.PathComparer``) and its op is not replayed.
 
 What a diagnosis needs whole beyond the window it fetches in a second, targeted
 pass: ``FetchSink`` keeps whole rows of the boundaries asked for from one more
-run of the inference path (the engine's replay of the scan's own tokens) and
-checks each row against the sketch the scan kept of it, so a second pass that
-does not reproduce the first is caught, not used (``ProbeSession.fetch``;
-attribution's patched game is its user).
+run of a side (the engine's replay of the scan's own tokens) and checks each
+row against the sketch the scan kept of it, so a second pass that does not
+reproduce the first is caught, not used (``ProbeSession.fetch``; conformance
+and attribution's patched game ask: ``logdiff/diagnosis/beyond_window.py``).
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ class WindowedSinks:
 
 
 class FetchSink:
-    """A second pass's sink: whole rows of ``names`` into ``store`` (a ``session.StoreSink``), each row checked against the first pass's
-    sketch of it in ``sketched`` (a ``PathStore`` holding ``name#sketch``). ``mismatched``: boundary -> rows
-    whose digest differs (the second pass did not reproduce the first there)."""
+    """A second pass's sink: whole rows of ``names`` into ``store`` (a ``session.StoreSink``), each row checked
+    against the first pass's sketch of it in ``sketched`` (a ``PathStore`` holding ``name#sketch``).
+    ``mismatched``: boundary -> rows whose digest differs (the second pass did not reproduce the first there)."""
 
     wants_replay = False
 

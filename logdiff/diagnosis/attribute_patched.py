@@ -199,8 +199,9 @@ class PatchedGame:
         self.fetched = {"boundaries": len(wanted), "rows_checked": sink.checked,
                         **({"mismatched": dict(sorted(sink.mismatched.items()))} if sink.mismatched else {})}
         if sink.mismatched:  # the second pass computed other values than the scan: its rows cannot stand in
-            self.unfetched = (f"the second pass that fetched them did not reproduce the scan ({sum(sink.mismatched.values())} "
-                              f"rows of {len(sink.mismatched)} boundaries differ from the scan's sketches)")
+            rows = sum(sink.mismatched.values())
+            self.unfetched = (f"the second pass that fetched them did not reproduce the scan ({rows} rows of "
+                              f"{len(sink.mismatched)} boundaries differ from the scan's sketches)")
             return set()
         from logdiff.probes.windowed import Overlay
 
