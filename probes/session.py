@@ -173,9 +173,11 @@ class ProbeSession:
         self._recorders.append(rec)
         with rec:
             yield rec
-        for w in rec.warnings:
-            if w not in self.warnings:
-                self.warnings.append(w)
+        self._keep_warnings(rec)
+
+    def _keep_warnings(self, rec: Recorder) -> None:
+        """A finished recorder's warnings, each once, into the session's."""
+        self.warnings += [w for w in dict.fromkeys(rec.warnings) if w not in self.warnings]
 
     def sinks(self, role: str, path: str, owners: dict[str, str]) -> list[Any]:
         """Where ``path``'s records on ``role``'s side go: ``infer`` to its store, ``train`` to a comparer per
@@ -235,9 +237,7 @@ class ProbeSession:
             with Recorder(engine, self.cmap, lambda p: [sink] if p == path else [], self.seqs,
                           self.response_len) as rec:
                 yield rec
-            for w in rec.warnings:
-                if w not in self.warnings:
-                    self.warnings.append(w)
+            self._keep_warnings(rec)
 
         run(recording)
         return store, sink
@@ -287,7 +287,7 @@ class ProbeSession:
                     dict(self.reductions),
                     {side: dict(o) for side, o in self.position_offsets.items()},
                     self.window,
-                    self.fetch if self.window.layers is not None and infer in self.stores else None,
+                    self.fetch if self.window.layers is not None else None,
                 )
             )
         return out

@@ -170,7 +170,7 @@ class _Blocks:
 def _mixed_columns(cols: np.ndarray) -> list[np.ndarray]:
     """``fmix32(column ^ seed)`` per seed: a record's logical columns, mixed; those of a whole row (``0..width``,
     every record of a scan's window) made once per width (a decode step sketches a few rows per call)."""
-    if len(cols) and cols[0] == 0 and cols[-1] == len(cols) - 1 and bool((np.diff(cols) == 1).all()):
+    if np.array_equal(cols, np.arange(len(cols))):
         return list(_mixed_range(len(cols)))
     return [fmix32(cols.astype(np.uint32) ^ np.uint32(seed)) for seed in SEEDS]
 

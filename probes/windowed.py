@@ -35,18 +35,15 @@ def row_sketches(rows: Any) -> Any:
     an accelerator (``sketch_device``; the same digest bit for bit)."""
     import torch
 
-    from logdiff.probes.ulps import dtype_name
-
     columns = np.arange(rows.shape[1], dtype=np.int64)
     if rows.device.type != "cpu":
         from logdiff.probes.sketch_device import sketch_rows
 
         return sketch_rows(rows, columns).cpu()
+    from logdiff.probes.bundle_writer import host_array
     from logdiff.probes.sketch import sketch
 
-    t = rows.detach().contiguous()
-    raw = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-    return torch.from_numpy(sketch(raw, dtype_name(t.dtype), columns))
+    return torch.from_numpy(sketch(*host_array(rows), columns))
 
 
 class WindowedSinks:

@@ -55,10 +55,11 @@ def second_pass(engine: Any, cfg: Any, seqs: list[Any]) -> Callable[[Callable[[]
 def _read_from(record: Any, name: str) -> tuple[str, ...]:
     """The boundaries a check or replay of ``name`` reads: itself, its inputs, and for an MoE block its layer's
     router (the routing each side made)."""
+    from logdiff.diagnosis.conformance import layer_router
+
     b = record.cmap.get(name)
-    routers = tuple(r.name for r in record.cmap.boundaries if r.kind == "router" and r.layer == b.layer) \
-        if b.kind == "moe" else ()
-    return (name, *b.inputs, *routers)
+    router = layer_router(record.cmap, b.layer) if b.kind == "moe" else None
+    return (name, *b.inputs, *((router,) if router else ()))
 
 
 def only_sketched(stored: Any, name: str) -> bool:
@@ -83,7 +84,7 @@ def for_conformance(record: Any, names: Iterable[str], train: Any, infer: Any, c
     side, over its stores, for conformance; ``record`` itself where nothing lies beyond or nothing can be fetched."""
     from logdiff.probes.windowed import Overlay
 
-    far = sketched_ops(record, names) if record is not None else set()
+    far = sketched_ops(record, names)
     if not far or record.fetch is None or record.train_store is None:
         return record
     sides = {"infer": (infer, record.infer, record.store), "train": (train, record.train, record.train_store)}

@@ -275,7 +275,7 @@ class ConformanceCheck:
         layer's router logits last (the routing each side made)."""
         if b.kind != "moe":
             return tuple(b.inputs)
-        router = next((r.name for r in self.record.cmap.boundaries if r.kind == "router" and r.layer == b.layer), None)
+        router = layer_router(self.record.cmap, b.layer)
         if router is None:
             raise NotCheckable(f"no router boundary in layer {b.layer} to read the routing from")
         return (*b.inputs, router)
@@ -387,6 +387,11 @@ def _latent_attention(attn: Any, contract: dict[str, Any], side: str, dtype: str
         return exact_mla.latent_attention(s.inputs[0], s.inputs[1][pos], s.inputs[2], s.inputs[3], up, pos, scale)
 
     return run
+
+
+def layer_router(cmap: Any, layer: int | None) -> str | None:
+    """The router boundary of ``layer`` (an MoE block reads the routing it made), or None."""
+    return next((r.name for r in cmap.boundaries if r.kind == "router" and r.layer == layer), None)
 
 
 def _kept(store: Any) -> int:
