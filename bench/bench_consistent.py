@@ -63,9 +63,9 @@ def best_of(repeats: int, stock: Callable[[], object], consistent: Callable[[], 
 def bench_model(name: str, model_dir: Path, repeats: int) -> list[tuple[str, str, float, float]]:
     import torch
 
-    from logdiff.probes import checkpoint
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.pool import acquire, release_all
+    from logdiff.sources import checkpoint
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.pool import acquire, release_all
 
     staged = checkpoint.stage(model_dir)
     spec = EngineSpec(str(staged.path))

@@ -37,9 +37,9 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-from logdiff.config import ScanConfig
-from logdiff.pipeline import scan
-import logdiff.probes.store as store
+from logdiff.commands.config import ScanConfig
+from logdiff.commands.scan import scan
+import logdiff.records.store as store
 
 model, infer, depth, n, prompt, response = sys.argv[1:7]
 live = {"now": 0, "peak": 0}  # bytes of boundary values held in on-disk stores at once
@@ -64,7 +64,7 @@ cfg = ScanConfig(model=Path(model), infer=[infer], num_sequences=int(n), prompt_
                  response_len=int(response), depth=depth)
 # localization only: no follow-up scans (classification reruns paths with kernels swapped)
 try:
-    from logdiff.pipeline import measure
+    from logdiff.commands.scan import measure
     r = measure(cfg).result.to_dict()
 except ImportError:  # a revision before the typed result
     r = scan(cfg, classify=False)

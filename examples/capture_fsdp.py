@@ -34,10 +34,10 @@ from pathlib import Path
 def load_sequences(path: Path) -> list[list[int]]:
     """Token ids per sequence (prompt + response) from a sequences file or a capture bundle."""
     if path.is_dir():
-        from logdiff.probes.bundle import Bundle
+        from logdiff.records.bundle import Bundle
 
         return Bundle(path).sequences()
-    from logdiff.sequences import load_jsonl
+    from logdiff.records.sequences import load_jsonl
 
     return [s.prompt_ids + s.response_ids for s in load_jsonl(path)]
 
@@ -56,12 +56,12 @@ def main() -> None:
 
     import torch
     import torch.distributed as dist
+    from logdiff.probes.arch import adapter_of
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
 
     import logdiff
-    from logdiff.probes.arch import adapter_of
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")

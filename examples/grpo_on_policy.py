@@ -84,7 +84,7 @@ def rollout(engine: Any, prompts: list[list[int]], response_len: int, seed: int,
     """Sampled responses and their rollout logprobs ``[B, R]`` from the running vLLM."""
     import torch
 
-    from logdiff.engines.vllm.consistent import consistent_vllm
+    from logdiff.sources.vllm.consistent import consistent_vllm
 
     with consistent_vllm(engine.llm) if consistent else contextlib.nullcontext():
         sampled = engine.sample(prompts, response_len, seed)
@@ -163,8 +163,8 @@ def _line(mode: str, s: dict[str, Any]) -> str:
 
 def open_engine(args: argparse.Namespace) -> Any:
     """The in-process vLLM engine for ``args`` (logdiff's engine layer: it evicts any other vLLM first)."""
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.pool import acquire
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.pool import acquire
 
     options = (("max_model_len", args.prompt_len + args.response_len + 8), ("max_num_seqs", args.prompts * args.group))
     return acquire("vllm", EngineSpec(str(args.model), "bfloat16", options=options, seed=args.seed))
@@ -206,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None, engine: Any = None) -> int:
     """The command line; ``engine`` reuses a loaded vLLM engine (tests), else one is loaded and released."""
-    from logdiff.engines.pool import engine_pool
+    from logdiff.sources.pool import engine_pool
 
     args = parse_args(argv)
     if engine is None:

@@ -20,14 +20,14 @@ from logdiff.version import __version__  # noqa: F401 - logdiff.__version__
 def scan(model: str | Path, ckpt: str | Path | None = None, **options: Any) -> dict[str, Any]:
     """Run a scan and return the result dict (docs/result-schema.md): ``result.json``'s content.
 
-    (``logdiff.pipeline.scan`` returns the typed ``logdiff.result.ScanResult`` it serializes.)
+    (``logdiff.commands.scan.scan`` returns the typed ``logdiff.comparison.result.ScanResult`` it serializes.)
 
     ``options`` are ``ScanConfig`` fields: ``train``, ``infer`` (list), ``dtype``,
     ``sequences`` (a JSONL path), ``num_sequences``, ``prompt_len``, ``response_len``,
     ``seed``, ``infer_ckpt``, ``train_set``/``infer_set`` (dicts), ``depth``, ``consistent``.
     """
-    from logdiff.config import ScanConfig
-    from logdiff.pipeline import scan as run
+    from logdiff.commands.config import ScanConfig
+    from logdiff.commands.scan import scan as run
 
     for key in ("sequences", "prompts", "infer_ckpt"):
         if options.get(key) is not None:
@@ -36,14 +36,14 @@ def scan(model: str | Path, ckpt: str | Path | None = None, **options: Any) -> d
 
 
 def __getattr__(name: str) -> Any:
-    """``logdiff.consistent_training`` and ``logdiff.sync_vllm_weights`` (logdiff/training.py) and
-    ``logdiff.capture`` (logdiff/engines/hf/capture.py), loaded on use."""
+    """``logdiff.consistent_training`` and ``logdiff.sync_vllm_weights`` (logdiff/integrations/training.py) and
+    ``logdiff.capture`` (logdiff/sources/hf/capture.py), loaded on use."""
     if name in ("consistent_training", "sync_vllm_weights"):
-        from logdiff import training
+        from logdiff.integrations import training
 
         return getattr(training, name)
     if name == "capture":
-        from logdiff.engines.hf.capture import capture
+        from logdiff.sources.hf.capture import capture
 
         return capture
     raise AttributeError(f"module 'logdiff' has no attribute {name!r}")

@@ -4,7 +4,7 @@ Only this module knows about terminals, exit codes and files on disk. Every
 command imports torch, transformers and vLLM lazily, inside its body, so that
 ``logdiff --help`` stays instant. Errors the user can fix print one line and
 exit with the code documented in docs/cli.md (2 an input, 3 an engine, 4 an
-output that cannot be written: every file goes through ``logdiff.outputs``);
+output that cannot be written: every file goes through ``logdiff.commands.outputs``);
 anything else is an internal error (exit 101), with the traceback only under
 ``LOGDIFF_DEBUG=1``.
 """
@@ -23,9 +23,9 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from logdiff.engines import DEFAULT_INFER, DEFAULT_TRAIN
 from logdiff.errors import EXIT_INTERNAL, LogdiffError
 from logdiff.probes.arch import demos as demo_archs  # names only: no torch
+from logdiff.sources import DEFAULT_INFER, DEFAULT_TRAIN
 
 app = typer.Typer(
     name="logdiff",
@@ -95,7 +95,7 @@ CkptArg = typer.Argument(None, help="Weights both paths load: HF dir, .safetenso
 
 
 def _build_config(**kw: Any) -> Any:
-    from logdiff.config import ScanConfig, parse_sets
+    from logdiff.commands.config import ScanConfig, parse_sets
     from logdiff.errors import InputError
 
     train_set, infer_set = parse_sets(kw.pop("set_") or [])
@@ -119,7 +119,7 @@ def _build_config(**kw: Any) -> Any:
 
 def _run_scan(cfg: Any, quiet: bool, tables: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """Run the scan, with a progress row per phase on stderr unless quiet or stderr is not a terminal."""
-    from logdiff.pipeline import scan as run
+    from logdiff.commands.scan import scan as run
 
     return _with_progress(lambda progress: run(cfg, progress=progress, tables=tables), quiet)
 
@@ -214,7 +214,7 @@ def scan(
     By default (--depth modules) both engines are hooked, the first divergence is located, every
     op that introduces error is classified and attributed; --depth logprobs only measures the gap.
     """
-    from logdiff import outputs
+    from logdiff.commands import outputs
     from logdiff.reports import print_summary
 
     cfg = _build_config(
@@ -290,9 +290,9 @@ def check(
     """
     import dataclasses
 
-    from logdiff import check as gating
-    from logdiff import outputs
-    from logdiff.config import ScanConfig
+    from logdiff.commands import check as gating
+    from logdiff.commands import outputs
+    from logdiff.commands.config import ScanConfig
     from logdiff.errors import EXIT_GATE_FAILED, InputError
     from logdiff.reports import print_summary
 
@@ -351,7 +351,7 @@ def check(
 def _refresh_baseline(result: dict[str, Any], old: Optional[dict[str, Any]], path: Path, tol: Any,
                       basics: list[Any], console: Console) -> None:  # fmt: skip
     """Write ``--update-baseline``'s file, unless the run is incomplete or not finite (a gate that can pass nothing)."""
-    from logdiff import check as gating
+    from logdiff.commands import check as gating
 
     if not all(g.passed for g in basics):
         _say(console, f"baseline not written: {'; '.join(g.message for g in basics if not g.passed)}")
@@ -372,8 +372,8 @@ def _report_gates(
     Only the GitHub path emits workflow commands (``::error``), with their data escaped;
     every other line is printed with its control characters escaped.
     """
-    from logdiff import check as gating
-    from logdiff import outputs
+    from logdiff.commands import check as gating
+    from logdiff.commands import outputs
     from logdiff.reports import github as gh
     from logdiff.reports.junit import junit_xml
 
@@ -449,19 +449,19 @@ def compare_bundles(
 
     No engine is imported; what needs the live engines (reference rerun, attribution) is named in the warnings.
     """
-    from logdiff import outputs
+    from logdiff.commands import outputs
+    from logdiff.commands.compare import compare_bundles as run
     from logdiff.errors import InputError
-    from logdiff.offline import compare_bundles as run
     from logdiff.reports import print_summary
 
     if isinstance(is_threshold, bool) or not 1.0 < is_threshold < float("inf"):
         raise InputError(f"--is-threshold must be a finite number > 1 (bounds [1/T, T]), not {is_threshold!r}")
     import tempfile
 
-    from logdiff.msprobe.source import as_bundle, live_model, statistics_only, statistics_result
+    from logdiff.sources.msprobe.source import as_bundle, live_model, statistics_only, statistics_result
 
     if statistics_only(train_bundle, infer_bundle):  # an msprobe statistics dump: no tensors (docs/msprobe.md)
-        from logdiff.environment import environment
+        from logdiff.comparison.environment import environment
 
         if tp is not None or parallel is not None:
             raise InputError("--tp/--parallel: a statistics-only comparison reads one rank per dump (docs/msprobe.md)")
@@ -472,7 +472,7 @@ def compare_bundles(
         return
     tables: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="logdiff-msprobe-") as scratch:  # an msprobe dump's bundle, then gone
-        from logdiff.msprobe.ranks import parse_parallel
+        from logdiff.sources.msprobe.ranks import parse_parallel
 
         sizes = parse_parallel(parallel, tp)
         train, infer = (as_bundle(p, role, model, Path(scratch), sizes) for p, role in ((train_bundle, "train"),
@@ -502,9 +502,9 @@ def msprobe_config(
     """Write the msprobe config logdiff needs for a usable dump (docs/msprobe.md)."""
     import json
 
-    from logdiff import outputs
-    from logdiff.msprobe.config import msprobe_config as build
-    from logdiff.msprobe.config import parse_ints, usage
+    from logdiff.commands import outputs
+    from logdiff.sources.msprobe.config import msprobe_config as build
+    from logdiff.sources.msprobe.config import parse_ints, usage
 
     config = build(side, str(dump_path), layers=parse_ints(layers, "--layers"), steps=parse_ints(steps, "--steps"),
                    statistics=statistics, level=level)
@@ -520,7 +520,7 @@ def report(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
 ) -> None:
     """Render report.html (and the terminal summary) from a saved result.json."""
-    from logdiff import outputs
+    from logdiff.commands import outputs
     from logdiff.reports import print_summary, render_html
 
     result = _load_valid_result(result_json)
@@ -585,7 +585,7 @@ def demo_model(
     max_steps: Optional[int] = typer.Option(None, help="Stop after this many steps (reproducible builds)."),
 ) -> None:
     """Build a small trained demo model (and tokenizer) from a transformers config."""
-    from logdiff import outputs
+    from logdiff.commands import outputs
     from logdiff.demo import SUPPORTED_DEMO_ARCHS, build_demo_model
     from logdiff.errors import InputError
 
@@ -605,7 +605,7 @@ def demo_model(
 @handle_errors
 def doctor() -> None:
     """Versions, available engines, the device and the vLLM platform."""
-    from logdiff.doctor import collect, render
+    from logdiff.commands.doctor import collect, render
 
     render(collect(), Console())
 

@@ -1,9 +1,8 @@
 """Exit codes and the user-facing exceptions.
 
-Only the CLI turns exceptions into exit codes. The exception classes are
-defined in ``logdiff.probes.errors`` (the lowest layer that raises them) and
-re-exported here; ``OutputError`` is raised only by ``logdiff`` itself (the
-writers in ``logdiff.outputs``), so it lives here.
+Only the CLI turns exceptions into exit codes. This module is a leaf: it imports nothing
+of ours, so every stage, the probes and the records included, raises these classes, and
+the CLI maps ``exit_code`` to the process exit status (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -11,15 +10,49 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from logdiff.probes.errors import EngineUnavailable, InputError, LogdiffError, WorkspaceError
-
 EXIT_OK = 0
 EXIT_GATE_FAILED = 1
 EXIT_USAGE = 2
 EXIT_ENGINE_UNAVAILABLE = 3
 EXIT_OUTPUT = 4
 EXIT_INTERNAL = 101
-assert WorkspaceError.exit_code == EXIT_OUTPUT  # probes/ cannot import this module's constant
+
+
+class LogdiffError(Exception):
+    """A problem the user can fix; carries its exit code."""
+
+    exit_code = 2
+
+
+class InputError(LogdiffError):
+    """Bad input: a missing path, a corrupt file, a vocabulary mismatch."""
+
+    exit_code = 2
+
+
+class EngineUnavailable(LogdiffError):
+    """A required engine (vLLM, ...) is not installed or cannot start here."""
+
+    exit_code = EXIT_ENGINE_UNAVAILABLE
+
+
+class WorkspaceError(LogdiffError):
+    """logdiff's own scratch space cannot be written: the staged checkpoint under ``$TMPDIR``.
+
+    A full disk or a quota while staging is not the user's input and not an
+    internal error: one line naming the directory and the system's reason, and
+    the exit code of an unwritable output (4, ``logdiff.errors.EXIT_OUTPUT``).
+    """
+
+    exit_code = EXIT_OUTPUT
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot write {path}: {reason} (staging the checkpoint; set TMPDIR to a disk with room)")
+
+    def __reduce__(self) -> tuple[type, tuple[object, str]]:
+        return type(self), (self.path, self.reason)
 
 
 class OutputError(LogdiffError):

@@ -8,18 +8,28 @@ seconds, summed when a phase recurs) and passes every update to a listener,
 which is the CLI's rich progress display (logdiff/cli.py), or a plain
 ``msg -> None`` function (``Phases.of``). Nothing here knows about terminals.
 
-``peak_rss_bytes`` (``probes/rss.py``, re-exported here) reads the process's peak
-resident set size.
+``peak_rss_bytes`` reads the process's peak resident set size, for the scan's cost line and
+the capture's writer, whose host copies are bounded by a share of it (``bundle_writer.HOLD_SHARE``).
+``getrusage(RUSAGE_SELF).ru_maxrss`` is in KiB on Linux and in bytes on macOS.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from logdiff.probes.rss import peak_rss_bytes  # noqa: F401 - re-exported: the pipeline's cost line reads it here
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set size in bytes; None where ``resource`` is missing (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
 DTensor tensor parallel (``parallelize_module``); a vLLM worker's model). It runs
 the same ``Recorder`` a scan runs on logdiff's own engines, through a *view* of
 the engine that owns the model (``module()``, ``probes()``: the engine's taps and
-rows; ``logdiff.engines.hf.capture``, ``logdiff.engines.vllm.capture``), and
+rows; ``logdiff.sources.hf.capture``, ``logdiff.sources.vllm.capture``), and
 sends what it records to a ``BundleSink`` instead of a store or a comparer:
 
 * every top-level forward is a *step*; each sequence its batch holds becomes a
@@ -52,11 +52,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from logdiff.probes.bundle_writer import BundleWriter
-from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement, placement_of, shard
 from logdiff.probes.replay import row_index
-from logdiff.probes.sketch import Window, local_columns
+
+from logdiff.records.bundle_writer import BundleWriter
+from logdiff.records.layout import REPLICATE, ParallelLayout, Placement, placement_of, shard
+from logdiff.records.sketch import Window, local_columns
 
 PATH = "capture"
 TOKEN_LOGPROBS = "token_logprobs"  # the trainer's own logprob of each next token, one column (``token_logprobs``)
@@ -221,9 +221,9 @@ class Capture:
         sequence's tokens are numbered from 0, the model position of its first (a left pad's shift) goes to the
         metadata's ``position_offsets``."""
         import torch
-
         from logdiff.probes.align import RowMap
-        from logdiff.probes.batching import segment_starts, split_rows
+
+        from logdiff.records.batching import segment_starts, split_rows
 
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:

@@ -2,7 +2,7 @@
 
 The semantic preflight compares each engine's effective contract and weight
 fingerprints before any numerics. The readers live with their engines
-(``logdiff/engines/hf/contract.py``, ``logdiff/engines/vllm/contract.py``); what
+(``logdiff/sources/hf/contract.py``, ``logdiff/sources/vllm/contract.py``); what
 they share is here: the tensor ``fingerprint`` (dtype-exact), the sampler's
 settings, how a norm spells its eps and how vLLM spells "no window", the
 dtype a widened tensor is compared at, ``OFF`` (the value of a switched-off
@@ -41,7 +41,7 @@ Where the generic values sit in a module tree is the architecture adapter's
 knowledge (``logdiff.probes.arch``: ``layers``, ``attention``, ``embed``, ...).
 The keys only some architectures have (soft caps, routing rules, per-layer RoPE
 bases) sit in places each engine's model code chooses, so each engine folder
-holds one ``ContractExtras`` (``logdiff/engines/<engine>/contract_extras.py``):
+holds one ``ContractExtras`` (``logdiff/sources/<engine>/contract_extras.py``):
 a reader per adapter ``name``, called with the adapter and the loaded model. A
 new engine brings its own registry (or extends its parent's) and changes no adapter.
 """

@@ -15,8 +15,8 @@ and the config it was built from. It names no engine.
 
 The boundaries come from the architecture adapters (probes/arch/); *where* an
 engine's modules expose them (its ``Tap``s) is the engine's own knowledge: each
-engine folder's ``taps.py`` (``logdiff/engines/hf/taps.py``,
-``logdiff/engines/vllm/taps.py``) holds one ``TapMapping``, a default builder for
+engine folder's ``taps.py`` (``logdiff/sources/hf/taps.py``,
+``logdiff/sources/vllm/taps.py``) holds one ``TapMapping``, a default builder for
 the Llama-like ``DecoderAdapter`` plus one builder per adapter ``name`` that
 differs, each called with the adapter and the map's config. A new engine brings
 its own mapping (or extends its parent's: ``TapMapping.extended``) and changes no

@@ -41,7 +41,7 @@ class DeviceChunks:
         """Reduce one chunk (``[rows, width]`` on both sides, ``other`` on ``self.device``) without a host sync."""
         import torch
 
-        from logdiff.probes.ulps import INT_OF, ulp_distance
+        from logdiff.records.ulps import INT_OF, ulp_distance
 
         ref = ref.to(self.device, non_blocking=True)  # from the host without waiting on the device
         a, b = ref.detach().to(work), other.detach().to(work)

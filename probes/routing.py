@@ -2,7 +2,7 @@
 
 The analysis lives in ``logdiff/diagnosis/routing.py``; an engine forces its
 routers itself (``Engine.forced_routing``: the HF engine's in
-``logdiff/engines/hf/routing.py``).
+``logdiff/sources/hf/routing.py``).
 
 * **Recording.** ``RouterSink`` is one more sink of the ``Recorder``: it keeps
   the router boundaries' rows (``kind == "router"`` in the correspondence map,
@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from logdiff.probes.align import RowMap
 from logdiff.probes.correspondence import CorrespondenceMap
 

@@ -24,16 +24,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from logdiff.probes.align import RowMap
 from logdiff.probes.correspondence import CorrespondenceMap, build, fallback
 from logdiff.probes.ops import OpTracer
 from logdiff.probes.record import Recorder
 from logdiff.probes.routing import RouterSink, router_boundaries
-from logdiff.probes.sketch import Window
-from logdiff.probes.store import PathStore, is_run
 from logdiff.probes.summary import PathComparer
 from logdiff.probes.windowed import FetchSink, WindowedSinks
+
+from logdiff.records.sketch import Window
+from logdiff.records.store import PathStore, is_run
 
 #: sequences whose training-path rows a session keeps for the diagnosis's conformance check when one follows
 #: (``conformance_sequences``: a scan that diagnoses, a comparison of bundles with the training model; docs/causes.md)

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.probes.store import is_run
-from logdiff.probes.ulps import INT_OF, coarser, dtype_name, ordered_bits, ulp_distance  # noqa: F401 - public here too
+from logdiff.records.store import is_run
+from logdiff.records.ulps import INT_OF, coarser, dtype_name, ordered_bits, ulp_distance  # noqa: F401 - public here too
 
 #: elements compared per chunk (float64 temporaries of a few MiB, whatever the batch or vocabulary)
 CHUNK_ELEMENTS = 1 << 18
@@ -153,7 +153,7 @@ class DiffSummary:
 
     def update_sketches(self, ref: np.ndarray, other: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> None:
         """Fold in ``[rows, sketch.WIDTH]`` sketches of both paths: a row is equal when its digests are."""
-        from logdiff.probes.sketch import digest_of, lower_bound
+        from logdiff.records.sketch import digest_of, lower_bound
 
         equal = digest_of(ref) == digest_of(other)
         with np.errstate(invalid="ignore"):
@@ -274,7 +274,7 @@ class PathComparer:
 
     def emit(self, name: str, rows: Any, rmap: Any, replay: Any = None) -> None:
         """Compare ``rows`` (``[len(rmap), width]``) with the stored path's rows."""
-        from logdiff.probes.sketch import SUFFIX
+        from logdiff.records.sketch import SUFFIX
 
         if name.endswith(SUFFIX):
             self._fold_sketches(name[: -len(SUFFIX)], rows, rmap)
@@ -301,7 +301,7 @@ class PathComparer:
     def _fold_sketches(self, name: str, rows: Any, rmap: Any) -> None:
         """Compare boundary ``name`` by row sketches (``sketch.py``), where a side kept only those and no whole
         rows were compared: bitwise equality per row, differences as lower bounds."""
-        from logdiff.probes.sketch import SUFFIX
+        from logdiff.records.sketch import SUFFIX
 
         summ = self._summaries.get(name)
         stored = self.store.get(name + SUFFIX)
@@ -346,7 +346,6 @@ class PathComparer:
         boundary's live rows) stands in and the op is not run again (on the host; ``replay_equal_inputs``
         forces the run)."""
         import torch
-
         from logdiff.probes.replay import row_index, stored_inputs
 
         rebuilt = stored_inputs(spec, self.store, rmap)

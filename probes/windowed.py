@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.probes.sketch import SUFFIX, Window, digest_of
+from logdiff.records.sketch import SUFFIX, Window, digest_of
 
 
 def row_sketches(rows: Any) -> Any:
@@ -37,11 +37,11 @@ def row_sketches(rows: Any) -> Any:
 
     columns = np.arange(rows.shape[1], dtype=np.int64)
     if rows.device.type != "cpu":
-        from logdiff.probes.sketch_device import sketch_rows
+        from logdiff.records.sketch_device import sketch_rows
 
         return sketch_rows(rows, columns).cpu()
-    from logdiff.probes.bundle_writer import host_array
-    from logdiff.probes.sketch import sketch
+    from logdiff.records.bundle_writer import host_array
+    from logdiff.records.sketch import sketch
 
     return torch.from_numpy(sketch(*host_array(rows), columns))
 

@@ -14,7 +14,7 @@ import re
 import xml.etree.ElementTree as ET
 from typing import Any
 
-CLASSNAME = "logdiff.check"
+CLASSNAME = "logdiff.commands.check"
 _ILLEGAL_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 

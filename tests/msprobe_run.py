@@ -40,8 +40,8 @@ def _run_vllm(model: Path, config: Path, out: Path) -> None:
     from vllm import LLM, SamplingParams
 
     import logdiff
-    from logdiff.engines.vllm.capture import recording
-    from logdiff.probes.sketch import Window
+    from logdiff.records.sketch import Window
+    from logdiff.sources.vllm.capture import recording
 
     llm = LLM(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
               max_model_len=64, max_num_seqs=4)

@@ -33,7 +33,7 @@ def _seqs(lengths: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 def test_flash_reader_reads_back_what_vllm_wrote_following_the_block_table():
-    from logdiff.engines.vllm.consistent.cuda import FlashKVReader
+    from logdiff.sources.vllm.consistent.cuda import FlashKVReader
 
     seqs = _seqs((7, 3, 9))
     tables = [[5, 1], [0, 6], [2, 7, 3]]  # scattered blocks, not in order
@@ -54,8 +54,8 @@ def test_flash_reader_reads_back_what_vllm_wrote_following_the_block_table():
 def test_flash_attention_forward_matches_the_reference_per_request():
     """The ``cuda`` backend's attention over a FlashAttention cache, run on CPU tensors: each request
     gets the reference kernel's result on its own contiguous keys, alone or batched with others."""
-    from logdiff.engines.vllm import consistent_ops as ops
-    from logdiff.engines.vllm.consistent.cuda import FlashKVReader
+    from logdiff.sources.vllm import consistent_ops as ops
+    from logdiff.sources.vllm.consistent.cuda import FlashKVReader
 
     seqs = _seqs((7, 3, 9))
     tables = [[5, 1], [0, 6], [2, 7, 3]]
@@ -81,7 +81,7 @@ def test_flash_attention_forward_matches_the_reference_per_request():
 
 
 def test_backend_follows_the_platform_and_refuses_unknown_ones():
-    from logdiff.engines.vllm.consistent import backend_for
+    from logdiff.sources.vllm.consistent import backend_for
 
     assert backend_for("cpu").name == "cpu"
     assert backend_for("cuda").name == "cuda"
@@ -100,7 +100,7 @@ def _config(world_size: int = 1, eager: bool = True) -> SimpleNamespace:
 def test_cuda_backend_refuses_in_one_line_what_it_cannot_cover(monkeypatch):
     import vllm.envs as envs
 
-    from logdiff.engines.vllm.consistent.cuda import CUDABackend
+    from logdiff.sources.vllm.consistent.cuda import CUDABackend
 
     # set on the module, as vLLM reads it: an engine started earlier in this process may have cached the environment
     monkeypatch.setattr(envs, "VLLM_BATCH_INVARIANT", False, raising=False)
@@ -115,8 +115,8 @@ def test_cuda_backend_refuses_in_one_line_what_it_cannot_cover(monkeypatch):
 
 
 def test_cuda_backend_leaves_other_attention_backends_and_patches_a_linears_apply():
-    from logdiff.engines.vllm.consistent.cuda import CUDABackend
-    from logdiff.engines.vllm.consistent.plan import Left
+    from logdiff.sources.vllm.consistent.cuda import CUDABackend
+    from logdiff.sources.vllm.consistent.plan import Left
 
     backend = CUDABackend()
     left = backend.attention(SimpleNamespace(impl=type("TritonAttentionImpl", (), {})()))
@@ -132,9 +132,9 @@ def test_cuda_backend_leaves_other_attention_backends_and_patches_a_linears_appl
 
 
 def test_vllm_ascend_is_registered_and_unavailable_in_one_line_without_torch_npu():
-    from logdiff.engines.registry import engine_names, get_engine
-    from logdiff.engines.vllm import VLLMEngine
-    from logdiff.probes.errors import EngineUnavailable
+    from logdiff.errors import EngineUnavailable
+    from logdiff.sources.registry import engine_names, get_engine
+    from logdiff.sources.vllm import VLLMEngine
 
     assert "vllm-ascend" in engine_names()
     cls = get_engine("vllm-ascend")
@@ -152,12 +152,12 @@ def test_plan_with_a_leaving_backend_lists_what_is_left_and_patches_nothing_it_l
     linear, attention and MoE left to the platform): the neutral ops are planned, each left op is
     listed by name and never patched, and nothing is refused. Negative control: the ``cpu`` backend
     on the same engine leaves nothing."""
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.pool import acquire
-    from logdiff.engines.vllm.consistent import engine_objects
-    from logdiff.engines.vllm.consistent.cpu import CPUBackend
-    from logdiff.engines.vllm.consistent.plan import build_plan
-    from logdiff.engines.vllm_ascend.consistent import NPUBackend
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.pool import acquire
+    from logdiff.sources.vllm.consistent import engine_objects
+    from logdiff.sources.vllm.consistent.cpu import CPUBackend
+    from logdiff.sources.vllm.consistent.plan import build_plan
+    from logdiff.sources.vllm_ascend.consistent import NPUBackend
 
     class LeavingBackend(NPUBackend):
         def check(self, config):  # the NPU build's checks do not apply on this CPU

@@ -124,9 +124,9 @@ def test_consistent_vllm_runs_every_mla_layer_from_the_latent_cache(
 ) -> None:
     """Every MLAAttention's forward_impl is the latent kernel (its absorbed decode and SDPA prefill are not
     reached); the wrapper's own children (q/kv projections, latent norm, RoPE, o_proj) are planned kernels."""
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.pool import acquire
-    from logdiff.engines.vllm.consistent import consistent_vllm, engine_objects
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.pool import acquire
+    from logdiff.sources.vllm.consistent import consistent_vllm, engine_objects
 
     spec = EngineSpec(model_dir=str(demo_model(arch)), dtype="bfloat16",
                       options=(("max_model_len", 256), ("max_num_seqs", 4)))  # fmt: skip
@@ -154,7 +154,7 @@ def test_latent_cache_reader_reads_back_what_the_cpu_mla_backend_wrote() -> None
     import torch
     from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
 
-    from logdiff.engines.vllm.kv_cache import LatentCacheReader
+    from logdiff.sources.vllm.kv_cache import LatentCacheReader
 
     impl = object.__new__(CPUMLAImpl)  # the write method reads nothing of the instance but its dtype setting
     impl.kv_cache_dtype = "auto"
@@ -181,7 +181,7 @@ def test_latent_cache_reader_learns_a_private_layout() -> None:
     """A backend that stores each block's rope part first and the latent transposed is read back right."""
     import torch
 
-    from logdiff.engines.vllm.kv_cache import LatentCacheReader
+    from logdiff.sources.vllm.kv_cache import LatentCacheReader
 
     class Private:
         kv_cache_dtype = "auto"
@@ -225,7 +225,7 @@ def test_consistent_hf_mla_forward_equals_decode_and_batch_rows(demo_model: Call
     import torch
     from transformers import AutoModelForCausalLM
 
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
 
     model = AutoModelForCausalLM.from_pretrained(demo_model(arch), dtype=torch.bfloat16).eval()
     stock = _hf_paths(model)[0]
@@ -246,7 +246,7 @@ def test_consistent_hf_mla_training_forward_has_the_inference_bits(demo_model: C
     import torch
     from transformers import AutoModelForCausalLM
 
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
 
     model = AutoModelForCausalLM.from_pretrained(demo_model("deepseek-v3"), dtype=torch.bfloat16).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -309,10 +309,10 @@ def test_consistent_hf_yarn_mla_forward_equals_decode(
     import math
 
     import torch
+    from logdiff.kernels.rope import yarn_attention_factor
     from transformers import AutoModelForCausalLM
 
-    from logdiff.engines.hf.consistent import consistent_hf, rope_params_of
-    from logdiff.kernels.rope import yarn_attention_factor
+    from logdiff.sources.hf.consistent import consistent_hf, rope_params_of
 
     rope = YARN[arch]
     model = AutoModelForCausalLM.from_pretrained(_yarn_demo(demo_model, arch, tmp_path), dtype=torch.bfloat16).eval()
@@ -354,7 +354,7 @@ def test_vllm_and_hf_fold_the_same_mscale_into_the_mla_scale(demo_model: Callabl
     import torch
     from transformers import AutoModelForCausalLM
 
-    from logdiff.engines.vllm import import_vllm
+    from logdiff.sources.vllm import import_vllm
 
     vllm = import_vllm()
     arch = "deepseek-v2"  # mscale != mscale_all_dim: both factors differ from 1
@@ -378,10 +378,10 @@ def test_vllm_and_hf_fold_the_same_mscale_into_the_mla_scale(demo_model: Callabl
 def test_consistent_refuses_other_scaled_mla_rope_in_one_line() -> None:
     """Default and YaRN MLA are covered; any other scaled rope (here linear, which vLLM's DeepSeek would run as
     its deepseek_yarn) is refused, named, in one line."""
+    from logdiff.probes.arch.deepseek_v2 import MLA_SHAPE
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from logdiff.engines.hf.consistent import consistent_hf
-    from logdiff.probes.arch.deepseek_v2 import MLA_SHAPE
+    from logdiff.sources.hf.consistent import consistent_hf
 
     linear = {"rope_type": "linear", "rope_theta": 10_000.0, "factor": 4.0}
     config = DeepseekV2Config(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
@@ -410,8 +410,9 @@ def test_hf_decode_scan_records_every_mla_boundary(demo_model: Callable[[str], P
 
 def test_adapter_maps_mla_weights_to_the_ops_that_read_them() -> None:
     """Without vLLM: split projections read their projection's weight; kv_b_proj belongs to the attention."""
-    from logdiff.engines.vllm.taps import TAPS as VLLM_TAPS
     from logdiff.probes.arch import adapter_for
+
+    from logdiff.sources.vllm.taps import TAPS as VLLM_TAPS
 
     ds = adapter_for("DeepseekV2ForCausalLM")
     a = "model.layers.1.self_attn"
@@ -440,9 +441,8 @@ def test_adapter_maps_mla_weights_to_the_ops_that_read_them() -> None:
 def test_deinterleaved_vllm_rope_equals_hfs_interleave_layout() -> None:
     """vLLM's GPT-J rotation, de-interleaved, is bitwise HF's apply_rotary_pos_emb_interleave (fp32 math)."""
     import torch
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
-
     from logdiff.probes.selection import deinterleave
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
     torch.manual_seed(0)
     q, k = torch.randn(1, 4, 6, 64), torch.randn(1, 1, 6, 64)

@@ -23,8 +23,9 @@ SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modul
 
 def test_adapter_places_qk_norms_between_projections_and_rope() -> None:
     """Without vLLM: each rope reads its norm, HF's norms are read heads-first, the new keys have their ops."""
-    from logdiff.engines.hf.taps import TAPS as HF_TAPS
     from logdiff.probes.arch import adapter_for
+
+    from logdiff.sources.hf.taps import TAPS as HF_TAPS
 
     gemma3 = adapter_for("Gemma3ForCausalLM")
     cmap = gemma3.correspondence({"num_hidden_layers": 2})
@@ -76,8 +77,9 @@ def test_vllm_reader_takes_each_layer_types_base_from_its_own_layers() -> None:
     """Without vLLM: a stand-in of vLLM's module tree whose sliding layers rotate with another base reads so."""
     from types import SimpleNamespace as NS
 
-    from logdiff.engines.vllm.contract_extras import EXTRAS
     from logdiff.probes.arch import adapter_for
+
+    from logdiff.sources.vllm.contract_extras import EXTRAS
 
     def layer(window: int, base: float) -> NS:
         impl = NS(sliding_window=window, logits_soft_cap=None)

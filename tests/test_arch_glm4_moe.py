@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from logdiff.probes.arch import adapter_for
 from plants import stale_checkpoint
 
 import logdiff
 from logdiff.diagnosis import routing
-from logdiff.engines.vllm.taps import TAPS as VLLM_TAPS
-from logdiff.probes.arch import adapter_for
+from logdiff.sources.vllm.taps import TAPS as VLLM_TAPS
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 GLM_RULE = routing.Rule(top_k=2, renormalize=True, scoring="sigmoid", n_group=2, topk_group=1, scaling=2.5)
@@ -148,7 +148,7 @@ def tiny_glm() -> routing.Any:
 
 
 def test_consistent_hf_covers_the_shared_expert_and_the_grouped_router(tiny_glm: routing.Any) -> None:
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
 
     ids = torch.randint(0, 256, (3, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), consistent_hf(tiny_glm) as report:
@@ -179,7 +179,7 @@ def test_partial_rotary_hf_and_vllm_calls_of_the_rope_kernel_agree() -> None:
 
 
 def test_a_gated_shared_expert_is_refused_in_one_line(tiny_glm: routing.Any) -> None:
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
 
     block = tiny_glm.model.layers[1].mlp
     block.shared_expert_gate = torch.nn.Linear(64, 1, bias=False)  # Qwen2-MoE's sigmoid gate on the shared expert
@@ -222,10 +222,10 @@ def test_vllm_bias_fault_is_a_routing_weights_difference(demo_model: Callable[[s
 @pytest.mark.vllm
 def test_consistent_vllm_patches_the_shared_expert_and_the_grouped_router(demo_model: Callable[[str], Path]) -> None:
     """The stock shared expert happens to agree with HF here, so bitwise 0 alone would not show it is covered."""
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.pool import acquire
-    from logdiff.engines.vllm.consistent import consistent_vllm, engine_objects
-    from logdiff.engines.vllm.consistent_ops import routing_rule
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.pool import acquire
+    from logdiff.sources.vllm.consistent import consistent_vllm, engine_objects
+    from logdiff.sources.vllm.consistent_ops import routing_rule
 
     spec = EngineSpec(model_dir=str(demo_model("glm4-moe")), dtype="bfloat16",
                       options=(("max_model_len", 256), ("max_num_seqs", 4)))  # fmt: skip

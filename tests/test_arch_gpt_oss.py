@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from logdiff.probes.arch import adapter_for
 from plants import stale_checkpoint
 
 import logdiff
-from logdiff.engines.vllm.taps import TAPS as VLLM_TAPS
-from logdiff.probes.arch import adapter_for
+from logdiff.sources.vllm.taps import TAPS as VLLM_TAPS
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 
@@ -52,7 +52,7 @@ def test_adapter_puts_sinks_in_the_attention_core_and_names_the_router() -> None
 
 def test_hf_runs_gpt_oss_with_eager_attention() -> None:
     from logdiff.demo.configs import tiny_config
-    from logdiff.engines.hf.loading import default_attention, supports_sdpa
+    from logdiff.sources.hf.loading import default_attention, supports_sdpa
 
     config = tiny_config("gpt-oss", 512)
     assert not supports_sdpa(config) and default_attention(config) == "eager"
@@ -68,7 +68,7 @@ def test_vllm_reader_takes_each_layers_window_from_its_backend() -> None:
         return NS(attn=NS(attn=NS(impl=NS(sliding_window=window))))
 
     model = NS(model=NS(layers=[layer(8), layer(8), layer(8), layer(None)]))
-    from logdiff.engines.vllm.contract_extras import EXTRAS
+    from logdiff.sources.vllm.contract_extras import EXTRAS
 
     extras = EXTRAS.read(adapter_for("GptOssForCausalLM"), model)
     assert extras["layer_types"] == "sliding,sliding,sliding,full"
@@ -131,7 +131,7 @@ def tiny_gpt_oss() -> torch.nn.Module:
 
 
 def test_consistent_hf_covers_sinks_biased_router_and_clamped_experts(tiny_gpt_oss: torch.nn.Module) -> None:
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
 
     model = tiny_gpt_oss
     ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
@@ -208,9 +208,9 @@ def test_a_stale_router_bias_flips_experts_and_is_blamed_on_the_router(
 
 @pytest.mark.vllm
 def test_consistent_vllm_patches_sinks_router_and_biased_experts(demo_model: Callable[[str], Path]) -> None:
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.pool import acquire
-    from logdiff.engines.vllm.consistent import consistent_vllm
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.pool import acquire
+    from logdiff.sources.vllm.consistent import consistent_vllm
 
     spec = EngineSpec(model_dir=str(demo_model("gpt-oss")), dtype="bfloat16",
                       options=(("max_model_len", 256), ("max_num_seqs", 4)))  # fmt: skip

@@ -204,8 +204,9 @@ def test_phi3_fault_in_hfs_packed_qkv_is_localized_to_k(demo_model: Callable[[st
 
 def test_phi3_adapter_reads_hfs_packed_weights_per_split_boundary() -> None:
     """Without vLLM: each split boundary reads its packed tensor, and the tensor is owned by the first part."""
-    from logdiff.engines.hf.taps import TAPS as HF_TAPS
     from logdiff.probes.arch import adapter_for
+
+    from logdiff.sources.hf.taps import TAPS as HF_TAPS
 
     phi3, llama = adapter_for("Phi3ForCausalLM"), adapter_for("LlamaForCausalLM")
     k = "model.layers.2.self_attn.k_proj"

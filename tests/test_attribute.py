@@ -12,11 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from logdiff.config import KERNEL_FAMILIES, ScanConfig
-from logdiff.diagnosis import attribute, classify, diagnose, rescan
 from logdiff.reports.groups import group_causes
-from logdiff.result import Cause, Pair, ScanResult, ScanSettings, SequencesInfo
+
+from logdiff.commands.config import KERNEL_FAMILIES, ScanConfig
+from logdiff.comparison.result import Cause, Pair, ScanResult, ScanSettings, SequencesInfo
+from logdiff.diagnosis import attribute, classify, diagnose, rescan
 
 Game = Callable[[frozenset], float]  # the set of lever names applied -> a metric
 

@@ -18,12 +18,11 @@ import pytest
 from plants import split_k
 
 import logdiff
-from logdiff.config import ScanConfig
+from logdiff.commands.config import ScanConfig
+from logdiff.comparison.result import Cause
 from logdiff.diagnosis import attribute, rescan
-from logdiff.engines import base, pool
 from logdiff.errors import InputError
-from logdiff.probes import checkpoint
-from logdiff.result import Cause
+from logdiff.sources import base, checkpoint, pool
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules"}
 PATCHED = ScanConfig(model=Path("m"), depth="modules", attribution="patched")

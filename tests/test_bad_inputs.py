@@ -13,16 +13,16 @@ import math
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from logdiff import check as gating
-from logdiff import outputs
-from logdiff.cli import app
-from logdiff.config import ScanConfig
-from logdiff.errors import InputError
 from logdiff.reports import github
 from logdiff.reports.format import safe_text
-from logdiff.sequences import load_jsonl, load_text_prompts
+from typer.testing import CliRunner
+
+from logdiff.cli import app
+from logdiff.commands import check as gating
+from logdiff.commands import outputs
+from logdiff.commands.config import ScanConfig
+from logdiff.errors import InputError
+from logdiff.records.sequences import load_jsonl, load_text_prompts
 
 runner = CliRunner()
 FAST = ["--num-sequences", "2", "--prompt-len", "4", "--response-len", "4", "--depth", "logprobs"]  # scan defaults to modules
@@ -65,7 +65,7 @@ def nan_ckpt(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make loading any engine fail the test: the error must come from validation before it."""
-    from logdiff import pipeline
+    from logdiff.commands import scan as pipeline
 
     monkeypatch.setattr(pipeline, "acquire", lambda *a: pytest.fail("an engine was loaded"))
 
@@ -195,7 +195,7 @@ def test_valid_engine_options_pass_negative_control(tmp_path: Path) -> None:
     ScanConfig(model=tmp_path, infer=["hf-decode"], infer_set={"temperature": 0.7, "batch_size": 2,
                "attn_implementation": "eager"})  # fmt: skip
     # an option of one engine on the side is never a config override for another
-    from logdiff.pipeline import split_settings
+    from logdiff.commands.scan import split_settings
 
     cfg = ScanConfig(model=tmp_path, infer=["vllm", "hf-decode"], infer_set={"max_model_len": 64, "rms_norm_eps": 1e-5})
     assert split_settings("hf-decode", cfg.infer_set) == ((("rms_norm_eps", 1e-5),), ())
@@ -238,7 +238,7 @@ def test_context_length_of_vllm_exit_2_before_loading(qwen3: Path, monkeypatch) 
 def test_vllm_request_errors_are_input_errors() -> None:
     from vllm.exceptions import VLLMValidationError
 
-    from logdiff.engines.vllm import VLLMEngine
+    from logdiff.sources.vllm import VLLMEngine
 
     class FakeLLM:
         class request_counter:  # noqa: N801 - mirrors vLLM's attribute
@@ -500,7 +500,7 @@ def test_override_without_effect_on_hf_decode(qwen3: Path) -> None:
 
 
 def test_read_back_compares_with_the_loaded_engine() -> None:
-    from logdiff.overrides import check_applied
+    from logdiff.commands.overrides import check_applied
 
     class Config:
         rope_parameters = {"rope_theta": 1e6}
@@ -541,8 +541,8 @@ def test_nan_summary_math_is_not_nan() -> None:
     """The finding's counts are integers that JSON keeps (not NaN that would become null)."""
     import numpy as np
 
-    from logdiff import nonfinite
-    from logdiff.engines.base import PathScores
+    from logdiff.diagnosis import nonfinite
+    from logdiff.sources.base import PathScores
 
     counts = nonfinite.path_counts([PathScores("a", "forward", [np.array([0.0, math.nan])]),
                                     PathScores("b", "forward", [np.array([0.0, -1.0])])])  # fmt: skip

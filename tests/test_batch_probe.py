@@ -8,8 +8,7 @@ import pytest
 from plants import batch_dependent
 
 import logdiff
-from logdiff.engines import base, pool
-from logdiff.probes import checkpoint
+from logdiff.sources import base, checkpoint, pool
 
 SIZES = (1, 4, 8)
 

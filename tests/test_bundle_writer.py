@@ -1,4 +1,4 @@
-"""The capture's writer off the step's critical path (probes/bundle_writer.py, probes/sketch_device.py, issue 36).
+"""The capture's writer off the step's critical path (logdiff/records/bundle_writer.py, logdiff/records/sketch_device.py, issue 36).
 
 * Sketches computed in torch (on the tensor's device) have the numpy sketch's digest and largest magnitude, bit
   for bit, for every dtype a capture records; a one-ulp change changes both 32-bit halves of the digest.
@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from logdiff.probes.bundle import Bundle
-from logdiff.probes.bundle_writer import BundleWriter, host_array
-from logdiff.probes.layout import REPLICATE, ParallelLayout
-from logdiff.probes.sketch import DIGEST, LEGACY, combine, digest_of, sketch
-from logdiff.probes.sketch_device import sketch_rows
+from logdiff.records.bundle import Bundle
+from logdiff.records.bundle_writer import BundleWriter, host_array
+from logdiff.records.layout import REPLICATE, ParallelLayout
+from logdiff.records.sketch import DIGEST, LEGACY, combine, digest_of, sketch
+from logdiff.records.sketch_device import sketch_rows
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64]
 
@@ -227,7 +227,7 @@ def _steps(writer: BundleWriter, n: int) -> None:
 
 def test_an_open_writer_logs_its_steps_and_rewrites_the_manifest_only_when_the_metadata_changes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from logdiff.probes import bundle_writer
+    from logdiff.records import bundle_writer
 
     dumps: list[str] = []
     real = bundle_writer.write_json
@@ -251,7 +251,7 @@ def test_an_open_writer_logs_its_steps_and_rewrites_the_manifest_only_when_the_m
 
 
 def test_a_killed_writers_step_log_reads_without_its_cut_line_and_a_bad_log_is_refused(tmp_path: Path) -> None:
-    from logdiff.probes.errors import InputError
+    from logdiff.errors import InputError
 
     rank = tmp_path / "b" / "rank-00000"
     writer = BundleWriter(tmp_path / "b", "train", ParallelLayout())
@@ -274,8 +274,8 @@ def test_a_killed_writers_step_log_reads_without_its_cut_line_and_a_bad_log_is_r
 
 
 def test_an_older_bundle_reads_its_sketches_as_splitmix64_and_compare_refuses_mixed_digests(tmp_path: Path) -> None:
-    from logdiff.offline import open_bundles
-    from logdiff.probes.errors import InputError
+    from logdiff.commands.compare import open_bundles
+    from logdiff.errors import InputError
 
     x = _values(torch.bfloat16)
     new = _write(tmp_path / "new", [x], background=False, sketched=True)

@@ -1,5 +1,5 @@
-"""Sequences captured as frameworks batch them: left padding, right padding, packed rows (probes/batching.py,
-probes/capture.py's ``_begin_step``, the pairing and its warnings in logdiff/offline.py).
+"""Sequences captured as frameworks batch them: left padding, right padding, packed rows (logdiff/records/batching.py,
+probes/capture.py's ``_begin_step``, the pairing and its warnings in logdiff/commands/compare.py).
 
 A tiny random Qwen3 in float32 is captured with ``logdiff.capture`` on one batching and compared against a
 capture of the same sequences one per forward, unpadded. Every sequence must be paired whatever the batching;
@@ -26,7 +26,7 @@ PAD = 0
 
 
 def test_right_padding_keeps_the_tokens_and_drops_the_pads() -> None:
-    from logdiff.probes.batching import split_rows
+    from logdiff.records.batching import split_rows
 
     pos = np.tile(np.arange(5), (2, 1))
     valid = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
@@ -37,7 +37,7 @@ def test_right_padding_keeps_the_tokens_and_drops_the_pads() -> None:
 
 
 def test_left_padding_without_position_ids_keeps_the_shift_as_an_offset() -> None:
-    from logdiff.probes.batching import split_rows
+    from logdiff.records.batching import split_rows
 
     pos = np.tile(np.arange(5), (2, 1))  # what HF feeds when no position_ids are given
     valid = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], bool)
@@ -50,7 +50,7 @@ def test_left_padding_without_position_ids_keeps_the_shift_as_an_offset() -> Non
 
 
 def test_packed_rows_split_where_positions_restart_or_cu_seqlens_start() -> None:
-    from logdiff.probes.batching import segment_starts, split_rows
+    from logdiff.records.batching import segment_starts, split_rows
 
     pos = np.array([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
     s = split_rows(pos, np.ones_like(pos, bool))
@@ -64,7 +64,7 @@ def test_packed_rows_split_where_positions_restart_or_cu_seqlens_start() -> None
 
 
 def test_a_cache_step_keeps_absolute_positions_and_a_pad_row_is_no_sequence() -> None:
-    from logdiff.probes.batching import split_rows
+    from logdiff.records.batching import split_rows
 
     s = split_rows(np.array([[7], [7]]), np.array([[1], [0]], bool))
     assert s.count == 1 and s.offsets == [0] and s.pos[0] == 7  # a KV-cache decode step continues its sequence
@@ -154,8 +154,9 @@ def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _compare(captured: dict[str, Any], name: str, against: str = "ref") -> dict[str, Any]:
-    from logdiff.offline import compare_bundles
     from logdiff.reports.schema import validate_result
+
+    from logdiff.commands.compare import compare_bundles
 
     result = compare_bundles(captured[name][0], captured[against][0]).to_dict()
     validate_result(result)
@@ -169,7 +170,7 @@ def _gap(captured: dict[str, Any], name: str) -> float:
 
 @pytest.mark.parametrize("name", ["left", "left_pos", "right", "packed"])
 def test_every_sequence_is_captured_as_itself_and_paired(captured, name: str) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     assert Bundle(captured[name][0]).sequences() == SEQS
     result = _compare(captured, name)
@@ -185,13 +186,13 @@ def test_same_math_gives_no_gap_beyond_rounding_and_no_offset(captured, name: st
     assert result["logprobs"]["abs_diff_max"] < 1e-5  # float32: the same function, at most reordered sums
     assert not any(w.startswith("position_ids") for w in result["warnings"])
     assert not any(c["kind"] == "position_ids" for c in result["causes"])
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     assert "position_offsets" not in Bundle(captured[name][0]).meta
 
 
 def test_left_padding_without_position_ids_is_reported_as_shifted_positions(captured) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     pads = {str(i): max(map(len, SEQS)) - len(s) for i, s in enumerate(SEQS) if len(s) < max(map(len, SEQS))}
     assert Bundle(captured["left"][0]).meta["position_offsets"] == pads
@@ -217,7 +218,7 @@ def test_left_padding_without_position_ids_is_reported_as_shifted_positions(capt
     ({"n_positions": 1024}, False),  # a learned position table (GPT-2): a shift is another input
 ])
 def test_a_shift_is_the_same_function_only_where_rope_is_linear_in_the_position(config, invariant) -> None:
-    from logdiff.bundle_checks import shift_invariant
+    from logdiff.comparison.bundle_checks import shift_invariant
 
     assert bool(shift_invariant(config)) is invariant
 

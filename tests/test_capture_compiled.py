@@ -52,7 +52,7 @@ def _runner(mode: str, graphs: str, eager: bool) -> SimpleNamespace:
 
 
 def test_compilation_is_read_from_the_runner_config() -> None:
-    from logdiff.engines.vllm.capture import compilation_of
+    from logdiff.sources.vllm.capture import compilation_of
 
     eager = compilation_of(_runner("NONE", "NONE", True))
     assert eager == {"mode": "NONE", "cudagraph_mode": "NONE", "enforce_eager": True, "compiled": False}
@@ -79,7 +79,7 @@ COMPILED_META = {"engine": "vllm", "hooks_fired": False, "hookless_steps": 5, "r
 
 
 def test_compare_warns_once_from_the_bundle_metadata(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     model = demo_model("qwen3")
     train = _capture(model, tmp_path / "train", "train", [[ids] for ids in reversed(IDS)])
@@ -112,9 +112,8 @@ def _vllm_bundle(model: Path, out: Path, mode: str) -> Path:
 @pytest.mark.slow
 def test_a_compiled_engine_is_detected_and_an_eager_one_is_not(demo_model: Callable[[str], Path],
                                                               tmp_path: Path) -> None:
-    from logdiff.probes.bundle import Bundle
-
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
+    from logdiff.records.bundle import Bundle
 
     model = demo_model("qwen3")
     compiled = Bundle(_vllm_bundle(model, tmp_path / "compiled", "compiled"))

@@ -106,7 +106,7 @@ def _parallelize(model, mesh) -> None:
 def _run(model_dir: Path, tmp_path: Path, mode: str, world: int = 2):
     import torch.multiprocessing as mp
 
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     out = tmp_path / mode
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -118,9 +118,9 @@ def _run(model_dir: Path, tmp_path: Path, mode: str, world: int = 2):
 @pytest.fixture(scope="module")
 def unsharded(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory):
     """The demo model's directory and its captures, unsharded: of both sequences, and of each alone."""
-    from logdiff.probes.bundle import Bundle
-
     import torch
+
+    from logdiff.records.bundle import Bundle
 
     model_dir = demo_model("qwen3")
     model = _load(str(model_dir))
@@ -227,7 +227,7 @@ def test_logprobs_routed_through_the_capture_are_recorded(unsharded, tmp_path: P
     import torch
 
     import logdiff
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     model_dir, both, _ = unsharded
     model = _load(str(model_dir))
@@ -239,13 +239,13 @@ def test_logprobs_routed_through_the_capture_are_recorded(unsharded, tmp_path: P
     assert np.array_equal(recorded, logprobs.reshape(-1, logprobs.shape[-1]).numpy())
 
 
-# ---- logdiff compare of these bundles (logdiff/offline.py) ----------------------------------------------------------
+# ---- logdiff compare of these bundles (logdiff/commands/compare.py) ----------------------------------------------------------
 
 
 def _compare(train, infer, tmp_path: Path | None = None, model: Path | None = None) -> dict:
     """``logdiff compare`` of two bundles; with ``model`` (``--model``, the checkpoint both ran) each side's ops
     are judged against their exact functions, without it no op gets a class but ``not_judged``."""
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     return compare_bundles(train.root, infer.root, model=model).to_dict()
 
@@ -269,7 +269,7 @@ def test_compare_fsdp2_against_unsharded_is_bitwise_consistent(unsharded, fsdp2,
 
     _, _, _ = unsharded
     steps = unsharded[1].root.parent / "steps"
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     result = _compare(fsdp2, Bundle(steps))
     assert result["verdict"] == "consistent", result["warnings"]
@@ -292,7 +292,7 @@ def test_compare_fsdp2_with_tp_on_a_2d_mesh(unsharded, tmp_path: Path) -> None:
     """4 ranks: 2 FSDP2 groups x TP = 2. The layout is read from the 2-D mesh (each TP pair one ``tp`` group, one
     sequence each); against the unsharded capture of those sequences, what differs is a row-parallel sum,
     ``collective_order``, and the contracts and weights (gathered whole on entry) are the same."""
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     bundle = _run(unsharded[0], tmp_path, "2d", world=4)
     assert [(p.layout.group("tp"), p.layout.group("dp")) for p in bundle.ranks] == [

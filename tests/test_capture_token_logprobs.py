@@ -83,16 +83,16 @@ def bundles(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPath
 
 
 def _compare(train: Path, infer: Path):
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     return compare_bundles(train, infer).to_dict()
 
 
 def _train_logprobs(train: Path, infer: Path) -> list[list[float]]:
     """The training side's logprob of every scored token, as ``compare`` reads it."""
-    from logdiff import bundle_feed
-    from logdiff.probes.bundle import Bundle
-    from logdiff.probes.feed import match_sequences
+    from logdiff.comparison import bundle_feed
+    from logdiff.comparison.pairing import match_sequences
+    from logdiff.records.bundle import Bundle
 
     tb, ib = Bundle(train), Bundle(infer)
     matching = match_sequences(tb.sequence_table(), ib.sequence_table())
@@ -101,7 +101,7 @@ def _train_logprobs(train: Path, infer: Path) -> list[list[float]]:
 
 
 def test_a_fused_head_bundle_has_no_logits(bundles) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     fused = Bundle(bundles["fused"])
     names = {n for step in range(fused.num_steps) for n in fused.names(step)}
@@ -114,7 +114,7 @@ def test_the_decoder_alone_records_every_boundary_but_the_logits(bundles) -> Non
     so ``compare`` finds the planted weight at the same boundary through either."""
     import numpy as np
 
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     fused, normal = Bundle(bundles["fused"]), Bundle(bundles["logits"])
     names = set(fused.names(0))
@@ -172,7 +172,7 @@ def test_misaligned_calls_are_refused(demo_model: Callable[[str], Path], tmp_pat
         with pytest.raises(ValueError, match=r"\[batch=2, n\]"):
             cap.token_logprobs(lp[0])
         cap.token_logprobs(lp, token_ids=ids[:, 1:])  # the right call, after the refused ones
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     (values,) = [Bundle(tmp_path / "b").ranks[0].load(0, ["token_logprobs"])["token_logprobs"]]
     assert values.shape == (sum(len(x) - 1 for x in IDS), 1)

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-
 EXAMPLE = Path(__file__).parents[1] / "examples" / "capture_vllm.py"
 PROMPTS, PROMPT_LEN, MAX_TOKENS = 3, 16, 6
 CLOSE = 2.0**-4  # of a record's largest magnitude: a few bf16 roundings, far below a different input's difference
@@ -45,7 +44,7 @@ def _run(model: Path, out: Path, *, multiprocessing: bool, tp: int = 1, seed: in
 def _rows(bundle: Any, name: str) -> tuple[dict[tuple[int, int], np.ndarray], bool]:
     """Record ``name`` un-sharded, as float32 rows by (sequence, position) over all steps; whether every
     replicated record's replicas were bitwise equal."""
-    from logdiff.probes.unshard import to_float32
+    from logdiff.records.unshard import to_float32
 
     rows, replicas_equal = {}, True
     for step in range(bundle.num_steps):
@@ -91,8 +90,8 @@ def test_the_plugin_is_registered_and_idle_without_the_variable() -> None:
     from importlib.metadata import entry_points
 
     (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "logdiff_capture"]
-    assert plugin.value == "logdiff.engines.vllm.capture:register"
-    code = ("import sys; from logdiff.engines.vllm.capture import register; register(); "
+    assert plugin.value == "logdiff.sources.vllm.capture:register"
+    code = ("import sys; from logdiff.sources.vllm.capture import register; register(); "
             "print(sorted(m for m in ('torch', 'vllm', 'transformers') if m in sys.modules))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "LOGDIFF_CAPTURE"}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
@@ -111,7 +110,8 @@ def tp1(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFact
 @pytest.mark.slow
 def test_multiprocess_engine_captures_prompts_and_responses(tp1: tuple[Path, list[dict]]) -> None:
     from logdiff.probes.arch import adapter_for
-    from logdiff.probes.bundle import Bundle
+
+    from logdiff.records.bundle import Bundle
 
     out, rollouts = tp1
     bundle = Bundle(out)
@@ -136,7 +136,7 @@ def test_multiprocess_engine_captures_prompts_and_responses(tp1: tuple[Path, lis
 @pytest.mark.slow
 def test_tensor_parallel_2_unshards_to_tp1(tp1: tuple[Path, list[dict]], demo_model: Callable[[str], Path],
                                            tmp_path: Path) -> None:  # fmt: skip
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     run, rollouts = _run(demo_model("qwen3"), tmp_path / "tp2", multiprocessing=True, tp=2)
     if run.returncode != 0:
@@ -161,7 +161,7 @@ def test_tensor_parallel_2_unshards_to_tp1(tp1: tuple[Path, list[dict]], demo_mo
 @pytest.mark.slow
 def test_a_different_prompt_set_does_not_match(tp1: tuple[Path, list[dict]], demo_model: Callable[[str], Path],
                                                tmp_path: Path) -> None:  # fmt: skip
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     run, rollouts = _run(demo_model("qwen3"), tmp_path / "other", multiprocessing=False, seed=1)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""A capture's full window and the row sketches outside it (probes/sketch.py, issue 22).
+"""A capture's full window and the row sketches outside it (logdiff/records/sketch.py, issue 22).
 
 * Sketches: the digest of a row is the sum of its slices' digests, whatever the slicing (shards, packed
   parts, a padded vocabulary), so ranks never gather; any one-element change (one ulp) or a swap of two
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement, shard
-from logdiff.probes.sketch import Window, combine, digest_of, local_columns, lower_bound, sketch
+from logdiff.records.layout import REPLICATE, ParallelLayout, Placement, shard
+from logdiff.records.sketch import Window, combine, digest_of, local_columns, lower_bound, sketch
 
 RNG = np.random.default_rng(0)
 
@@ -77,8 +77,8 @@ def test_a_partial_sum_or_another_split_is_kept_whole() -> None:
 
 
 def test_a_bundle_of_two_ranks_slices_reads_back_as_the_whole_rows_sketch(tmp_path: Path) -> None:
-    from logdiff.probes.bundle import Bundle
-    from logdiff.probes.bundle_writer import BundleWriter
+    from logdiff.records.bundle import Bundle
+    from logdiff.records.bundle_writer import BundleWriter
 
     x = RNG.standard_normal((5, 16)).astype(np.float32)
     group = {"tp": (0, 1)}
@@ -129,7 +129,7 @@ def windowed(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPat
 
 
 def test_the_default_window_keeps_two_layers_whole_and_sketches_the_rest(windowed) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     records = Bundle(windowed["train"]).ranks[0].steps[0]["records"]
     sketched = {n for n, e in records.items() if e.get("sketch")}
@@ -142,7 +142,7 @@ def test_the_default_window_keeps_two_layers_whole_and_sketches_the_rest(windowe
 
 @pytest.mark.parametrize("train", ["train", "full"])
 def test_compare_finds_a_fault_outside_the_window_bit_exactly(windowed, train: str) -> None:
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     result = compare_bundles(windowed[train], windowed["stale"]).to_dict()
     first = result["first_divergence"]

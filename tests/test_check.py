@@ -19,13 +19,13 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
-
-from logdiff import check as gating
-from logdiff.cli import app
-from logdiff.errors import InputError
 from logdiff.reports import github
 from logdiff.reports.junit import junit_xml
+from typer.testing import CliRunner
+
+from logdiff.cli import app
+from logdiff.commands import check as gating
+from logdiff.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -298,7 +298,7 @@ def test_internal_error_exits_101(qwen3: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def _switch_off_consistent_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every engine's consistent() a silent no-op, as a broken kernel install would."""
-    from logdiff.engines import hf, vllm
+    from logdiff.sources import hf, vllm
 
     for cls in (hf.HFEngine, vllm.VLLMEngine):
         monkeypatch.setattr(cls, "consistent", lambda self, only=None, fixed_order_rows=False: contextlib.nullcontext())
@@ -374,7 +374,7 @@ def test_self_check_hf_vs_vllm_matches_committed_baseline(qwen3: Path) -> None:
 
 def test_missing_vllm_exits_3(qwen3: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An engine that cannot load evicts nothing: availability is checked before an exclusive eviction."""
-    from logdiff.engines.pool import current_pool
+    from logdiff.sources.pool import current_pool
 
     loaded = len(current_pool())
     monkeypatch.setitem(sys.modules, "vllm", None)

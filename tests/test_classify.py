@@ -16,8 +16,7 @@ import pytest
 from plants import split_k
 
 import logdiff
-from logdiff.engines import base, pool
-from logdiff.probes import checkpoint
+from logdiff.sources import base, checkpoint, pool
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 

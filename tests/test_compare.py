@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from logdiff import compare
+from logdiff.comparison import metrics as compare
 
 
 def test_identical_paths_are_all_zero() -> None:

@@ -1,4 +1,4 @@
-"""``logdiff compare``: two capture bundles compared offline (logdiff/offline.py, probes/feed.py).
+"""``logdiff compare``: two capture bundles compared offline (logdiff/commands/compare.py, logdiff/comparison/pairing.py).
 
 The bundles here are captured in-process from the demo Qwen3 (bf16, unsharded; the sharded ones are in
 tests/test_capture_sharded.py). The inference bundle runs the same sequences in another batching (one per
@@ -40,7 +40,7 @@ def bundles(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPath
 
 
 def _compare(train: Path, infer: Path, **kw):
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     return compare_bundles(train, infer, **kw).to_dict()
 
@@ -86,7 +86,7 @@ def test_unmatched_sequences_are_left_out_and_said(bundles) -> None:
 
 
 def test_match_sequences_joins_prefixes_and_uses_each_once() -> None:
-    from logdiff.probes.feed import match_sequences
+    from logdiff.comparison.pairing import match_sequences
 
     g = (0,)
     train = {(g, 0): [1, 2, 3, 4], (g, 1): [1, 2, 3, 4], (g, 2): [9, 9]}

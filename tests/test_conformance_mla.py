@@ -280,7 +280,7 @@ V3_MSCALE2 = (0.1 * math.log(40.0) + 1.0) ** 2
 def test_hf_demo_mla_is_within_its_own_contract(hf_mla: dict[str, Any], impl: str) -> None:
     """HF's bf16 MLA (eager and SDPA) on the demo, every layer: within the bound of the function at its own
     contract's scale (the config's definition); against another layer's kv_b_proj, outside."""
-    from logdiff.engines.hf.contract import hf_contract
+    from logdiff.sources.hf.contract import hf_contract
 
     model = hf_mla["model"]
     model.config._attn_implementation = impl

@@ -1,4 +1,4 @@
-"""Consistent training under FSDP2 sees each step's new weights (logdiff/engines/hf/training.py, issue 36).
+"""Consistent training under FSDP2 sees each step's new weights (logdiff/sources/hf/training.py, issue 36).
 
 Two processes on gloo train the demo Qwen3 in bfloat16, wrapped with ``fully_shard`` per layer and on the
 model, inside one ``logdiff.consistent_training`` block: two AdamW steps, then a scoring forward. That forward

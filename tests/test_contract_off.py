@@ -20,11 +20,11 @@ from types import SimpleNamespace as NS
 from typing import Any
 
 import pytest
+from logdiff.probes.contracts import OFF, applied, effective, soft_cap, window_size
 
 import logdiff
 from logdiff.diagnosis.classify import OpEvidence, classify_op, preflight_only_causes
 from logdiff.diagnosis.preflight import compare_contracts, one_sided
-from logdiff.probes.contracts import OFF, applied, effective, soft_cap, window_size
 
 SMALL = {"num_sequences": 2, "prompt_len": 12, "response_len": 12, "depth": "modules", "attribute": False}
 ATTN = "model.layers.0.self_attn.attn_core"
@@ -98,9 +98,10 @@ def _vllm_gemma2(impl: Any, processor: Any) -> Any:
 
 def test_vllm_readers_tell_off_from_unread() -> None:
     """Without vLLM: stand-ins of vLLM's tree. A backend with no window or cap reads off; no backend, unread."""
-    from logdiff.engines.vllm.contract import _backend_window
-    from logdiff.engines.vllm.contract_extras import EXTRAS
     from logdiff.probes.arch import adapter_for
+
+    from logdiff.sources.vllm.contract import _backend_window
+    from logdiff.sources.vllm.contract_extras import EXTRAS
 
     assert _backend_window(NS(sliding_window=-1)) == OFF and _backend_window(NS(sliding_window=8)) == 8
     assert _backend_window(None) is None and _backend_window(NS()) is None
@@ -124,7 +125,7 @@ def _tiny(config_class: str, model_class: str, **config: Any) -> Any:
 
 
 def test_hf_reader_reads_no_window_and_no_soft_cap_as_off() -> None:
-    from logdiff.engines.hf.contract import hf_contract
+    from logdiff.sources.hf.contract import hf_contract
 
     assert hf_contract(_tiny("MistralConfig", "MistralForCausalLM", sliding_window=None), {})["sliding_window"] == OFF
     assert hf_contract(_tiny("MistralConfig", "MistralForCausalLM", sliding_window=8), {})["sliding_window"] == 8

@@ -8,9 +8,8 @@ bitwise equal on the device too.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from plants import split_k
@@ -18,9 +17,8 @@ from typer.testing import CliRunner
 
 import logdiff
 from logdiff.cli import app
-from logdiff.engines import base, pool
-from logdiff.engines.base import resolve_device
-from logdiff.probes import checkpoint
+from logdiff.sources import base, checkpoint, pool
+from logdiff.sources.base import resolve_device
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "attribute": False}
 

@@ -16,7 +16,7 @@ import torch
 
 from logdiff.diagnosis.classify import preflight_only_causes
 from logdiff.diagnosis.preflight import narrower_dtype, preflight
-from logdiff.engines.hf.contract import hf_contract, hf_fingerprints
+from logdiff.sources.hf.contract import hf_contract, hf_fingerprints
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""An engine's environment check runs on every ``acquire``, a pooled engine's too (engines/pool.py).
+"""An engine's environment check runs on every ``acquire``, a pooled engine's too (sources/pool.py).
 
 A scan refuses to run vLLM under the capture plugin's variable (``LOGDIFF_CAPTURE``). The check used to run
 only when an engine was built, so a scan after another one in the same process (the pool reuses engines) ran
@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 
 import pytest
 
-from logdiff.engines import registry
-from logdiff.engines.base import EngineSpec
-from logdiff.engines.pool import EnginePool
-from logdiff.probes.errors import InputError
+from logdiff.errors import InputError
+from logdiff.sources import registry
+from logdiff.sources.base import EngineSpec
+from logdiff.sources.pool import EnginePool
 
 
 class Checked:
@@ -51,7 +51,7 @@ def test_a_pooled_engine_is_checked_again(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_the_vllm_engine_refuses_the_capture_plugins_variable_before_importing_anything(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from logdiff.engines.vllm import VLLMEngine
+    from logdiff.sources.vllm import VLLMEngine
 
     monkeypatch.setenv("LOGDIFF_CAPTURE", "/tmp/bundle")
     with pytest.raises(InputError, match="LOGDIFF_CAPTURE"):

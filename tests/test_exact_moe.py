@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from logdiff.probes.arch import adapter_of
 
 from logdiff.diagnosis import exact_moe
 from logdiff.diagnosis.exact import error_units
 from logdiff.diagnosis.routing_rules import rule_of
 from logdiff.diagnosis.spacing import eps
-from logdiff.engines.hf.contract import hf_contract
-from logdiff.probes.arch import adapter_of
+from logdiff.sources.hf.contract import hf_contract
 
 #: (demo arch, config overrides) of one small MoE model per family
 FAMILIES = {

@@ -33,7 +33,7 @@ def _torchrun(*args: object, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def test_capture_fsdp_example_records_each_ranks_sequences(demo_model: Callable[[str], Path], tmp_path: Path) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     seqs = tmp_path / "seqs.jsonl"
     seqs.write_text("".join(json.dumps({"prompt_ids": p, "response_ids": r}) + "\n" for p, r in SEQS))

@@ -87,7 +87,7 @@ def test_reference_kernels_batch_invariant_on_cuda(dtype):
 def test_flash_reader_on_device():
     from types import SimpleNamespace
 
-    from logdiff.engines.vllm.consistent.cuda import FlashKVReader
+    from logdiff.sources.vllm.consistent.cuda import FlashKVReader
 
     head, heads, block = 64, 2, 16
     cache = torch.zeros(4, heads, block, 2 * head, device="cuda")
@@ -106,7 +106,7 @@ def test_hf_consistent_on_cuda_is_batch_invariant(qwen3):
     from transformers import AutoModelForCausalLM
 
     from logdiff import kernels
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
 
     model = AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.bfloat16).cuda().eval()
     gen = torch.Generator().manual_seed(0)
@@ -121,7 +121,6 @@ def test_a_comparison_keeps_its_statistics_on_the_device_without_a_sync():
     """``DiffSummary.update`` of a live side on CUDA never synchronizes (torch's sync debug mode raises on one);
     settled, it is the summary the host fold gives."""
     import numpy as np
-
     from logdiff.probes.summary import DiffSummary
 
     gen = torch.Generator().manual_seed(5)

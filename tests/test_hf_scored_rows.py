@@ -11,10 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from logdiff.engines.base import EngineSpec
-
-from logdiff.engines.pool import acquire
-from logdiff.sequences import Sequence
+from logdiff.records.sequences import Sequence
+from logdiff.sources.base import EngineSpec
+from logdiff.sources.pool import acquire
 
 
 def _seqs(shift: int = 0) -> list[Sequence]:

@@ -10,32 +10,34 @@ New modules are picked up as the directories are scanned.
 
 1. No circles: the strongly connected components of the graph are single modules; a failure
    names one circle, module by module.
-2. The layers. A module's layer is the longest name in ``LAYERS`` it equals or lies under
-   (``EXACT`` first); a module named nowhere is ``scan``. Each layer imports only ``MAY_IMPORT``:
+2. The layers follow the flow, sources -> records -> comparison -> diagnosis -> reports (docs/design.md).
+   A module's layer is the longest name in ``LAYERS`` it equals or lies under (``EXACT`` first); a
+   module named nowhere is an error (``test_every_module_has_a_layer``). Each layer imports only
+   ``MAY_IMPORT``, which is everything below it and nothing above:
 
-   ==========  =====================================================================  ==============================
-   layer       modules                                                                may import
-   ==========  =====================================================================  ==============================
-   kernels     kernels/                                                               nothing of ours
-   probes      probes/ (hooks, records, bundles, adapters)                            probes, kernels
-   reports     reports/ (renders the result dict)                                     nothing of ours
-   common      errors, isa, phases, version, sequences, dumps, config, options, ...   common, interface, registry,
-                                                                                      probes, kernels
-   interface   ``logdiff.engines`` (default names), ``engines.base`` (the protocol)   common, probes, kernels
-   registry    ``engines.registry`` (lists the engines), ``engines.pool``             + sources (it lists them)
-   source      every engine folder (hf, vllm, megatron, ...), ``logdiff.msprobe``    source, interface, common,
-                                                                                      probes, kernels, reports
-   comparison  compare, locate, offline, bundle_feed, bundle_checks, bundle_weights,  comparison, common, interface,
-               bundle_shards, nonfinite, result, environment, diagnosis/              registry, probes, kernels,
-                                                                                      reports
-   scan        pipeline and everything else: batch_probe, check, outputs, doctor,     anything but top
-               integrations/, demo/, ...
-   top         the ``logdiff`` package (the public API) and ``logdiff.cli``           anything
-   ==========  =====================================================================  ==============================
+   ==========  ======================================================================  =========================
+   layer       modules                                                                 may import
+   ==========  ======================================================================  =========================
+   kernels     kernels/                                                                nothing of ours
+   reports     reports/ (renders the result dict)                                      nothing of ours
+   leaves      ``errors``, ``version``, ``isa``, ``phases``                            leaves
+   records     ``logdiff.records`` (bundles, writer, stores, sketches, un-sharding)    + kernels
+   probes      probes/ (hooks, sessions, architecture adapters)                        + records
+   interface   ``logdiff.sources`` (default names), ``sources.base`` (the protocol)    + probes
+   source      every folder under ``logdiff.sources`` (hf, vllm, megatron, msprobe,    + interface, reports
+               the staged checkpoint, rollout dumps)
+   registry    ``sources.registry`` (lists the sources), ``sources.pool``              + source
+   comparison  ``logdiff.comparison`` (pairing, metrics, locate, the result)           interface, registry and
+                                                                                       below, no source
+   diagnosis   ``logdiff.diagnosis``                                                   + comparison
+   entry       ``logdiff.commands``, ``logdiff.integrations``, ``logdiff.demo``        anything but top
+   top         the ``logdiff`` package (the public API) and ``logdiff.cli``            anything
+   ==========  ======================================================================  =========================
 
-   So the comparison imports no source except through the protocol (``engines.base``) and the
+   So the comparison imports no source except through the protocol (``sources.base``) and the
    registry, which lists the implementations and is imported by none of them; sources never import
-   the comparison or the scan; nothing imports the scan back from below.
+   the comparison, the diagnosis or a command; the diagnosis takes its settings as data, never the
+   scan's config class; an architecture adapter (probes/arch/) never imports the package root.
 3. A source is one folder: it imports no other source folder, except the crossings in
    ``CROSSINGS``, each with its reason (every one listed must still exist, so the table shrinks as
    they are removed).
@@ -44,7 +46,7 @@ What it cannot see: an import by a computed name (``importlib.import_module(f"..
 registries use one: ``kernels/registry.py`` (the catalogue; no kernel imports it) and
 ``probes/arch/base.py`` (``FAMILIES``), whose family modules import ``base`` back for ``register``:
 the circle design.md forbids, not yet split (a registry module importing the families, as
-``logdiff/engines/registry.py`` does for the engines).
+``logdiff/sources/registry.py`` does for the engines).
 
 Negative controls: a planted package with a circle through a relative, lazy ``from pkg import
 submodule`` import is found (and the same package without the back edge is not); a planted
@@ -65,44 +67,47 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 #: modules that are their layer by their exact name only (their submodules are placed by ``LAYERS``)
-EXACT = {"logdiff": "top", "logdiff.engines": "interface"}
+EXACT = {"logdiff": "top", "logdiff.sources": "interface"}
 #: layer -> the names it holds (each name and everything under it; the longest name wins)
 LAYERS = {
     "kernels": ("logdiff.kernels",),
-    "probes": ("logdiff.probes",),
     "reports": ("logdiff.reports",),
-    "common": ("logdiff.errors", "logdiff.isa", "logdiff.phases", "logdiff.version", "logdiff.sequences",
-               "logdiff.dumps", "logdiff.config", "logdiff.options", "logdiff.override_types"),
-    "interface": ("logdiff.engines.base",),
-    "registry": ("logdiff.engines.registry", "logdiff.engines.pool"),
-    "source": ("logdiff.engines", "logdiff.msprobe"),
-    "comparison": ("logdiff.compare", "logdiff.locate", "logdiff.offline", "logdiff.bundle_feed",
-                   "logdiff.bundle_checks", "logdiff.bundle_weights", "logdiff.bundle_shards", "logdiff.nonfinite", "logdiff.result",
-                   "logdiff.environment", "logdiff.diagnosis"),
+    "leaves": ("logdiff.errors", "logdiff.version", "logdiff.isa", "logdiff.phases"),
+    "records": ("logdiff.records",),
+    "probes": ("logdiff.probes",),
+    "interface": ("logdiff.sources.base",),
+    "source": ("logdiff.sources",),
+    "registry": ("logdiff.sources.registry", "logdiff.sources.pool"),
+    "comparison": ("logdiff.comparison",),
+    "diagnosis": ("logdiff.diagnosis",),
+    "entry": ("logdiff.commands", "logdiff.integrations", "logdiff.demo"),
     "top": ("logdiff.cli",),
 }
-ALL = frozenset([*LAYERS, "scan"])
+ALL = frozenset(LAYERS)
+_BELOW_SOURCES = {"interface", "probes", "records", "leaves", "kernels"}
 MAY_IMPORT = {
     "kernels": {"kernels"},
-    "probes": {"probes", "kernels"},
     "reports": {"reports"},
-    "common": {"common", "interface", "registry", "probes", "kernels"},
-    "interface": {"interface", "common", "probes", "kernels"},
-    "registry": {"registry", "interface", "source", "common", "probes", "kernels"},
-    "source": {"source", "interface", "common", "probes", "kernels", "reports"},
-    "comparison": {"comparison", "common", "interface", "registry", "probes", "kernels", "reports"},
-    "scan": ALL - {"top"},
+    "leaves": {"leaves"},
+    "records": {"records", "leaves", "kernels"},
+    "probes": {"probes", "records", "leaves", "kernels"},
+    "interface": _BELOW_SOURCES,
+    "source": {"source", "reports", *_BELOW_SOURCES},
+    "registry": {"registry", "source", *_BELOW_SOURCES},
+    "comparison": {"comparison", "registry", "reports", *_BELOW_SOURCES},
+    "diagnosis": {"diagnosis", "comparison", "registry", "reports", *_BELOW_SOURCES},
+    "entry": ALL - {"top"},
     "top": ALL,
 }
 #: (source folder, another source folder it imports) -> why; each must still exist
 CROSSINGS = {
-    ("logdiff.engines.vllm_ascend", "logdiff.engines.vllm"): "vllm-ascend is the vllm engine on Ascend's platform",
-    ("logdiff.engines.vllm", "logdiff.engines.vllm_ascend"):
+    ("logdiff.sources.vllm_ascend", "logdiff.sources.vllm"): "vllm-ascend is the vllm engine on Ascend's platform",
+    ("logdiff.sources.vllm", "logdiff.sources.vllm_ascend"):
         "vllm's consistent mode picks its NPU backend (vllm_ascend.consistent) by platform",
-    ("logdiff.msprobe", "logdiff.engines.hf"):
+    ("logdiff.sources.msprobe", "logdiff.sources.hf"):
         "an HF TP msprobe dump is placed by the plan logdiff's own HF TP capture runs (tensor_parallel.tp_plan)",
-    ("logdiff.msprobe", "logdiff.engines.vllm"):
-        "a vLLM TP msprobe dump is placed by the layer types engines/vllm/placements.py declares, not a copy",
+    ("logdiff.sources.msprobe", "logdiff.sources.vllm"):
+        "a vLLM TP msprobe dump is placed by the layer types sources/vllm/placements.py declares, not a copy",
 }
 
 
@@ -226,7 +231,7 @@ def _shortest_circle(graph: dict[str, set[str]], component: set[str]) -> list[st
 def layer_of(module: str) -> str:
     if module in EXACT:
         return EXACT[module]
-    best, layer = "", "scan"
+    best, layer = "", "unplaced"
     for name, names in LAYERS.items():
         for prefix in names:
             if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
@@ -235,11 +240,10 @@ def layer_of(module: str) -> str:
 
 
 def source_folder(module: str) -> str | None:
-    """The source folder a module belongs to (``logdiff.engines.hf``, ``logdiff.msprobe``), or None."""
+    """The source folder a module belongs to (``logdiff.sources.hf``, ``logdiff.sources.msprobe``), or None."""
     if layer_of(module) != "source":
         return None
-    parts = module.split(".")
-    return ".".join(parts[:3]) if parts[1] == "engines" else ".".join(parts[:2])
+    return ".".join(module.split(".")[:3])
 
 
 def violations(graph: dict[str, set[str]]) -> list[str]:
@@ -247,6 +251,9 @@ def violations(graph: dict[str, set[str]]) -> list[str]:
     out = []
     for module in sorted(graph):
         layer = layer_of(module)
+        if layer == "unplaced":
+            out.append(f"{module} lies in no layer: place its folder in LAYERS (and docs/design.md)")
+            continue
         for target in sorted(graph[module]):
             if layer_of(target) not in MAY_IMPORT[layer]:
                 out.append(f"{module} ({layer}) imports {target} ({layer_of(target)}); "
@@ -291,11 +298,11 @@ def test_every_listed_name_and_crossing_exists(graph: dict[str, set[str]]) -> No
 
 def test_the_parser_sees_lazy_relative_and_type_checking_imports(graph: dict[str, set[str]]) -> None:
     """Edges the real code holds only inside a function, only relatively, or only for type checking."""
-    assert "logdiff.bundle_feed" in graph["logdiff.pipeline"]  # lazy, in ``_score``
+    assert "logdiff.comparison.bundle_feed" in graph["logdiff.commands.scan"]  # lazy, in ``_score``
     assert "logdiff.kernels.attention_backward" in graph["logdiff.kernels.attention"]  # relative and lazy
     assert "logdiff.diagnosis.distribution" in graph["logdiff.diagnosis.truncation"]  # under TYPE_CHECKING
-    assert "logdiff.probes.ulps" in graph["logdiff.probes.store"]  # lazy, in ``PathStore.emit``
-    assert "logdiff.engines.hf" in graph["logdiff.engines.registry"]  # the registry lists the engines
+    assert "logdiff.records.ulps" in graph["logdiff.records.store"]  # lazy, in ``PathStore.emit``
+    assert "logdiff.sources.hf" in graph["logdiff.sources.registry"]  # the registry lists the engines
     for package in packages():  # every folder of pyproject's package-dir was scanned, not only logdiff/
         assert package in graph and any(m.startswith(package + ".") for m in graph), package
 
@@ -318,17 +325,33 @@ def test_control_a_planted_circle_is_found(tmp_path: Path) -> None:
 
 def test_control_planted_layer_crossings_are_reported(graph: dict[str, set[str]]) -> None:
     planted = {k: set(v) for k, v in graph.items()}
-    planted["logdiff.offline"].add("logdiff.engines.hf")  # the comparison naming an engine
-    planted["logdiff.msprobe.convert"].add("logdiff.pipeline")  # a source importing the scan
-    planted["logdiff.msprobe.convert"].add("logdiff.engines.megatron.capture")  # a source touching another
-    planted["logdiff.probes.bundle"].add("logdiff.errors")  # probes importing logdiff's top level
+    planted["logdiff.comparison.locate"].add("logdiff.sources.hf")  # the comparison naming a source
+    planted["logdiff.sources.msprobe.convert"].add("logdiff.commands.scan")  # a source importing a command
+    planted["logdiff.sources.msprobe.convert"].add("logdiff.comparison.metrics")  # a source importing the comparison
+    planted["logdiff.sources.msprobe.convert"].add("logdiff.sources.megatron.capture")  # a source touching another
+    planted["logdiff.records.bundle"].add("logdiff.probes.session")  # records importing the probes above them
+    planted["logdiff.diagnosis.diagnose"].add("logdiff.commands.config")  # the diagnosis taking the scan's config
+    planted["logdiff.probes.arch.deepseek_v2"].add("logdiff")  # an adapter importing the package root
+    planted["logdiff.comparison.result"].add("logdiff.diagnosis.classify")  # the comparison importing the diagnosis
+    planted["logdiff.stray"] = set()  # a module in no stage folder
     found = violations(planted)
-    expected = ["logdiff.offline (comparison) imports logdiff.engines.hf (source)",
-                "logdiff.msprobe.convert (source) imports logdiff.pipeline (scan)",
-                "logdiff.msprobe.convert imports logdiff.engines.megatron.capture: a source is one folder",
-                "logdiff.probes.bundle (probes) imports logdiff.errors (common)"]
+    expected = ["logdiff.comparison.locate (comparison) imports logdiff.sources.hf (source)",
+                "logdiff.sources.msprobe.convert (source) imports logdiff.commands.scan (entry)",
+                "logdiff.sources.msprobe.convert (source) imports logdiff.comparison.metrics (comparison)",
+                "logdiff.sources.msprobe.convert imports logdiff.sources.megatron.capture: a source is one folder",
+                "logdiff.records.bundle (records) imports logdiff.probes.session (probes)",
+                "logdiff.diagnosis.diagnose (diagnosis) imports logdiff.commands.config (entry)",
+                "logdiff.probes.arch.deepseek_v2 (probes) imports logdiff (top)",
+                "logdiff.comparison.result (comparison) imports logdiff.diagnosis.classify (diagnosis)",
+                "logdiff.stray lies in no layer"]
     for line in expected:
         assert any(f.startswith(line) for f in found), (line, found)
     assert len(found) == len(expected) + len(violations(graph))
-    planted["logdiff.engines.base"].add("logdiff.engines.registry")  # the protocol importing its registry
-    assert any({"logdiff.engines.base", "logdiff.engines.registry"} <= set(c) for c in circles(planted))
+    planted["logdiff.sources.base"].add("logdiff.sources.registry")  # the protocol importing its registry
+    assert any({"logdiff.sources.base", "logdiff.sources.registry"} <= set(c) for c in circles(planted))
+
+
+def test_the_root_holds_only_the_api_the_cli_and_leaves() -> None:
+    """logdiff/ itself: the public API, the CLI and the leaves; every other module lives in its stage's folder."""
+    root = {p.stem for p in (ROOT / "logdiff").glob("*.py")}
+    assert root == {"__init__", "cli", *(name.split(".")[1] for name in LAYERS["leaves"])}, sorted(root)

@@ -12,15 +12,16 @@ import json
 from pathlib import Path
 
 import pytest
+from logdiff.probes import correspondence
+from logdiff.reports.schema import validate_result
 from plants import split_k
 
-from logdiff.config import ScanConfig
-from logdiff.engines.base import EngineSpec
-from logdiff.engines.pool import acquire
-from logdiff.locate import write_tables
-from logdiff.pipeline import scan
-from logdiff.probes import checkpoint, correspondence
-from logdiff.reports.schema import validate_result
+from logdiff.commands.config import ScanConfig
+from logdiff.commands.scan import scan
+from logdiff.comparison.locate import write_tables
+from logdiff.sources import checkpoint
+from logdiff.sources.base import EngineSpec
+from logdiff.sources.pool import acquire
 
 SMALL = {"num_sequences": 3, "prompt_len": 10, "response_len": 8}
 

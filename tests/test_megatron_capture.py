@@ -2,7 +2,7 @@
 
 The demo Qwen3 (and the demo Qwen3-MoE) converted to a megatron-core ``GPTModel`` of the local spec
 (``megatron_models.py``), run in float32 on 1 or 2 spawned gloo processes with test-side CUDA shims
-(``megatron_shims.py``), each inside ``logdiff.engines.megatron.capture``. One launch per parallel layout, each
+(``megatron_shims.py``), each inside ``logdiff.sources.megatron.capture``. One launch per parallel layout, each
 making all of its captures:
 
 * TP = 1 (one process): Megatron stock and with kernels/collective.py's fixed-order row-parallel reduction;
@@ -70,7 +70,7 @@ def _forward(model, ids, mask) -> None:
 
 
 def _geometry():
-    from logdiff.engines.megatron.names import Geometry
+    from logdiff.sources.megatron.names import Geometry
 
     return Geometry(heads=4, groups=2, head_dim=8, ffn=12)
 
@@ -91,8 +91,8 @@ def test_the_weight_mapping_round_trips_and_qkv_splits_per_query_group() -> None
     (and the HF-style ``[q | k | v]`` split is not: the negative control)."""
     import torch
 
-    from logdiff.engines.megatron.names import split_fc1, split_qkv
-    from logdiff.engines.megatron.weights import hf_to_megatron, megatron_to_hf
+    from logdiff.sources.megatron.names import split_fc1, split_qkv
+    from logdiff.sources.megatron.weights import hf_to_megatron, megatron_to_hf
 
     hf, geo = _hf_layer(), _geometry()
     meg = hf_to_megatron(hf, geo, 1)
@@ -112,7 +112,7 @@ def test_strided_shards_rebuild_the_logical_tensor() -> None:
     """``partition_stride`` 2 (``linear_fc1``): rank i holds ``[gate_i; up_i]``; the slices rejoin in order."""
     import torch
 
-    from logdiff.engines.megatron.weights import shard_of, unstride
+    from logdiff.sources.megatron.weights import shard_of, unstride
 
     t = torch.arange(24.0).reshape(8, 3)
     pieces = [shard_of(t, 0, 2, r, 2) for r in range(2)]
@@ -125,7 +125,7 @@ def test_te_spec_names_map_to_hf() -> None:
     """The TE spec's fused norm weights and grouped-GEMM experts by name (coded, not run: no TE here)."""
     import torch
 
-    from logdiff.engines.megatron.weights import megatron_to_hf
+    from logdiff.sources.megatron.weights import megatron_to_hf
 
     w = torch.ones(4)
     hf = megatron_to_hf({"decoder.layers.2.self_attention.linear_qkv.layer_norm_weight": w,
@@ -140,9 +140,8 @@ def test_te_spec_names_map_to_hf() -> None:
 
 
 def test_a_bad_hf_config_is_one_input_error(tmp_path: Path) -> None:
-    from logdiff.probes.errors import InputError
-
-    from logdiff.engines.megatron.capture import _hf_config
+    from logdiff.errors import InputError
+    from logdiff.sources.megatron.capture import _hf_config
 
     with pytest.raises(InputError, match="cannot read the HF config"):
         _hf_config(tmp_path / "missing.json")
@@ -157,7 +156,7 @@ def _worker(rank: int, world: int, mode: str, model_dir: str, out: str, store: s
     import megatron_models as mm
     import megatron_shims as sh
 
-    from logdiff.engines.megatron import capture
+    from logdiff.sources.megatron import capture
 
     ids = _ids()
     mask = sh.causal_mask(len(ids[0]))
@@ -199,7 +198,7 @@ def _pipeline(stage: int, model, model_dir: str, out: str, ids: list[list[int]],
     import torch
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-    from logdiff.engines.megatron import capture
+    from logdiff.sources.megatron import capture
 
     batch = torch.tensor(ids)
     pos = torch.arange(batch.shape[1])[None].expand(batch.shape[0], -1)
@@ -220,7 +219,7 @@ def _moe(rank: int, world: int, mode: str, model_dir: str, out: str, ids: list[l
     import megatron_models as mm
     import torch
 
-    from logdiff.engines.megatron import capture
+    from logdiff.sources.megatron import capture
 
     mine = ids if world == 1 else [ids[rank]]  # equal batches: the all-gather dispatcher gathers equal sizes
     model = mm.build(Path(model_dir), ep=world)
@@ -268,14 +267,14 @@ def dense(demo_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 
 
 def _compare(train: Path, infer: Path, model: Path | None = None) -> dict:
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     return compare_bundles(train, infer, model=model).to_dict()
 
 
 def _values(path: Path, name: str) -> np.ndarray:
     """Record ``name`` of step 0 rebuilt, its rows in the step's row order."""
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     bundle = Bundle(path)
     (logical,) = bundle.logical(0, name).values()
@@ -285,7 +284,7 @@ def _values(path: Path, name: str) -> np.ndarray:
 
 
 def test_megatron_records_every_boundary_the_hf_capture_has(dense) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     hf, meg = Bundle(dense["tp1"] / "hf-eager"), Bundle(dense["tp1"] / "stock")
     assert set(meg.names(0)) == set(hf.names(0))  # the same boundaries (each in the order its model ran them)
@@ -358,8 +357,8 @@ def test_a_weight_shard_planted_on_rank_1_is_found_in_its_slice(dense) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from logdiff.bundle_shards import shard_lines
-    from logdiff.probes.bundle import Bundle
+    from logdiff.comparison.bundle_shards import shard_lines
+    from logdiff.records.bundle import Bundle
 
     state = AutoModelForCausalLM.from_pretrained(dense["model"], dtype=torch.float32).state_dict()
     stock = Bundle(dense["tp2"] / "stock")
@@ -382,7 +381,7 @@ def sp_pp(dense, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_sequence_parallel_rows_rebuild_the_tp2_capture_bitwise(dense, sp_pp) -> None:
     """Under SP the norms, residuals and row-parallel outputs hold each rank's positions (``shard(-2)``); rebuilt,
     every record equals the TP = 2 capture's bit for bit (the reduce-scatter sums what the all-reduce sums)."""
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     sp = Bundle(sp_pp["sp"] / "stock")
     assert sp.meta["megatron"]["sequence_parallel"] is True
@@ -409,8 +408,8 @@ def test_pipeline_stages_record_global_layers_and_join_into_the_tp1_capture(dens
     """Each stage records its own layers under their global numbers, bitwise equal to TP = 1; the comparison
     joins the stages (``probes.stages``) and the bundle compares ``consistent`` against TP = 1, every weight
     verified."""
-    from logdiff.probes.bundle import Bundle
-    from logdiff.probes.stages import has_stages
+    from logdiff.records.bundle import Bundle
+    from logdiff.records.stages import has_stages
 
     pp = Bundle(sp_pp["pp"] / "stock")
     first, last = (list(part.steps[0]["records"]) for part in pp.ranks)
@@ -436,7 +435,7 @@ def moe(demo_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 def _routes(path: Path, layer: int, k: int = 2) -> dict[tuple[int, ...], list[set[int]]]:
     """Each captured sequence's chosen experts per token (top-k of the router logits), keyed by its token ids."""
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     bundle = Bundle(path)
     out = {}

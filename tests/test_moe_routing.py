@@ -20,18 +20,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
-from plants import stale_checkpoint
-
-import logdiff
-from logdiff.diagnosis import routing
-from logdiff.engines import pool
-from logdiff.probes import checkpoint
 from logdiff.probes.routing import RouterLogits
 from logdiff.reports.html import render_html
 from logdiff.reports.schema import validate_result
 from logdiff.reports.terminal import print_summary
-from logdiff.result import Cause
+from plants import stale_checkpoint
+from rich.console import Console
+
+import logdiff
+from logdiff.comparison.result import Cause
+from logdiff.diagnosis import routing
+from logdiff.sources import checkpoint, pool
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 RULE = routing.Rule(top_k=2, renormalize=True)
@@ -199,10 +198,11 @@ def rounding_against_the_tie(router: Any, renormalize: bool) -> Iterator[None]:
 
 def test_near_tie_flips_from_rounding_noise_are_operator_path(qwen3_moe: Path) -> None:
     """Two HF engines that compute bitwise alike; rounding noise planted in the inference side's first router."""
-    from logdiff.config import ScanConfig
-    from logdiff.pipeline import engine_spec, run_paths
-    from logdiff.diagnosis.preflight import preflight
     from logdiff.probes.arch import adapter_of
+
+    from logdiff.commands.config import ScanConfig
+    from logdiff.commands.scan import engine_spec, run_paths
+    from logdiff.diagnosis.preflight import preflight
 
     cfg = ScanConfig(model=qwen3_moe, infer=["hf"], infer_set={"batch_size": 4}, num_sequences=4, prompt_len=28,
                      response_len=4, depth="modules")  # fmt: skip

@@ -1,4 +1,4 @@
-"""msprobe dumps as a ``logdiff compare`` source (logdiff/msprobe/, docs/msprobe.md).
+"""msprobe dumps as a ``logdiff compare`` source (logdiff/sources/msprobe/, docs/msprobe.md).
 
 The fixtures in tests/data/msprobe are real msprobe 26.2.0 tensor-mode L0 dumps of the demo Qwen3 (embedding,
 layer 0 and the logits; weight files deleted), HF and vLLM-CPU sides of the same three prompts (README there).
@@ -33,8 +33,8 @@ def _config() -> dict:
 
 
 def _convert(dump: Path, out: Path, role: str = "train"):
-    from logdiff.msprobe import convert
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
+    from logdiff.sources.msprobe import convert
 
     return Bundle(convert(dump, out, role, _config()))
 
@@ -97,7 +97,7 @@ def test_vllm_dump_splits_packed_records_and_joins_decode_rows(tmp_path: Path) -
 
 
 def test_decode_rows_of_equal_length_follow_the_greedy_token() -> None:
-    from logdiff.msprobe.rows import VllmSequences, segments
+    from logdiff.sources.msprobe.rows import VllmSequences, segments
 
     state = VllmSequences()
     pos = np.array([0, 1, 2, 0, 1, 2])
@@ -139,7 +139,7 @@ def test_compare_hf_dump_against_vllm_dump(model_dir: Path, tmp_path: Path) -> N
 
 
 def _compare(train: Path, infer: Path, tmp_path: Path) -> dict:
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     return compare_bundles(_convert(train, tmp_path / "a").root, _convert(infer, tmp_path / "b", "infer").root
                            ).to_dict()
@@ -208,7 +208,6 @@ def test_bad_inputs_are_one_line_and_exit_2(model_dir: Path, tmp_path: Path, mon
 def test_kept_hf_parameters_are_fingerprinted(tmp_path: Path) -> None:
     """The fixtures' weight files were deleted; one put back is hashed as a logdiff capture hashes it."""
     import torch
-
     from logdiff.probes.contracts import fingerprint
 
     dump = tmp_path / "dump"
@@ -247,7 +246,7 @@ def test_hf_dump_equals_logdiffs_own_capture_of_the_same_forwards(qwen3: Path, t
             ids = torch.tensor([p + [spec["PAD"]] * (L - len(p)) for p in prompts])
             mask = torch.tensor([[1] * len(p) + [0] * (L - len(p)) for p in prompts])
             model(input_ids=ids, attention_mask=mask)
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     r = compare_bundles(_convert(HF, tmp_path / "dump").root, tmp_path / "capture").to_dict()
     assert r["sequences"]["count"] == 4 and r["logprobs"]["abs_diff_max"] == 0.0 and not r.get("first_divergence")

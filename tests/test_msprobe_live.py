@@ -132,9 +132,9 @@ def test_a_converted_dump_equals_logdiffs_own_capture_of_the_run(runs: dict[str,
     """msprobe and logdiff hooked the same forwards: every boundary of the converted dump equals the capture's."""
     from msprobe_run import HF_STEPS, VLLM_STEPS, step_dir
 
-    from logdiff.msprobe import convert
-    from logdiff.msprobe.source import model_config
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
+    from logdiff.sources.msprobe import convert
+    from logdiff.sources.msprobe.source import model_config
 
     step = step_dir(runs[dump], (HF_STEPS if side == "hf" else VLLM_STEPS)[run])
     converted = convert(step, tmp_path / "dump", "train", model_config(qwen3, step))

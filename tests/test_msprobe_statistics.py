@@ -1,4 +1,4 @@
-"""Statistics-only msprobe dumps as a ``logdiff compare`` source (logdiff/msprobe/statistics.py, docs/msprobe.md).
+"""Statistics-only msprobe dumps as a ``logdiff compare`` source (logdiff/sources/msprobe/statistics.py, docs/msprobe.md).
 
 Real dumps of the demo Qwen3 (HF, bf16, one [2, 7] forward per msprobe step), made here: the same run three
 times per dump, step 0 as loaded, step 1 with ``PLANT`` scaled by ``FACTOR`` (a one-sided weight fault), step 2
@@ -177,7 +177,7 @@ def _msprobe_stats(t) -> dict:
 def test_bound_is_below_the_truth_and_zero_on_equal_tensors(dtype) -> None:
     import torch
 
-    from logdiff.msprobe.stat_bound import lower_bound
+    from logdiff.sources.msprobe.stat_bound import lower_bound
 
     g = torch.Generator().manual_seed(0)
     hits = 0
@@ -198,7 +198,7 @@ def test_bound_is_below_the_truth_and_zero_on_equal_tensors(dtype) -> None:
 
 
 def test_packed_and_reshaped_pairs_are_named_not_comparable() -> None:
-    from logdiff.msprobe.statistics import Site, Summary, compare_sites
+    from logdiff.sources.msprobe.statistics import Site, Summary, compare_sites
 
     st = {"Max": 1.0, "Min": -1.0, "Mean": 0.0, "Norm": 2.0}
     a = "model.layers.0.self_attn"

@@ -1,4 +1,4 @@
-"""msprobe dumps of a tensor-parallel run, un-sharded with ``--tp N`` (logdiff/msprobe/ranks.py, placements.py).
+"""msprobe dumps of a tensor-parallel run, un-sharded with ``--tp N`` (logdiff/sources/msprobe/ranks.py, placements.py).
 
 Real dumps, made here: the demo Qwen3 in float32 under DTensor TP = 2 on two gloo processes (the plan of
 tests/test_capture_sharded.py), msprobe 26.2.0 dumping every rank (``step0/rank0``, ``step0/rank1``) and, in
@@ -107,9 +107,8 @@ def _config(model: Path) -> dict:
 
 
 def _convert(runs: dict[str, Path], dump: Path, out: Path, tp: int | None = 2, role: str = "infer"):
-    from logdiff.probes.bundle import Bundle
-
-    from logdiff.msprobe.ranks import Parallel, convert_parallel
+    from logdiff.records.bundle import Bundle
+    from logdiff.sources.msprobe.ranks import Parallel, convert_parallel
 
     parallel = Parallel(tp) if tp else None
     return Bundle(convert_parallel(dump, out, role, _config(runs["model"]), str(runs["model"]), parallel))
@@ -140,7 +139,7 @@ def test_msprobe_dumps_dtensor_local_pieces_with_their_placements(runs) -> None:
 
 
 def test_tp2_dump_rebuilds_logdiffs_own_capture_of_the_same_run_bitwise(runs, tmp_path: Path) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     mine, theirs = _convert(runs, runs["tp2"], tmp_path / "b"), Bundle(runs["capture"])
     assert mine.world_size == 2 and [p.layout.group("tp") for p in mine.ranks] == [(0, 1), (0, 1)]
@@ -170,9 +169,9 @@ def test_compare_tp1_dump_against_tp2_dump_blames_the_row_parallel_sums(runs, tm
 
 def test_tp2_dump_against_itself_is_consistent_and_a_planted_slice_is_found(runs, tmp_path: Path) -> None:
     import torch
-    from logdiff.probes.bundle import Bundle
 
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
+    from logdiff.records.bundle import Bundle
 
     same = compare_bundles(_convert(runs, runs["tp2"], tmp_path / "a", role="train").root,
                            _convert(runs, runs["tp2"], tmp_path / "b").root).to_dict()
@@ -196,9 +195,9 @@ def test_tp2_dump_against_itself_is_consistent_and_a_planted_slice_is_found(runs
 
 
 def test_kept_weight_shards_hash_as_the_whole_weights(runs) -> None:
-    from logdiff.msprobe.layout import read_dump
-    from logdiff.msprobe.placements import gathered_parameters
-    from logdiff.msprobe.weights import fingerprint_sets, hf_fingerprints
+    from logdiff.sources.msprobe.layout import read_dump
+    from logdiff.sources.msprobe.placements import gathered_parameters
+    from logdiff.sources.msprobe.weights import fingerprint_sets, hf_fingerprints
 
     whole, rounded = hf_fingerprints(read_dump(runs["tp1"]))
     assert set(rounded) == {"bfloat16", "float16"} and rounded["bfloat16"] != whole  # a float32 run's, as a capture's
@@ -228,7 +227,7 @@ def test_bad_rank_layouts_and_sizes_are_one_line_and_exit_2(runs, tmp_path: Path
         assert code == 2 and words in _one_line(out), out
 
 
-# ---- vLLM's parallel layers (engines/vllm/placements.py), on a dump sharded here ----------------------------------
+# ---- vLLM's parallel layers (sources/vllm/placements.py), on a dump sharded here ----------------------------------
 
 VLLM = Path(__file__).parent / "data" / "msprobe" / "vllm-tensor-L0"
 

@@ -80,7 +80,7 @@ def test_consistent_training_handle_installs_and_undoes() -> None:
 @pytest.fixture(scope="module")
 def example_setup(qwen3: Path) -> Any:
     """The example module and its parsed CI-size args, with an engine pool for this module (released after)."""
-    from logdiff.engines.pool import engine_pool
+    from logdiff.sources.pool import engine_pool
 
     example = _example()
     args = example.parse_args([str(qwen3), "--steps", "2", *CI_SIZE])
@@ -135,7 +135,7 @@ def test_sync_refuses_inside_consistent_mode(example_engine: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     from logdiff import sync_vllm_weights
-    from logdiff.engines.vllm.consistent import consistent_vllm
+    from logdiff.sources.vllm.consistent import consistent_vllm
 
     example, args, engine = example_engine
     policy = AutoModelForCausalLM.from_pretrained(args.model)
@@ -144,8 +144,8 @@ def test_sync_refuses_inside_consistent_mode(example_engine: Any) -> None:
 
 
 def _hf_step_engine(model: Path, grad: bool) -> Any:
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.hf import HFForward
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.hf import HFForward
 
     return HFForward(EngineSpec(str(model), "bfloat16", options=(("grad", True),) if grad else ()))
 

@@ -6,7 +6,7 @@ No engine loads here. ``logdiff report`` renders a saved result; ``scan`` and ``
 ``logdiff.cli._run_scan`` replaced by one that returns the saved sample result (and a divergence
 table), so everything from the output probe to the last rename runs as in a real scan. This
 machine runs as root, where chmod cannot make a file unwritable, so the failures come from
-``logdiff.outputs``'s ``os`` calls made to fail (ENOSPC, EACCES, ...), from paths that fail for
+``logdiff.commands.outputs``'s ``os`` calls made to fail (ENOSPC, EACCES, ...), from paths that fail for
 root too (a directory where a file belongs, a parent that is a regular file, /proc), from /sys
 where it refuses root, and, where this machine lets the test mount one, from a 64 KiB tmpfs (a
 real full disk, then remounted read-only). Every failure has a negative control: the same
@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from logdiff import cli, outputs
+from logdiff import cli
+from logdiff.commands import outputs
 from logdiff.errors import EXIT_OUTPUT, OutputError
 
 runner = CliRunner()
@@ -63,7 +64,7 @@ def sample() -> dict[str, Any]:
 
 
 class FaultyOS:
-    """``logdiff.outputs``'s ``os``, with one call failing for the files whose name ``hit`` accepts.
+    """``logdiff.commands.outputs``'s ``os``, with one call failing for the files whose name ``hit`` accepts.
 
     ``open`` fails before the file exists; ``write`` writes half of the data first (a truncated
     file that must not survive); ``fsync`` after the data is written; ``replace`` at the rename.
@@ -519,7 +520,7 @@ def test_the_error_line_is_inert(saved: Path, tmp_path: Path) -> None:
 
 def _staging_fault(monkeypatch: pytest.MonkeyPatch, error: OSError | None) -> list[Path]:
     """Make converting a .pt checkpoint write half a file, then raise ``error`` (None: write it)."""
-    from logdiff.probes import checkpoint
+    from logdiff.sources import checkpoint
 
     real_save, staged = checkpoint._save, []
 
@@ -561,7 +562,7 @@ def test_an_unreadable_source_while_staging_is_an_input_error(
     qwen3: Path, pt_ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from logdiff.errors import InputError
-    from logdiff.probes import checkpoint
+    from logdiff.sources import checkpoint
 
     _staging_fault(monkeypatch, OSError(errno.EIO, os.strerror(errno.EIO), str(pt_ckpt)))
     with pytest.raises(InputError, match=f"cannot read {pt_ckpt}: {REASON[errno.EIO]}"):
@@ -569,7 +570,7 @@ def test_an_unreadable_source_while_staging_is_an_input_error(
 
 
 def test_staging_negative_control(qwen3: Path, pt_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from logdiff.probes import checkpoint
+    from logdiff.sources import checkpoint
 
     staged = _staging_fault(monkeypatch, None)
     model = checkpoint.stage(qwen3, pt_ckpt)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from logdiff import isa
-from logdiff.check import hardware_key
+from logdiff.commands.check import hardware_key
 from logdiff.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def test_only_a_smaller_isa_can_be_emulated(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_gemm_kind_names_the_kernel_behind_cpu_linear() -> None:
-    from logdiff.engines.vllm.doctor import gemm_kind
+    from logdiff.sources.vllm.doctor import gemm_kind
 
     class ops:  # stand-ins with the names vLLM's dispatch closures call
         onednn_mm = weight_packed_linear_cpu = staticmethod(lambda *a: None)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from logdiff.diagnosis.cause import verdict
+from logdiff.comparison.cause import verdict
 from logdiff.diagnosis.classify import OpEvidence, classify_op
 from logdiff.diagnosis.conformance import Conformance, SideCheck
 from logdiff.diagnosis.preflight import compare_fingerprints

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from logdiff.reports.schema import validate_result
 from test_verl_metrics import verl_metrics
 
 import logdiff
-from logdiff import compare
-from logdiff.config import ScanConfig
+from logdiff.commands.config import ScanConfig
+from logdiff.commands.outputs import dump_json
+from logdiff.comparison import metrics as compare
 from logdiff.errors import InputError
-from logdiff.outputs import dump_json
-from logdiff.reports.schema import validate_result
-from logdiff.sequences import load_jsonl
+from logdiff.records.sequences import load_jsonl
 
 # A multi-turn agent rollout: assistant turn, tool call output, assistant turn, observation, answer.
 TURNS = [(1, 4), (0, 3), (1, 3), (0, 5), (1, 2)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from logdiff.result import Cause, Findings, Located, Pair, PathInfo, ScanResult, ScanSettings, SequencesInfo
+from logdiff.comparison.result import Cause, Findings, Located, Pair, PathInfo, ScanResult, ScanSettings, SequencesInfo
 
 ALWAYS = ["schema_version", "tool", "created", "complete", "warnings", "model", "checkpoint", "infer_checkpoint",
           "architecture", "dtype", "settings", "environment", "paths", "sequences", "pairs", "logprobs",

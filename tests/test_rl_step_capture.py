@@ -82,8 +82,8 @@ def _causes(result: dict) -> list[tuple[str, str, str]]:
 
 
 def test_compare_of_the_captured_rl_step_agrees_with_scan_on_the_same_tokens(rl_step, tmp_path: Path) -> None:
-    from logdiff.config import ScanConfig
-    from logdiff.pipeline import scan
+    from logdiff.commands.config import ScanConfig
+    from logdiff.commands.scan import scan
 
     out = tmp_path / "compare"
     _run([str(PYTHON.parent / "logdiff"), "compare", str(rl_step["train"]), str(rl_step["infer"]), "--model",

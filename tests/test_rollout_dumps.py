@@ -19,16 +19,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from logdiff.reports.schema import validate_result
 from test_classify import perturbed
 from test_verl_metrics import verl_metrics
 
 import logdiff
-from logdiff import compare, dumps
-from logdiff.config import ScanConfig
+from logdiff.commands.config import ScanConfig
+from logdiff.commands.outputs import dump_json
+from logdiff.comparison import metrics as compare
 from logdiff.errors import InputError
-from logdiff.outputs import dump_json
-from logdiff.reports.schema import validate_result
-from logdiff.sequences import Sequence
+from logdiff.records.sequences import Sequence
+from logdiff.sources import dumps
 
 PAD = 0
 SCAN = {"depth": "logprobs", "seed": 0}
@@ -248,7 +249,7 @@ def test_cli_bad_dump_is_exit_2(qwen3: Path, tmp_path: Path) -> None:
 
 def _record(model: Path, seqs_file: Path | None, infer: str, **kw) -> tuple[list[Sequence], list[np.ndarray], list]:
     """Run the paths once: the sequences, HF's logprobs, and ``infer``'s logprobs (the recording)."""
-    from logdiff.pipeline import run_paths
+    from logdiff.commands.scan import run_paths
 
     opts = {"num_sequences": 4, "prompt_len": 8, "response_len": 8} if seqs_file is None else {"sequences": seqs_file}
     run = run_paths(ScanConfig(model=model, infer=[infer], **SCAN, **opts, **kw))
@@ -354,10 +355,9 @@ def test_a_rollout_recorded_otherwise_is_not_reproduced(
     assert replay["summary"].startswith("vllm does not reproduce the recorded rollout logprobs:")
     from io import StringIO
 
-    from rich.console import Console
-
     from logdiff.reports.html import render_html
     from logdiff.reports.terminal import print_summary
+    from rich.console import Console
 
     out = StringIO()
     print_summary(r, Console(file=out, width=200))

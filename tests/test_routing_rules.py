@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from logdiff.probes.arch import adapter_for
+from logdiff.probes.routing import RouterLogits
 
 import logdiff
 from logdiff.diagnosis import classify, routing
 from logdiff.diagnosis.diagnose import scan_adapter
 from logdiff.diagnosis.preflight import compare_contracts
-from logdiff.probes.arch import adapter_for
-from logdiff.probes.routing import RouterLogits
 
 ROUTER = "model.layers.1.mlp.gate"
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
@@ -62,7 +62,7 @@ def _tiny_deepseek_v2(topk_method: str, n_group: int, topk_group: int) -> Any:
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
 def test_hf_deepseek_v2_contract_reads_the_rule_its_router_applies(method: str) -> None:
     """The HF contract's rule routes random router logits exactly as HF's own router does."""
-    from logdiff.engines.hf.contract import hf_contract
+    from logdiff.sources.hf.contract import hf_contract
 
     model = _tiny_deepseek_v2(method, n_group=2, topk_group=1)
     contract = hf_contract(model, {})
@@ -89,7 +89,7 @@ def test_vllm_router_applies_the_rule_its_contract_reader_reports(groups: tuple[
     """vLLM's CPU router, built as its DeepSeek-V2 block builds it (always grouped), against the rule read from it."""
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
-    from logdiff.engines.vllm.contract_extras import vllm_routing_rule
+    from logdiff.sources.vllm.contract_extras import vllm_routing_rule
 
     router = CPURouter(top_k=2, global_num_experts=8, use_grouped_topk=True, num_expert_group=groups[0],
                        topk_group=groups[1], renormalize=False, scoring_func="softmax")  # fmt: skip

@@ -21,10 +21,10 @@ import pytest
 from typer.testing import CliRunner
 
 import logdiff
+from logdiff.cli import app
+from logdiff.commands.config import ScanConfig
 from logdiff.diagnosis import sampling
 from logdiff.diagnosis.classify import preflight_only_causes
-from logdiff.cli import app
-from logdiff.config import ScanConfig
 from logdiff.errors import InputError
 
 RUN = {"num_sequences": 4, "prompt_len": 12, "response_len": 16}  # run_paths: the logprobs alone
@@ -232,9 +232,9 @@ def test_kernel_numerics_gap_is_not_sampling_negative_control(qwen3: Path, stock
 @pytest.mark.vllm
 def test_raw_rollout_at_temperature_is_caught_by_the_contract(qwen3: Path) -> None:
     """`--set infer.temperature=0.8` with raw logprobs: the numbers agree, the sampler does not."""
-    from logdiff.pipeline import run_paths
+    from logdiff.commands.scan import run_paths
     from logdiff.diagnosis.preflight import preflight
-    from logdiff.engines.vllm.contract import vllm_contract
+    from logdiff.sources.vllm.contract import vllm_contract
 
     run = run_paths(ScanConfig(model=qwen3, infer=["vllm"], **RUN))  # the session's default engines
     infer = run.infer_engines[0]
@@ -272,8 +272,8 @@ def _replay(model: Path, jsonl: Path, out: Path) -> dict:
 
 def test_rollout_scored_after_a_bos_is_a_tokens_cause(qwen3: Path, tmp_path: Path) -> None:
     """The rollout engine saw a BOS the trainer's prompt ids lack; identical ids are the negative control."""
-    from logdiff.pipeline import run_paths
-    from logdiff.sequences import random_prompts
+    from logdiff.commands.scan import run_paths
+    from logdiff.records.sequences import random_prompts
 
     bos = json.loads((qwen3 / "config.json").read_text())["bos_token_id"]
     seqs = random_prompts(4, 10, 256, seed=3, avoid={bos})
@@ -291,8 +291,9 @@ def test_rollout_scored_after_a_bos_is_a_tokens_cause(qwen3: Path, tmp_path: Pat
 
 @pytest.mark.vllm
 def test_vllm_rollout_at_temperature_is_sampling_semantics(qwen3: Path, tmp_path: Path) -> None:
-    from logdiff.pipeline import run_paths
     from logdiff.reports import validate_result
+
+    from logdiff.commands.scan import run_paths
 
     infer_set = {"temperature": 0.7, "logprobs_mode": "processed_logprobs"}
     r = logdiff.scan(qwen3, infer=["vllm"], infer_set=dict(infer_set), **SMALL)
@@ -320,10 +321,10 @@ def test_vllm_rollout_at_temperature_is_sampling_semantics(qwen3: Path, tmp_path
 @pytest.mark.vllm
 def test_vllm_refuses_to_replay_given_tokens_in_processed_mode(qwen3: Path, tmp_path: Path) -> None:
     """vLLM computes processed logprobs after the processor that forces replayed tokens: refused, not 0s."""
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.pool import acquire
-    from logdiff.probes import checkpoint
-    from logdiff.sequences import Sequence
+    from logdiff.records.sequences import Sequence
+    from logdiff.sources import checkpoint
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.pool import acquire
 
     seqs = [Sequence([5, 6, 7, 8], [9, 10, 11])]
     spec = EngineSpec(str(checkpoint.stage(qwen3).path), options=(("logprobs_mode", "processed_logprobs"),

@@ -227,11 +227,10 @@ def _record(qwen3: Path, tmp_path: Path, name: str, **sampler: float) -> Path:
     """Rollouts sampled by vLLM with processed logprobs under ``sampler``, as a logdiff JSONL dump."""
     from vllm import SamplingParams
 
-    from logdiff.engines.base import EngineSpec
-
-    from logdiff.engines.pool import acquire
-    from logdiff.probes import checkpoint
-    from logdiff.sequences import random_prompts
+    from logdiff.records.sequences import random_prompts
+    from logdiff.sources import checkpoint
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.pool import acquire
 
     # the engine of test_sampling_semantics' processed-mode test (pooled: no extra engine when both run)
     spec = EngineSpec(str(checkpoint.stage(qwen3).path), options=(("logprobs_mode", "processed_logprobs"),

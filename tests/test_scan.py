@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import logdiff
-from logdiff.config import ScanConfig
-from logdiff.pipeline import run_paths
+from logdiff.commands.config import ScanConfig
+from logdiff.commands.scan import run_paths
 
 SMALL = {"num_sequences": 4, "prompt_len": 12, "response_len": 12}
 
@@ -62,7 +62,7 @@ def test_vllm_paths_and_replay(qwen3: Path, tmp_path: Path) -> None:
     # A rescan's primary-only run scores vLLM's decode replay alone, with the same numbers.
     from dataclasses import replace
 
-    from logdiff.pipeline import measure
+    from logdiff.commands.scan import measure
 
     alone = measure(replace(cfg, replay=tuple(seqs), primary_path_only=True)).result
     assert [p.infer for p in alone.pairs] == ["vllm"]

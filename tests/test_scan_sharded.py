@@ -1,6 +1,6 @@
 """``logdiff scan MODEL --set train.tensor_parallel_size=2 | train.fsdp_size=2 --infer hf`` (issue 22).
 
-The training path runs on 2 gloo ranks of its own (``engines/hf/sharded.py``), captured into a bundle
+The training path runs on 2 gloo ranks of its own (``sources/hf/sharded.py``), captured into a bundle
 that the scan feeds into the same probes as a live path (``pipeline._score``, ``bundle_feed.scores_of_capture``);
 the in-process HF model replays its ops where it reproduces the capture.
 
@@ -25,9 +25,10 @@ SMALL = {"num_sequences": 3, "prompt_len": 10, "response_len": 8}
 
 
 def _scan(model: Path, consistent: bool = False, **train_set: int) -> dict:
-    from logdiff.config import ScanConfig
-    from logdiff.pipeline import scan
     from logdiff.reports.schema import validate_result
+
+    from logdiff.commands.config import ScanConfig
+    from logdiff.commands.scan import scan
 
     result = scan(ScanConfig(model=model, infer=["hf"], depth="modules", consistent=consistent, attribute=False,
                              train_set=dict(train_set), **SMALL)).to_dict()

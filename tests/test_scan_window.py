@@ -19,18 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from logdiff.probes.align import RowMap
+from logdiff.probes.correspondence import Boundary
+from logdiff.probes.session import StoreSink
+from logdiff.probes.windowed import FetchSink, WindowedSinks, row_sketches
 from plants import split_k
 
 import logdiff
 from logdiff.diagnosis import beyond_window
-from logdiff.engines import base, pool
-from logdiff.probes import checkpoint
-from logdiff.probes.align import RowMap
-from logdiff.probes.correspondence import Boundary
-from logdiff.probes.session import StoreSink
-from logdiff.probes.sketch import SUFFIX, Window
-from logdiff.probes.store import PathStore
-from logdiff.probes.windowed import FetchSink, WindowedSinks, row_sketches
+from logdiff.records.sketch import SUFFIX, Window
+from logdiff.records.store import PathStore
+from logdiff.sources import base, checkpoint, pool
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules"}
 TARGET = "model.layers.2.self_attn.o_proj"

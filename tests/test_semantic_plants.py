@@ -24,10 +24,9 @@ from typing import Any
 import pytest
 
 import logdiff
-from logdiff.config import ScanConfig
-from logdiff.engines import pool
-from logdiff.pipeline import engine_spec
-from logdiff.probes import checkpoint
+from logdiff.commands.config import ScanConfig
+from logdiff.commands.scan import engine_spec
+from logdiff.sources import checkpoint, pool
 
 SMALL = {"num_sequences": 2, "prompt_len": 12, "response_len": 12, "depth": "modules", "attribute": False}
 EAGER = {"attn_implementation": "eager"}  # HF's eager attention applies soft caps (sdpa drops them)

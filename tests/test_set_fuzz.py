@@ -8,7 +8,7 @@ unknown key). The only allowed outcomes are success or a one-line ``InputError``
 (exit 2). No engine loads in the fuzz: the models are config plus uninitialised
 weights of the right shapes (the check reads shapes only).
 
-Around it: the recursive checker's rules one by one (``logdiff.override_types``),
+Around it: the recursive checker's rules one by one (``logdiff.commands.override_types``),
 the structured read-back after loading (``check_applied``), and the issue's case
 end to end, a structured ``rope_parameters`` on the Llama 3 demo through a real
 HF load and the CLI.
@@ -25,9 +25,9 @@ import pytest
 from typer.testing import CliRunner
 
 from logdiff.cli import app
-from logdiff.config import parse_value
+from logdiff.commands.config import parse_value
+from logdiff.commands.override_types import NO_ANNOTATION, Mismatch, conform
 from logdiff.errors import InputError
-from logdiff.override_types import NO_ANNOTATION, Mismatch, conform
 
 #: keys whose current value is refused, and why (everything else must accept its own value)
 REFUSED_AS_IS = {"model_type": "a constant of the config class"}
@@ -70,11 +70,11 @@ def _fuzz_values(current: Any) -> list[Any]:
 def staged_demos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every demo architecture as a staged model: its config and uninitialised weights of the right shapes."""
     import torch
+    from logdiff.probes.arch import demos
     from transformers import AutoModelForCausalLM
 
     from logdiff.demo.configs import tiny_config
-    from logdiff.probes import checkpoint
-    from logdiff.probes.arch import demos
+    from logdiff.sources import checkpoint
 
     out = {}
     for name in demos():
@@ -90,7 +90,7 @@ def staged_demos(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _check(staged: Any, key: str, value: Any) -> str | None:
     """None when ``--set infer.KEY=VALUE`` passes the pre-load check, else its one error line."""
-    from logdiff.overrides import check_before_load
+    from logdiff.commands.overrides import check_before_load
 
     try:
         check_before_load(staged, "infer", {key: value})
@@ -134,7 +134,7 @@ def test_structured_rope_refusals_name_the_place(staged_demos: dict[str, Any], v
 
 
 def test_structured_rope_parameters_pass_as_a_structure(staged_demos: dict[str, Any]) -> None:
-    from logdiff.overrides import check_before_load
+    from logdiff.commands.overrides import check_before_load
 
     overrides = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000}}
     check_before_load(staged_demos["llama3"], "infer", overrides)
@@ -223,7 +223,7 @@ class _Loaded:
 
 
 def test_read_back_compares_structures() -> None:
-    from logdiff.overrides import check_applied
+    from logdiff.commands.overrides import check_applied
 
     want = {"rope_type": "default", "rope_theta": 500000.0, "factor": None}
     engine = _Loaded(rope_parameters={"rope_type": "default", "rope_theta": 500000, "partial_rotary_factor": 1.0},
@@ -236,7 +236,7 @@ def test_read_back_compares_structures() -> None:
 
 
 def test_structured_overrides_key_the_engine_pool() -> None:
-    from logdiff.engines.base import EngineSpec
+    from logdiff.sources.base import EngineSpec
 
     a = EngineSpec("m", overrides=(("rope_parameters", {"rope_type": "default", "rope_theta": 1.0}),))
     b = EngineSpec("m", overrides=(("rope_parameters", {"rope_theta": 1.0, "rope_type": "default"}),))
@@ -257,8 +257,8 @@ def llama3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_structured_rope_reaches_a_real_hf_load(llama3_model: Path) -> None:
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.hf.loading import load_model
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.hf.loading import load_model
 
     value = parse_value(ROPE)
     model = load_model(EngineSpec(str(llama3_model), "float32", overrides=(("rope_parameters", value),)))

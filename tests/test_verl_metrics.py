@@ -2,7 +2,7 @@
 
 The functions below are faithful torch copies of verl's code (volcengine/verl at commit
 b178a3cd56f58b2d502255daba591e92833930a7), cited per function with file and line; logdiff's numpy
-implementation (logdiff/compare.py) must give the same numbers to float64 rounding. The copies run
+implementation (logdiff/comparison/metrics.py) must give the same numbers to float64 rounding. The copies run
 in float64 on one batch: verl itself runs them in float32, per micro-batch (docs/result-schema.md).
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from logdiff import compare
+from logdiff.comparison import metrics as compare
 
 SAFETY_BOUND = 20.0  # verl/trainer/ppo/rollout_corr_helper.py: SAFETY_BOUND
 

@@ -17,9 +17,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_a_logprobs_scan_runs_on_two_vllm_workers(qwen3: Path) -> None:
-    from logdiff.config import ScanConfig
-    from logdiff.engines.pool import engine_pool
-    from logdiff.pipeline import scan
+    from logdiff.commands.config import ScanConfig
+    from logdiff.commands.scan import scan
+    from logdiff.sources.pool import engine_pool
 
     with engine_pool():  # its own engines, shut down after: the workers go with them
         result = scan(ScanConfig(model=qwen3, num_sequences=3, prompt_len=10, response_len=8, depth="logprobs",

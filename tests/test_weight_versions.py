@@ -61,8 +61,8 @@ def run(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
     from vllm import LLM
 
     import logdiff
-    from logdiff.engines.vllm.capture import install
-    from logdiff.engines.vllm.training import checkpoint_tensors
+    from logdiff.sources.vllm.capture import install
+    from logdiff.sources.vllm.training import checkpoint_tensors
 
     root = tmp_path_factory.mktemp("weight-versions")
     llm = LLM(model=str(qwen3), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16", seed=0,
@@ -113,7 +113,7 @@ def _train(run: dict[str, Any], name: str, which: list[str], dtype: str = "bfloa
 
 
 def _compare(train: Path, infer: Path, **kw: Any) -> dict[str, Any]:
-    from logdiff.offline import compare_bundles
+    from logdiff.commands.compare import compare_bundles
 
     return compare_bundles(train, infer, **kw).to_dict()
 
@@ -124,7 +124,7 @@ def _weight_causes(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 @pytest.mark.vllm
 def test_the_plugin_numbers_weight_versions(run: dict[str, Any]) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     bundle = Bundle(run["bundle"])
     part = bundle.ranks[0]
@@ -170,7 +170,7 @@ def test_sequences_of_several_versions_are_one_warning(run: dict[str, Any]) -> N
 
 @pytest.mark.vllm
 def test_an_fp32_trainer_against_the_bf16_engine_is_a_dtype_cause(run: dict[str, Any]) -> None:
-    from logdiff.probes.bundle import Bundle
+    from logdiff.records.bundle import Bundle
 
     train = _train(run, "train-fp32-after", ["after"], "float32")
     meta = Bundle(train).meta
@@ -210,11 +210,11 @@ def test_model_with_other_weights_is_not_used(run: dict[str, Any]) -> None:
 def test_old_bundles_read_as_version_0(tmp_path: Path) -> None:
     """A bundle written before weight versions: every step version 0, its ``fingerprints`` that version's."""
     import numpy as np
-    from logdiff.probes.bundle import Bundle
-    from logdiff.probes.bundle_writer import BundleWriter
-    from logdiff.probes.layout import ParallelLayout
 
-    from logdiff.bundle_weights import SideWeights, model_warning
+    from logdiff.comparison.bundle_weights import SideWeights, model_warning
+    from logdiff.records.bundle import Bundle
+    from logdiff.records.bundle_writer import BundleWriter
+    from logdiff.records.layout import ParallelLayout
 
     writer = BundleWriter(tmp_path / "b", "infer", ParallelLayout(), {"fingerprints": {"w": "aa", "v": "bb"}})
     for step in range(2):
@@ -236,11 +236,11 @@ def test_old_bundles_read_as_version_0(tmp_path: Path) -> None:
 def test_versions_of_the_matched_steps_only(tmp_path: Path) -> None:
     """Steps carry their version; a side's fingerprints are those of its matched sequences' versions."""
     import numpy as np
-    from logdiff.probes.bundle import Bundle
-    from logdiff.probes.bundle_writer import BundleWriter
-    from logdiff.probes.layout import ParallelLayout
 
-    from logdiff.bundle_weights import MIXED, SideWeights
+    from logdiff.comparison.bundle_weights import MIXED, SideWeights
+    from logdiff.records.bundle import Bundle
+    from logdiff.records.bundle_writer import BundleWriter
+    from logdiff.records.layout import ParallelLayout
 
     versions = [{"fingerprints": {"w": "aa", "v": "bb"}}, {"fingerprints": {"w": "aa", "v": "cc"}}]
     writer = BundleWriter(tmp_path / "b", "infer", ParallelLayout(), {"weight_versions": versions,

@@ -32,8 +32,8 @@ from logdiff.demo.tokenizer import (
     special_token_ids,
     train_tokenizer,
 )
-from logdiff.errors import InputError
 from logdiff.demo.train import TrainSettings, chunk_stream, evaluate, spread_rows, train
+from logdiff.errors import InputError
 
 METADATA_FILE = "logdiff_demo.json"
 METADATA_FORMAT = "logdiff-demo/1"
@@ -106,13 +106,13 @@ def build_demo_model(
     same safetensors bytes on the same machine and software). ``max_steps=0``
     saves the untrained, seeded initialisation.
     """
+    import tokenizers
     import torch
     import transformers
-    import tokenizers
     from transformers import AutoModelForCausalLM, GenerationConfig
-    from logdiff.engines.hf.loading import supports_sdpa
 
     from logdiff.demo.configs import tiny_config
+    from logdiff.sources.hf.loading import supports_sdpa
 
     check_arch(arch)
     moe = _is_moe(arch)

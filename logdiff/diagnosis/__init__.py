@@ -1,7 +1,7 @@
 """The diagnosis of a localized divergence: what caused it, of which class, and how much of it.
 
 One module a step, each importing only ``cause`` (the values) and the steps it
-builds on, never ``logdiff.result``:
+builds on, never ``logdiff.comparison.result``:
 
 * ``cause``: ``Cause``, ``Findings``, the verdict rule;
 * ``spacing``: dtype spacing and the rounding bounds every check measures in;

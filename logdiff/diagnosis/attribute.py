@@ -37,7 +37,7 @@ neutralises, so the causes' shares also sum to ``closed``.
 ``necessity``: with every *other* lever applied, does the gap stay open (max
 |Δ logprob| > 0)? A necessary cause must be fixed to reach logdiff = 0.
 
-``--attribution patched`` (``ScanConfig.attribution``, the default) measures the same game
+``--attribution patched`` (``RunSettings.attribution``, the default) measures the same game
 without rescans where every player is a kernel lever whose family the recorded
 inference rows cover: ``D(S)`` from one training forward in which the ops of
 the families of ``S`` compute like the inference side's (the error each
@@ -57,9 +57,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from logdiff.config import KERNEL_FAMILIES, ScanConfig
+from logdiff.comparison.cause import Cause
 from logdiff.diagnosis.attribute_patched import PATCHED, RESCAN
-from logdiff.diagnosis.cause import Cause
+from logdiff.diagnosis.settings import KERNEL_FAMILIES, RunSettings
 from logdiff.phases import silent
 
 Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key)
@@ -75,7 +75,7 @@ EXACT_UP_TO = 4
 PERMUTATIONS, SEED = 16, 0
 
 
-def lever_of(cause: Cause, cfg: ScanConfig) -> Lever | None:
+def lever_of(cause: Cause, cfg: RunSettings) -> Lever | None:
     """The action that neutralises ``cause``, or None when no rescan can."""
     if cause.class_ in ("operator_path", "not_judged"):  # not judged: what its kernel swap closes is still measured
         return ("kernel", cause.family) if cause.family else None
@@ -89,7 +89,7 @@ def lever_of(cause: Cause, cfg: ScanConfig) -> Lever | None:
     return None
 
 
-def apply_levers(cfg: ScanConfig, levers: set[Lever]) -> ScanConfig:
+def apply_levers(cfg: RunSettings, levers: set[Lever]) -> RunSettings:
     """``cfg`` with ``levers`` applied, at ``--depth logprobs``."""
     # A scan already in consistent mode keeps its kernels; levers add families to them.
     base = set(cfg.consistent_kernels or KERNEL_FAMILIES) if cfg.consistent else set()
@@ -183,7 +183,7 @@ def _fractions(measured: dict[Coalition, dict], key: str, orders: list, players:
             "share": {p: phi[p] / base for p in players}}
 
 
-def choose_game(cfg: ScanConfig, players: list[Lever], patched: Any) -> tuple[str, str | None]:
+def choose_game(cfg: RunSettings, players: list[Lever], patched: Any) -> tuple[str, str | None]:
     """The game to measure (``rescan`` or ``patched``), and why ``patched`` was asked for but not used."""
     if cfg.attribution != PATCHED:
         return RESCAN, None
@@ -198,7 +198,7 @@ def choose_game(cfg: ScanConfig, players: list[Lever], patched: Any) -> tuple[st
     return PATCHED, None
 
 
-def _rescans(wanted: list[Coalition], players: list[Lever], cfg: ScanConfig, metrics: Callable, known: Callable,
+def _rescans(wanted: list[Coalition], players: list[Lever], cfg: RunSettings, metrics: Callable, known: Callable,
              progress: Callable[..., None]) -> dict[Coalition, dict]:
     """Each coalition's metrics by an end-to-end rescan (cached: the empty set is the scan itself)."""
     plan = {s: cfg if not s else apply_levers(cfg, set(s)) for s in wanted}
@@ -223,7 +223,7 @@ def _patched(wanted: list[Coalition], players: list[Lever], game: Any,
     return measured
 
 
-def _confirm(cfg: ScanConfig, players: list[Lever], metrics: Callable, known: Callable,
+def _confirm(cfg: RunSettings, players: list[Lever], metrics: Callable, known: Callable,
              progress: Callable[..., None], patched_base: dict) -> dict[str, Any]:
     """The one end-to-end rescan that confirms a patched game: every lever applied (often cached already)."""
     every = apply_levers(cfg, set(players))
@@ -240,10 +240,10 @@ def _confirm(cfg: ScanConfig, players: list[Lever], metrics: Callable, known: Ca
 
 def attribute(
     causes: list[Cause],
-    cfg: ScanConfig,
-    metrics: Callable[[ScanConfig], dict[str, Any]],
+    cfg: RunSettings,
+    metrics: Callable[[RunSettings], dict[str, Any]],
     progress: Callable[..., None] = silent,
-    known: Callable[[ScanConfig], bool] = lambda c: False,
+    known: Callable[[RunSettings], bool] = lambda c: False,
     patched: Any = None,
 ) -> dict[str, Any]:
     """Fill each cause's ``share`` and ``necessity``; return the attribution summary.

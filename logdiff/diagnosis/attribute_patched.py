@@ -69,8 +69,8 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.config import ATTRIBUTION_GAMES
-from logdiff.diagnosis.cause import FAMILY
+from logdiff.comparison.cause import FAMILY
+from logdiff.diagnosis.settings import ATTRIBUTION_GAMES
 from logdiff.probes.record import Recorder
 
 #: attribution's games: end-to-end rescans, or the training forward patched with recorded outputs (the default)
@@ -213,7 +213,7 @@ class PatchedGame:
         """The primary pair's metrics (``compare.token_metrics``) with ``families`` patched: one training forward."""
         import contextlib
 
-        from logdiff.compare import token_metrics
+        from logdiff.comparison.metrics import token_metrics
 
         names = {n for f in families for n in self.boundaries.get(f, [])}
         patcher = Patcher(self.train, self.record.cmap, self.seqs, self.response_len, self.record.train,

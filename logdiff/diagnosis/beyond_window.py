@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from logdiff.probes.sketch import SUFFIX
+from logdiff.records.sketch import SUFFIX
 
 
 def can_replay(engine: Any) -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from logdiff.diagnosis.cause import FAMILY, Cause
+from logdiff.comparison.cause import FAMILY, Cause
 from logdiff.diagnosis.preflight import difference_line, one_sided
 
 if TYPE_CHECKING:
@@ -308,7 +308,9 @@ def preflight_only_causes(
     covered = {d for c in causes for d in c.differs}
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
-    from logdiff.diagnosis import sampling  # sampler and scoring keys: one sampling_semantics cause (logdiff/diagnosis/sampling.py)
+    from logdiff.diagnosis import (
+        sampling,  # sampler and scoring keys: one sampling_semantics cause (logdiff/diagnosis/sampling.py)
+    )
 
     for item in [*contracts.get("differs", []), *weights]:
         if item in covered or item == "dtype" or item in (*sampling.SAMPLER_KEYS, *sampling.SCORING_KEYS):

@@ -26,20 +26,20 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from logdiff.config import KERNEL_FAMILIES, ScanConfig
+from logdiff.comparison.cause import FAMILY, Findings
+from logdiff.comparison.result import ScanResult
 from logdiff.diagnosis import attribute, classify, spacing
-from logdiff.diagnosis.cause import FAMILY, Findings
 from logdiff.diagnosis.conformance import Conformance, ConformanceCheck
 from logdiff.diagnosis.preflight import preflight
 from logdiff.diagnosis.rescan import Rescanner
-from logdiff.engines.base import Engine
+from logdiff.diagnosis.settings import KERNEL_FAMILIES, RunSettings
 from logdiff.phases import Phases, silent
 from logdiff.probes.arch import find as find_adapter
-from logdiff.result import ScanResult
+from logdiff.sources.base import Engine
 
 
 def reference_rerun(
-    cfg: ScanConfig, rescanner: Rescanner, families: set[str], warnings: list[str]
+    cfg: RunSettings, rescanner: Rescanner, families: set[str], warnings: list[str]
 ) -> Callable[[str], bool | None] | None:
     """Whether each op still introduces error with the reference kernels on both sides.
 
@@ -78,7 +78,7 @@ def reference_rerun(
 
 def diagnose(
     result: ScanResult,
-    cfg: ScanConfig,
+    cfg: RunSettings,
     train: Engine,
     infer: Engine,
     rescanner: Rescanner,

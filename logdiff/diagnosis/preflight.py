@@ -21,8 +21,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from logdiff.engines.base import Engine
 from logdiff.probes.contracts import IMPLEMENTATION_KEYS, is_off
+from logdiff.sources.base import Engine
 
 
 def _differs(a: Any, b: Any) -> bool:

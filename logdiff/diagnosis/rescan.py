@@ -19,8 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from logdiff.config import ScanConfig
-    from logdiff.result import ScanResult
+    from logdiff.comparison.result import ScanResult
+    from logdiff.diagnosis.settings import RunSettings
 
 
 class Rescanner:
@@ -31,34 +31,34 @@ class Rescanner:
     scan's own tokens).
     """
 
-    def __init__(self, measure: Callable[[ScanConfig], ScanResult], patched: Any = None):
+    def __init__(self, measure: Callable[[RunSettings], ScanResult], patched: Any = None):
         self._measure = measure
         self._metrics: dict[tuple, dict[str, Any]] = {}
         self.patched = patched  # attribute_patched.PatchedGame, or None: attribution rescans
 
-    def rescan(self, cfg: ScanConfig) -> ScanResult:
+    def rescan(self, cfg: RunSettings) -> ScanResult:
         """The undiagnosed result of ``cfg`` (not cached: its depth may differ)."""
         return self._measure(cfg)
 
-    def metrics(self, cfg: ScanConfig) -> dict[str, Any]:
+    def metrics(self, cfg: RunSettings) -> dict[str, Any]:
         """The primary pair's metrics under ``cfg``, each configuration scanned once."""
         if not self.knows(cfg):
             self.remember(cfg, self._measure(cfg).primary.metrics)
         return self._metrics[self._key(cfg)]
 
-    def logdiff(self, cfg: ScanConfig) -> float:
+    def logdiff(self, cfg: RunSettings) -> float:
         """The primary pair's max |logprob difference| under ``cfg`` (``metrics``' ``abs_diff_max``)."""
         return float(self.metrics(cfg)["abs_diff_max"])
 
-    def knows(self, cfg: ScanConfig) -> bool:
+    def knows(self, cfg: RunSettings) -> bool:
         """Whether ``cfg``'s metrics are known already (``metrics`` would not rescan)."""
         return self._key(cfg) in self._metrics
 
-    def remember(self, cfg: ScanConfig, metrics: dict[str, Any]) -> None:
+    def remember(self, cfg: RunSettings, metrics: dict[str, Any]) -> None:
         """Record ``cfg``'s metrics, measured elsewhere (the scan being diagnosed)."""
         self._metrics[self._key(cfg)] = dict(metrics)
 
     @staticmethod
-    def _key(cfg: ScanConfig) -> tuple:
+    def _key(cfg: RunSettings) -> tuple:
         return (cfg.consistent_kernels, cfg.consistent, cfg.infer_ckpt, tuple(sorted(cfg.train_set.items())),
                 tuple(sorted(cfg.infer_set.items())))  # fmt: skip

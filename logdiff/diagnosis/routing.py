@@ -49,14 +49,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from logdiff.comparison.cause import Cause, Json
 from logdiff.diagnosis import spacing
-from logdiff.diagnosis.cause import Cause, Json
 from logdiff.diagnosis.routing_rules import Rule, compare, decide, route, rule_of
 
 __all__ = ["Rule", "route", "rule_of", "analyze", "compare_layer", "classify_layer", "moe_section", "replay"]
 
 if TYPE_CHECKING:
-    from logdiff.result import ScanResult
+    from logdiff.comparison.result import ScanResult
 
 #: at most this many flips are listed per layer (the nearest ties first)
 MAX_FLIPS_LISTED = 8
@@ -231,7 +231,7 @@ def analyze(
 
 
 def _gap(train: list[np.ndarray], infer: list[np.ndarray], masks: list[Any]) -> dict[str, float]:
-    from logdiff import compare
+    from logdiff.comparison import metrics as compare
 
     m = compare.token_metrics(train, infer, masks=masks)
     return {"abs_diff_mean": float(m["abs_diff_mean"]), "abs_diff_max": float(m["abs_diff_max"])}

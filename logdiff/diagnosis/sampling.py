@@ -51,12 +51,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from logdiff.comparison.cause import Cause, Findings, framework_cause
 from logdiff.diagnosis import truncation as support
-from logdiff.diagnosis.cause import Cause, Findings, framework_cause
 from logdiff.diagnosis.distribution import Reference
 
 if TYPE_CHECKING:
-    from logdiff.result import ScanResult
+    from logdiff.comparison.result import ScanResult
 
 #: the sampler's settings in each engine's contract (the distribution it draws tokens from)
 SAMPLER_KEYS = ("sampling_temperature", "sampling_top_k", "sampling_top_p")

@@ -58,7 +58,7 @@ VERL_VERSION_READ = "0.9.1"
 ENV_TRAIN = "LOGDIFF_VERL_CAPTURE"  # the actor's log-prob passes are captured under this directory
 ENV_EVERY = "LOGDIFF_VERL_EVERY"  # every N-th pass (default 1)
 ENV_WINDOW = "LOGDIFF_CAPTURE_WINDOW"  # decoder layers kept whole (the vLLM plugin reads it too)
-ENV_ROLLOUT = "LOGDIFF_CAPTURE"  # the vLLM plugin's switch (logdiff/engines/vllm/capture.py)
+ENV_ROLLOUT = "LOGDIFF_CAPTURE"  # the vLLM plugin's switch (logdiff/sources/vllm/capture.py)
 _WRAPPED = "_logdiff_verl"
 
 log = logging.getLogger("logdiff")
@@ -188,7 +188,7 @@ class EngineCapture:
         try:
             capture = self._capture_fn
             if capture is None:
-                from logdiff.engines.hf.capture import capture
+                from logdiff.sources.hf.capture import capture
             cap = capture(self.engine.module, self.step_dir(k), role="train", window=self.window,
                           fingerprints=self.fingerprints)
             cap.__enter__()

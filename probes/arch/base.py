@@ -21,7 +21,7 @@ An adapter is everything logdiff knows about one model family but its taps, in o
   because one architecture can have several (``llama`` and ``llama3``).
 
 An adapter holds no taps: where each engine's modules expose the boundaries
-lives in that engine's folder (``logdiff/engines/<engine>/taps.py``: a
+lives in that engine's folder (``logdiff/sources/<engine>/taps.py``: a
 ``correspondence.TapMapping`` with a default builder for ``DecoderAdapter`` and
 one builder per adapter ``name`` whose modules differ), so adding an engine
 changes no adapter, and an adapter whose modules differ from the Llama-like
@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from logdiff.probes.errors import InputError
+from logdiff.errors import InputError
 
 DOCS = "docs/architectures.md"
 

@@ -13,7 +13,7 @@ order and inputs, the MoE and dense layers, q/k norms, and the map's
 the recorder wraps). Where each engine's modules expose them (its taps: HF's residual adds
 read from a norm's input, vLLM's packed ``qkv_proj``/``gate_up_proj`` split and
 its fused add + RMSNorm pairs) lives in that engine's folder
-(``logdiff/engines/<engine>/taps.py``), whose default builder covers every
+(``logdiff/sources/<engine>/taps.py``), whose default builder covers every
 ``DecoderAdapter`` from its engine-neutral attributes (``moe_block``); a new
 engine maps these boundaries without touching this module.
 """

@@ -45,7 +45,7 @@ How the engines expose it, and the boundaries named after what they compute
   sum plus the shared experts: vLLM's MoE runner returns only the total).
 
 vLLM resolves the attention's children through ``self_attn.mla_attn`` (the
-wrapper calls them), so its taps (``logdiff/engines/vllm/taps.py``) accept both
+wrapper calls them), so its taps (``logdiff/sources/vllm/taps.py``) accept both
 paths. Contract: HF rotates
 interleaved pairs (``rope_style`` ``gptj``, vLLM's ``is_neox_style=False``);
 vLLM's attention scale sits on the MLA op (``mla_attn.mla_attn.impl.scale``);
@@ -92,13 +92,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from logdiff.probes.arch.base import Demo, first_router_layer, register
-from logdiff.probes.contracts import expert_groups
 from logdiff.probes.arch.decoder import (
     KEY_BOUNDARY,
     ROUTING_KEYS,
     DecoderAdapter,
     model_boundaries,
 )
+from logdiff.probes.contracts import expert_groups
 from logdiff.probes.correspondence import Boundary, CorrespondenceMap
 from logdiff.probes.replay import ReplaySpec
 

@@ -9,7 +9,7 @@ alternating with global ones) -> ``post_attention_layernorm`` -> residual add
 ``sqrt(hidden)`` (the normalizer rounded to the model dtype) and the final
 logits soft-capped at ``final_logit_softcapping``.
 
-How the engines expose it (their taps: ``logdiff/engines/<engine>/taps.py``):
+How the engines expose it (their taps: ``logdiff/sources/<engine>/taps.py``):
 
 * **embeddings**: HF's ``Gemma2TextScaledWordEmbedding`` returns the scaled
   value; vLLM scales outside any module (``embed_input_ids``), so its

@@ -9,7 +9,7 @@ changes, all read from transformers' ``Gemma3TextConfig``:
 * **q/k norms**: ``q_norm``/``k_norm`` are ``(1 + w)`` RMSNorms over each head,
   between the projections and RoPE (Qwen3's place, Gemma's formula). HF runs
   them on ``[B, heads, L, D]`` (after its transpose), so its taps
-  (``logdiff/engines/hf/taps.py``) use the ``heads_first`` selection; vLLM runs
+  (``logdiff/sources/hf/taps.py``) use the ``heads_first`` selection; vLLM runs
   them on ``[T, heads, D]``.
 * **two RoPE bases**: ``layer_types`` says which layers are
   ``sliding_attention`` (local) and which ``full_attention`` (global);

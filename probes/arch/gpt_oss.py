@@ -32,7 +32,7 @@ vLLM names the modules differently (``model.embedding``, ``layers.N.attn``
 with ``qkv_proj``/``rotary_emb``/``attn``/``o_proj``, ``mlp.router`` and
 ``mlp.experts``: a ``MoERunner`` over ``routed_experts`` with ``w13_weight
 [E, 2I, H]`` and ``w13_bias``/``w2_bias``); its taps
-(``logdiff/engines/vllm/taps.py``) and ``hf_name`` map them to HF's names.
+(``logdiff/sources/vllm/taps.py``) and ``hf_name`` map them to HF's names.
 vLLM's norms take eps 1e-5 whatever the config says (the demo uses 1e-5, as
 the released checkpoints do). RoPE is YaRN (NeoX halves) on both
 engines. transformers runs gpt-oss with eager attention only (no sdpa).

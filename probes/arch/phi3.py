@@ -4,7 +4,7 @@ HF's ``Phi3Attention`` has one ``qkv_proj`` and ``Phi3MLP`` one
 ``gate_up_proj`` (with ``activation_fn``, not ``act_fn``), the layout vLLM
 uses for every family (vLLM runs Phi-3 as its Llama model). The boundaries are
 Llama's (``DecoderAdapter``'s), per q, k, v, gate and up (a fault in k's rows
-is found at ``k_proj``); HF's taps (``logdiff/engines/hf/taps.py``, entry
+is found at ``k_proj``); HF's taps (``logdiff/sources/hf/taps.py``, entry
 ``phi3``) split the packed outputs exactly like vLLM's: q/k/v by the attention's
 head counts, gate/up in halves.
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.engines.base import CAPABILITIES, Engine
-from logdiff.probes.errors import InputError
+from logdiff.errors import InputError
+from logdiff.sources.base import CAPABILITIES, Engine
 
 #: the preflight's contract keys every engine reports (values may be None where a model has no such feature)
 CONTRACT_KEYS = ("dtype", "vocab_size", "rms_norm_eps", "final_norm_eps", "rope_theta", "rope_style",

@@ -21,17 +21,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import checks
 import numpy as np
 import pytest
 import torch
-
-import checks
 from fake import FakeEngine, registered_fake
 from fake.probes import FakeProbes
-from logdiff.engines.base import EngineSpec, EngineUnavailable
-from logdiff.engines.pool import engine_pool
-from logdiff.engines.registry import engine_names, get_engine
-from logdiff.sequences import Sequence
+
+from logdiff.records.sequences import Sequence
+from logdiff.sources.base import EngineSpec, EngineUnavailable
+from logdiff.sources.pool import engine_pool
+from logdiff.sources.registry import engine_names, get_engine
 
 #: settings that keep vLLM small on 2 cores
 VLLM_OPTIONS = (("max_num_seqs", 4), ("max_model_len", 128), ("max_num_batched_tokens", 128))
@@ -206,9 +206,10 @@ def test_a_scan_localizes_and_classifies_against_an_engine_no_adapter_knows(pool
     """``scan --infer fake --depth modules`` with a planted eps on the fake's side: the fake's taps (in its own
     folder) align every boundary, and the scan localizes the plant where it enters and classifies it, with the
     fake's own op measured against its exact function."""
-    from logdiff.config import ScanConfig
-    from logdiff.pipeline import scan
     from logdiff.probes.correspondence import build
+
+    from logdiff.commands.config import ScanConfig
+    from logdiff.commands.scan import scan
 
     rows = tmp_path / "seqs.jsonl"
     rows.write_text("".join(json.dumps({"prompt_ids": s.prompt_ids, "response_ids": s.response_ids}) + "\n"
@@ -235,8 +236,8 @@ def test_a_scan_asks_engines_for_capabilities_before_loading(pool: Any, qwen3: P
                                                             said: str | None) -> None:
     """What an engine does not declare is refused when the scan is configured, in one line naming it; what it
     declares is accepted (the fake as the training path at module depth)."""
-    from logdiff.config import ScanConfig
-    from logdiff.probes.errors import InputError
+    from logdiff.commands.config import ScanConfig
+    from logdiff.errors import InputError
 
     config = {"infer": ["fake"], **settings}
     if said is None:

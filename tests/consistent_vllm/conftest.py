@@ -6,7 +6,7 @@ logprob differences are as large as on a trained model (std 0.02 makes every
 logprob about -8.4 and hides divergence). Each is saved once per session.
 
 vLLM holds process-wide state, so only one engine lives at a time: engines come
-from the project's engine pool (``logdiff.engines.pool.acquire``), which evicts
+from the project's engine pool (``logdiff.sources.pool.acquire``), which evicts
 the previous vLLM engine when another is requested. Tests are parametrized by
 ``arch`` through a session-scoped fixture, so pytest runs all tests of one
 architecture together and each engine is loaded once per session.
@@ -123,8 +123,8 @@ def arch(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def llm(arch: str, tiny_models: dict[str, Path]) -> Any:
     """The pooled in-process ``vllm.LLM`` for ``arch`` (loaded once, reused across tests)."""
-    from logdiff.engines.base import EngineSpec
-    from logdiff.engines.pool import acquire
+    from logdiff.sources.base import EngineSpec
+    from logdiff.sources.pool import acquire
 
     spec = EngineSpec(
         model_dir=str(tiny_models[arch]),

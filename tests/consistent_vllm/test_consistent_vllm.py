@@ -92,7 +92,7 @@ def _record_steps(llm: Any) -> Any:
 
 def _snapshot(llm: Any) -> dict[str, Any]:
     """Identity of every instance attribute consistent mode may replace."""
-    from logdiff.engines.vllm.consistent import engine_objects
+    from logdiff.sources.vllm.consistent import engine_objects
 
     model, runner = engine_objects(llm)
     snap: dict[str, Any] = {"sampler": vars(runner.sampler).get("compute_logprobs")}
@@ -107,8 +107,8 @@ def _snapshot(llm: Any) -> dict[str, Any]:
 
 def test_decode_and_prefill_bitwise_equal_to_hf(llm: Any, hf_model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from logdiff import kernels
-    from logdiff.engines.hf.consistent import consistent_hf
-    from logdiff.engines.vllm.consistent import consistent_vllm
+    from logdiff.sources.hf.consistent import consistent_hf
+    from logdiff.sources.vllm.consistent import consistent_vllm
 
     rows: list[int] = []
     log_softmax = kernels.log_softmax
@@ -140,8 +140,8 @@ def test_decode_and_prefill_bitwise_equal_to_hf(llm: Any, hf_model: Any, monkeyp
 @pytest.mark.isa_sensitive
 def test_stock_vllm_differs_and_originals_come_back(llm: Any, hf_model: Any, stock_varies: Any) -> None:
     """Negative control: stock vLLM is not bitwise equal to HF; after exit, stock bits return."""
-    from logdiff.engines.hf.consistent import consistent_hf
-    from logdiff.engines.vllm.consistent import consistent_vllm
+    from logdiff.sources.hf.consistent import consistent_hf
+    from logdiff.sources.vllm.consistent import consistent_vllm
 
     prompts = _prompts()
     before = _snapshot(llm)
@@ -165,7 +165,7 @@ def test_stock_vllm_differs_and_originals_come_back(llm: Any, hf_model: Any, sto
 
 
 def test_batch_invariant_inside_consistent_mode(llm: Any) -> None:
-    from logdiff.engines.vllm.consistent import consistent_vllm
+    from logdiff.sources.vllm.consistent import consistent_vllm
 
     batch = _prompts((40, 5, 70, 17), seed=2)
     with consistent_vllm(llm):
@@ -176,7 +176,7 @@ def test_batch_invariant_inside_consistent_mode(llm: Any) -> None:
 
 
 def test_originals_restored_after_an_exception(llm: Any) -> None:
-    from logdiff.engines.vllm.consistent import consistent_vllm
+    from logdiff.sources.vllm.consistent import consistent_vllm
 
     before = _snapshot(llm)
     with pytest.raises(RuntimeError, match="boom"):
@@ -192,7 +192,7 @@ def test_originals_restored_after_an_exception(llm: Any) -> None:
 def test_unsupported_attention_raises_before_patching(llm: Any) -> None:
     from vllm.model_executor.layers.attention import Attention
 
-    from logdiff.engines.vllm.consistent import consistent_vllm
+    from logdiff.sources.vllm.consistent import consistent_vllm
 
     holder: list[Any] = []
     llm.apply_model(holder.append)
@@ -216,10 +216,10 @@ def test_recovered_weights_equal_the_checkpoint(arch: str, llm: Any, tiny_models
     AVX2: the torch fallback keeps it), so the test holds either way;
     tests/probes/test_weight_recovery.py forces the packed-away case on any CPU.
     """
+    from logdiff.probes.contracts import fingerprint
     from safetensors.torch import load_file
 
-    from logdiff.engines.vllm.weights import dense_weight, dispatched_fingerprints, moe_runner_weights
-    from logdiff.probes.contracts import fingerprint
+    from logdiff.sources.vllm.weights import dense_weight, dispatched_fingerprints, moe_runner_weights
 
     sd = load_file(str(tiny_models[arch] / "model.safetensors"))
     holder: list[Any] = []
@@ -249,8 +249,8 @@ def test_recovered_weights_equal_the_checkpoint(arch: str, llm: Any, tiny_models
 def test_vllm_fingerprints_verify_every_weight(arch: str, llm: Any, hf_model: Any) -> None:
     """The preflight compares every tensor, packed or not, on whatever dispatch this CPU chose."""
     from logdiff.diagnosis.preflight import compare_fingerprints
-    from logdiff.engines.hf.contract import hf_contract, hf_fingerprints
-    from logdiff.engines.vllm.contract import vllm_contract, vllm_fingerprints
+    from logdiff.sources.hf.contract import hf_contract, hf_fingerprints
+    from logdiff.sources.vllm.contract import vllm_contract, vllm_fingerprints
 
     holder: list[Any] = []
     llm.apply_model(holder.append)
@@ -267,8 +267,8 @@ def test_prefix_cache_from_stock_mode_is_not_reused(
     arch: str, llm: Any, hf_model: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """KV blocks cached by a stock run must not feed a consistent run (and vice versa)."""
-    from logdiff.engines.vllm import consistent as module
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
+    from logdiff.sources.vllm import consistent as module
 
     if arch != "qwen3":
         pytest.skip("one architecture is enough: the cache is engine machinery, not model numerics")

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from logdiff.engines.base import EngineSpec
-
-from logdiff.engines.pool import engine_pool
-from logdiff.sequences import Sequence
+from logdiff.records.sequences import Sequence
+from logdiff.sources.base import EngineSpec
+from logdiff.sources.pool import engine_pool
 
 pytestmark = pytest.mark.vllm
 

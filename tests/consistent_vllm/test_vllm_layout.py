@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from logdiff.engines.vllm.layout import discover_permutation, inverse_gather_index
+from logdiff.sources.vllm.layout import discover_permutation, inverse_gather_index
 
 
 def test_discovers_a_padded_transpose() -> None:
@@ -53,7 +53,7 @@ def test_refuses_what_is_not_a_permutation(transform: object) -> None:
 def test_paged_kv_reader_reads_back_what_the_cpu_backend_wrote() -> None:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl, _get_attn_isa
 
-    from logdiff.engines.vllm.kv_cache import PagedKVReader
+    from logdiff.sources.vllm.kv_cache import PagedKVReader
 
     blocks, heads, block_size, head = 6, 2, 32, 64
     impl = SimpleNamespace(attn_type="decoder", kv_cache_dtype="auto")

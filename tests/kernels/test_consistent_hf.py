@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from logdiff.engines.hf.consistent import ATTN_IMPLEMENTATION, consistent_hf
+from logdiff.sources.hf.consistent import ATTN_IMPLEMENTATION, consistent_hf
 
 ARCHS = ["qwen3", "llama", "qwen3_moe"]
 DTYPES = [torch.bfloat16, torch.float32]

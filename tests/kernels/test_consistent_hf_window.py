@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from logdiff.engines.hf.consistent import consistent_hf
+from logdiff.sources.hf.consistent import consistent_hf
 
 TINY = dict(
     vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from logdiff.kernels.fixed_order import halving_sum
+from logdiff.kernels.matmul import W_GRAD_TILE
 from torch.autograd import gradcheck
 
 from logdiff import kernels as K
-from logdiff.kernels.fixed_order import halving_sum
-from logdiff.kernels.matmul import W_GRAD_TILE
 
 GRAD_BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 """Largest |kernel grad - fp64 autograd of the reference| relative to the largest |reference grad| (docs/kernels.md)."""
@@ -342,7 +342,7 @@ def test_the_differentiable_path_computes_the_inference_bits(op):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_training_step_under_consistent_hf_is_deterministic_and_computes_the_inference_logprobs(build_model, dtype):
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
 
     model = build_model("qwen3", dtype).train()
     ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))

@@ -250,7 +250,7 @@ def _step(model, ids: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor, co
     """One step's (logprobs, {name: grad}) for the loss ``-sum(weight[row] * mask * logprob)``."""
     import contextlib
 
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
 
     model.zero_grad(set_to_none=True)
     with consistent_hf(model) if consistent else contextlib.nullcontext():
@@ -286,7 +286,7 @@ def test_a_consistent_gemma_training_step_is_deterministic_batch_invariant_and_c
     parameter's gradient bitwise (the other rows reach the weight sums as exact zeros, after row 0's).
     Control: forcing the attention cap's slope to 1 changes Gemma 2's gradients (the cap's backward is in the
     step) and none of Gemma 3's (no attention cap)."""
-    from logdiff.engines.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent import consistent_hf
 
     model = _demo(demo_model, arch)
     config = model.config

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from logdiff.engines.hf.consistent import consistent_hf, rope_params_of
 from logdiff.kernels import RopeParams, rope_cos_sin
+
+from logdiff.sources.hf.consistent import consistent_hf, rope_params_of
 
 # head_dim 16 (8 frequencies): with original context 64, wavelengths 6.3 (kept), 33 (interpolated), 169... (divided)
 ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -69,10 +69,10 @@ def vllm_ropes():
     pytest.importorskip("vllm")
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
     from vllm.model_executor.layers.rotary_embedding.dynamic_ntk_scaling_rope import (
         DynamicNTKScalingRotaryEmbedding,
     )
+    from vllm.model_executor.layers.rotary_embedding.llama3_rope import Llama3RotaryEmbedding
 
     with set_current_vllm_config(VllmConfig()):
         return {
@@ -84,7 +84,7 @@ def vllm_ropes():
 
 @pytest.mark.vllm
 def test_vllm_reads_the_same_rope_parameters(vllm_ropes):
-    from logdiff.engines.vllm.consistent_ops import rope_params_of as vllm_rope_params
+    from logdiff.sources.vllm.consistent_ops import rope_params_of as vllm_rope_params
 
     assert vllm_rope_params(vllm_ropes["llama3"]) == PARAMS
     assert vllm_rope_params(vllm_ropes["default"]) == RopeParams(500_000.0, 16)
@@ -95,7 +95,7 @@ def test_vllm_rotation_is_bitwise_hfs(build_model, vllm_ropes, gen):
     """The same q rotated through vLLM's replaced forward and HF's replaced rotary + apply_rotary_pos_emb."""
     import sys
 
-    from logdiff.engines.vllm.consistent_ops import rope_forward
+    from logdiff.sources.vllm.consistent_ops import rope_forward
 
     model = _llama3(build_model, torch.bfloat16)
     modeling = sys.modules[type(model).__module__]
@@ -110,7 +110,7 @@ def test_vllm_rotation_is_bitwise_hfs(build_model, vllm_ropes, gen):
 
 @pytest.mark.vllm
 def test_vllm_refuses_other_scaled_classes_in_one_line(vllm_ropes):
-    from logdiff.engines.vllm.consistent_ops import rope_params_of as vllm_rope_params
+    from logdiff.sources.vllm.consistent_ops import rope_params_of as vllm_rope_params
 
     match = r"^DynamicNTKScalingRotaryEmbedding: rope_type 'dynamic' has no consistent"
     with pytest.raises(NotImplementedError, match=match):
@@ -119,7 +119,7 @@ def test_vllm_refuses_other_scaled_classes_in_one_line(vllm_ropes):
 
 @pytest.mark.vllm
 def test_vllm_negative_control_parameters_that_disagree_with_the_module_are_refused(vllm_ropes, monkeypatch):
-    from logdiff.engines.vllm.consistent_ops import rope_params_of as vllm_rope_params
+    from logdiff.sources.vllm.consistent_ops import rope_params_of as vllm_rope_params
 
     module = vllm_ropes["llama3"]
     monkeypatch.setattr(module, "low_freq_factor", 2.0)  # what the module reports, not what it computed with

@@ -8,8 +8,6 @@ import sys
 
 import pytest
 import torch
-
-from logdiff.engines.hf.consistent import consistent_hf, rope_params_of
 from logdiff.kernels import (
     RopeParams,
     kernel_caches,
@@ -21,6 +19,8 @@ from logdiff.kernels import (
     rope_table_reference,
 )
 from logdiff.kernels.rope import inv_freq_matches, inv_freq_rtol, yarn_attention_factor, yarn_ramp_bounds
+
+from logdiff.sources.hf.consistent import consistent_hf, rope_params_of
 
 # HF rope_parameters (and the HF config's max_position_embeddings: yarn's context after scaling) of each case
 CASES = {
@@ -200,7 +200,7 @@ def _vllm_rope(p: RopeParams) -> torch.nn.Module:
 @pytest.mark.parametrize("name", ["linear", "yarn-demo"])
 def test_vllm_reads_the_same_rope_and_rotates_bitwise_as_hf(build_model, gen, name):
     pytest.importorskip("vllm")
-    from logdiff.engines.vllm import consistent_ops
+    from logdiff.sources.vllm import consistent_ops
 
     model = _hf_model(build_model, name)
     hf_params = rope_params_of(model.model.rotary_emb)[None]
@@ -221,7 +221,7 @@ def test_vllm_reads_the_same_rope_and_rotates_bitwise_as_hf(build_model, gen, na
 @pytest.mark.vllm
 def test_vllm_negative_control_a_module_whose_frequencies_disagree_is_refused(monkeypatch):
     pytest.importorskip("vllm")
-    from logdiff.engines.vllm.consistent_ops import rope_params_of
+    from logdiff.sources.vllm.consistent_ops import rope_params_of
 
     module = _vllm_rope(_params("yarn-demo"))
     built_with = module._compute_inv_freq(module.scaling_factor)  # the frequencies of its cos/sin cache
@@ -241,7 +241,6 @@ DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "or
 def _hf_deepseek_rotary(arch: str, rope_parameters: dict) -> torch.nn.Module:
     """HF's own DeepSeek-V2/V3 rotary module (V2 returns cos/sin as a complex ``freqs_cis``) on the MLA shape."""
     import transformers
-
     from logdiff.probes.arch.deepseek_v2 import MLA_SHAPE
 
     cls = {"v2": "DeepseekV2", "v3": "DeepseekV3"}[arch]
@@ -304,7 +303,7 @@ def test_vllm_deepseek_scaling_rope_is_read_as_hfs_yarn():
     ``attention_scaling``, the installer reads HF's RopeParams from it, and its fp32 cos/sin cache is the kernel's
     table within fp32 angle rounding (a cache without the mscale ratio is 100x farther)."""
     pytest.importorskip("vllm")
-    from logdiff.engines.vllm import consistent_ops
+    from logdiff.sources.vllm import consistent_ops
 
     hf = _hf_deepseek_rotary("v2", DEEPSEEK_YARN)
     p = rope_params_of(hf)[None]
@@ -325,7 +324,7 @@ def test_vllm_deepseek_scaling_rope_is_read_as_hfs_yarn():
 def test_vllm_deepseek_negative_control_other_parameters_are_refused(monkeypatch):
     """A DeepseekScalingRotaryEmbedding whose cache was built with other frequencies than it reports is refused."""
     pytest.importorskip("vllm")
-    from logdiff.engines.vllm.consistent_ops import rope_params_of as vllm_rope_params_of
+    from logdiff.sources.vllm.consistent_ops import rope_params_of as vllm_rope_params_of
 
     module = _vllm_deepseek_rope(DEEPSEEK_YARN)
     built_with = module._compute_inv_freq(module.scaling_factor)

@@ -13,10 +13,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from logdiff.probes import arch
 
-from logdiff.engines.vllm.taps import TAPS as VLLM_TAPS
 from logdiff.errors import InputError
-from logdiff.probes import arch, checkpoint
+from logdiff.sources import checkpoint
+from logdiff.sources.vllm.taps import TAPS as VLLM_TAPS
 
 CONFIG = {"num_hidden_layers": 2}
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from logdiff.engines.hf.taps import TAPS as HF_TAPS
-from logdiff.engines.vllm.taps import TAPS as VLLM_TAPS
 from logdiff.probes import arch
 from logdiff.probes import correspondence as c
+
+from logdiff.sources.hf.taps import TAPS as HF_TAPS
+from logdiff.sources.vllm.taps import TAPS as VLLM_TAPS
 
 CONFIG = {"num_hidden_layers": 3}
 

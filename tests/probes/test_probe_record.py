@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from logdiff.engines.base import EngineSpec
-from logdiff.engines.hf import HFDecode, HFForward
 from logdiff.probes.session import ProbeSession
-from logdiff.sequences import Sequence
-from logdiff.locate import locate
+
+from logdiff.comparison.locate import locate
+from logdiff.records.sequences import Sequence
+from logdiff.sources.base import EngineSpec
+from logdiff.sources.hf import HFDecode, HFForward
 
 
 def _seqs(n: int = 3, seed: int = 0) -> list[Sequence]:
@@ -194,9 +194,8 @@ def test_replays_on_equal_inputs_reuse_the_live_output_exactly(
 ) -> None:
     # Layer 0 sees equal inputs on both paths (its replays reuse the live output); layer 1's input norm is
     # changed on the training path (from there on, replays run). Forcing every replay must give the same locals.
-    from tiny_models import build_tiny
-
     from logdiff.probes.summary import PathComparer
+    from tiny_models import build_tiny
 
     model = build_tiny(tmp_path / arch, arch)
     spec = EngineSpec(str(model), "bfloat16")

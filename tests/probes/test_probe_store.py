@@ -6,11 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from logdiff.probes.align import PLAIN, RowMap
 from logdiff.probes.replay import ReplaySpec
-from logdiff.probes.store import PathStore, RowStore
 from logdiff.probes.summary import PathComparer
+
+from logdiff.records.store import PathStore, RowStore
 
 
 def test_rowstore_round_trips_bf16_bits(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from logdiff.probes.summary import DiffSummary, coarser, ulp_distance
 
 
@@ -33,7 +32,7 @@ def test_ulp_distance_counts_representable_steps() -> None:
 def test_ordered_bits_is_the_sign_magnitude_line_for_every_pattern(dtype: str) -> None:
     """Every 16-bit pattern (and random wider ones, the extremes included) against the definition in Python:
     a pattern with its sign bit set maps to minus its magnitude bits, any other to itself (so -0 and +0 to 0)."""
-    from logdiff.probes.ulps import INT_OF, ordered_bits
+    from logdiff.records.ulps import INT_OF, ordered_bits
 
     int_name, bits = INT_OF[dtype]
     if bits == 16:

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from logdiff.probes.bundle import Bundle
-from logdiff.probes.bundle_writer import BundleWriter
-from logdiff.probes.errors import InputError
-from logdiff.probes.layout import REPLICATE, ParallelLayout, Placement, shard
-from logdiff.probes.unshard import to_float32, unshard
+from logdiff.errors import InputError
+from logdiff.records.bundle import Bundle
+from logdiff.records.bundle_writer import BundleWriter
+from logdiff.records.layout import REPLICATE, ParallelLayout, Placement, shard
+from logdiff.records.unshard import to_float32, unshard
 
 RNG = np.random.default_rng(0)
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from logdiff.engines.vllm.weights import dense_weight, latent_up_weight
 from logdiff.probes.contracts import fingerprint
+
+from logdiff.sources.vllm.weights import dense_weight, latent_up_weight
 
 
 def _packed_away(weight: torch.Tensor, gemm=None) -> torch.nn.Module:
@@ -56,7 +56,7 @@ def test_fingerprints_recorded_at_dispatch_stand_for_the_weight_until_the_gemm_c
     pytest.importorskip("vllm")
     from vllm.model_executor.layers import utils
 
-    from logdiff.engines.vllm.weights import dispatched_fingerprints, fingerprint_at_dispatch
+    from logdiff.sources.vllm.weights import dispatched_fingerprints, fingerprint_at_dispatch
 
     def packs_away(layer: torch.nn.Module, remove_weight: bool) -> None:  # the dispatch of a host that packs
         plain = layer.weight.detach().clone()

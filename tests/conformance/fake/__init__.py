@@ -25,10 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.engines.base import Engine, EngineSpec, PathScores, TokenSequence
-
-from logdiff.engines.registry import ENGINES
-from logdiff.probes.errors import EngineUnavailable, InputError
+from logdiff.errors import EngineUnavailable, InputError
+from logdiff.sources.base import Engine, EngineSpec, PathScores, TokenSequence
+from logdiff.sources.registry import ENGINES
 
 from .probes import FakeProbes
 from .taps import TAPS

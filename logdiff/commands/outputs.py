@@ -1,0 +1,302 @@
+"""The files a run writes: probed before the scan, cleared of an earlier run's, written atomically.
+
+* ``prepare`` runs before anything loads: every target (``--out`` directory,
+  ``--json``, ``--junit``, a baseline to write) is created or probe-written, so
+  an unwritable or invalid path is one line and exit 4 instead of a lost scan;
+  then this run's output names in those places are removed, so a file left
+  from an earlier run is never read as this run's.
+* ``write_result`` renders result.json, report.html and the tables, writes them
+  to temporary files on the targets' file system (a hidden ``.logdiff-partial-*``
+  directory inside ``--out``, a hidden ``.NAME.*.tmp`` beside the ``--json``
+  file) and only then renames them into place, result.json last; a failure or
+  an interrupt before the last rename removes the temporaries and whatever this
+  call already renamed, so it leaves nothing new behind (never a new
+  result.json beside an older report.html).
+* ``write_text`` does the same for one file (JUnit XML, a baseline, ``report --out``).
+
+Every OSError while probing or writing (a full disk, no permission, a read-only
+file system, a directory where a file belongs, a parent that cannot be created)
+becomes an ``OutputError`` naming the file the user asked for, never a temporary
+name: one line and exit 4 in the CLI (docs/cli.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from logdiff.errors import LogdiffError, OutputError
+
+#: what a run writes into ``--out DIR`` (the tables are ``divergence_table*.parquet|csv``)
+OUT_FILES = ("result.json", "report.html")
+TABLE_GLOBS = ("divergence_table*.parquet", "divergence_table*.csv")
+#: the prefixes of the temporaries beside a target (removed on failure; see ``_temp_beside``)
+TEMP_PREFIXES = (".logdiff-probe-", ".logdiff-partial-")
+
+
+def json_text(result: dict[str, Any]) -> str:
+    """Strict JSON: non-finite floats (an infinite ratio, say) become null."""
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(result), indent=2, allow_nan=False)
+
+
+def dump_json(result: dict[str, Any], path: Path) -> None:
+    """``result`` as strict JSON at ``path``, written atomically (parents created)."""
+    write_text(path, json_text(result))
+
+
+@contextlib.contextmanager
+def writing(path: Path, what: str | None = None) -> Iterator[None]:
+    """Turn an OSError in the block into an OutputError naming ``path``."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as e:
+        raise OutputError.from_os(path, e, what) from e
+
+
+def _mkdir(directory: Path, target: Path, what: str | None = None) -> None:
+    """Create ``directory`` (and its parents) for ``target``, or say why it cannot be."""
+    which = "" if directory == target else f"{directory} "
+    if directory.exists() and not directory.is_dir():
+        raise OutputError(target, f"{which}exists and is not a directory", what)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = OutputError.from_os(directory, e).reason
+        raise OutputError(target, f"cannot create the directory {which}({reason})", what) from e
+
+
+def _probe_dir(directory: Path, what: str | None, target: Path | None = None) -> None:
+    """Create ``directory`` if needed and prove a file can be written there."""
+    target = directory if target is None else target
+    _mkdir(directory, target, what)
+    with writing(target, what):
+        fd, name = tempfile.mkstemp(dir=directory, prefix=TEMP_PREFIXES[0])
+        try:
+            os.write(fd, b"logdiff")
+            os.fsync(fd)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+
+
+def probe_file(path: Path, what: str | None) -> None:
+    """A file target: a regular file or nothing yet, in a directory we can write to."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(path, "is a directory, expected a file path", what)
+    if path.exists() and not path.is_file():
+        raise OutputError(path, "exists and is not a regular file", what)
+    _probe_dir(path.parent, what, path)
+
+
+def probe_demo_target(path: Path) -> None:
+    """``demo-model PATH``: a directory (or nothing yet) whose parent can be written, checked before training."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputError(path, "exists and is not a directory")
+    _probe_dir(path.parent, None, path)
+
+
+#: errors only a write gives (a full disk, a quota, a file too large, a read-only file system)
+_WRITE_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG", "EROFS") if hasattr(errno, n))
+
+
+def _at_target(name: Any, path: Path) -> bool:
+    """Whether the file ``name`` is ``path``, inside it, or in its staging directory (``.NAME.*`` beside it)."""
+    if not isinstance(name, (str, os.PathLike)):
+        return False
+    target, found = Path(os.path.abspath(path)), Path(os.path.abspath(name))
+    if found == target or target in found.parents:
+        return True
+    if target.parent not in found.parents:
+        return False
+    return found.relative_to(target.parent).parts[0].startswith(f".{target.name}.")
+
+
+@contextlib.contextmanager
+def writing_tree(path: Path) -> Iterator[None]:
+    """For a writer logdiff does not control (``demo-model``'s build saving a model directory).
+
+    An OSError that only a write gives, or one that names ``path``, a file in it or in
+    its staging directory beside it, is an OutputError naming ``path``; any other
+    OSError (reading the training corpus, say) propagates unchanged.
+    """
+    try:
+        yield
+    except LogdiffError:
+        raise
+    except OSError as e:
+        if e.errno in _WRITE_ERRNOS or _at_target(e.filename, path) or _at_target(e.filename2, path):
+            raise OutputError.from_os(path, e) from e
+        raise
+    except Exception as e:
+        # safetensors (the weights) reports a failed write as its own error, not an OSError:
+        # "Error while serializing: I/O error: No space left on device (os error 28)"
+        found = re.search(r"I/O error: (.+?) \(os error \d+\)", str(e))
+        if type(e).__name__ == "SafetensorError" and found:
+            raise OutputError(path, found.group(1)) from e
+        raise
+
+
+def _ours_in(out: Path) -> list[Path]:
+    found = [out / name for name in OUT_FILES if (out / name).is_file()]
+    for pattern in TABLE_GLOBS:
+        found += sorted(p for p in out.glob(pattern) if p.is_file())
+    return found
+
+
+def prepare(out: Path | None, json_path: Path | None, junit: Path | None = None,
+            baseline: Path | None = None) -> None:  # fmt: skip
+    """Probe every target, then remove this run's output names left from an earlier run."""
+    if out is not None:
+        out = Path(out)
+        if out.exists() and not out.is_dir():
+            raise OutputError(out, "exists and is not a directory", "--out")
+        _probe_dir(out, "--out")
+        for name in OUT_FILES:
+            if (out / name).is_dir():
+                raise OutputError(out / name, "is a directory, expected a file path", "--out")
+    for path, what in ((json_path, "--json"), (junit, "--junit"), (baseline, "--baseline")):
+        if path is not None:
+            probe_file(path, what)
+    stale = _ours_in(out) if out is not None else []
+    stale += [Path(p) for p in (json_path, junit) if p is not None and Path(p).is_file()]
+    for path in stale:
+        with writing(path), contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+@contextlib.contextmanager
+def _temp_beside(path: Path) -> Iterator[Path]:
+    """A temporary file name in ``path``'s directory, removed unless renamed away.
+
+    Only a name (the file is created by its writer, with the usual permissions).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        yield tmp
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _write_file(tmp: Path, data: str, target: Path) -> None:
+    """``data`` into the new file ``tmp``, flushed to disk; an OSError names ``target``."""
+    with writing(target):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+        try:
+            view = memoryview(data.encode("utf-8"))
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _sync(path: Path, target: Path) -> None:
+    """Flush a file another library wrote to disk; an OSError names ``target``."""
+    with writing(target):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _commit(moves: list[tuple[Path, Path]]) -> None:
+    """Rename every (temporary, target) pair into place, in order; all or none.
+
+    A failure (or an interrupt) partway removes the targets this call already
+    renamed, so a set of files that belong together is never half replaced.
+    """
+    done: list[Path] = []
+    try:
+        for src, dst in moves:
+            with writing(dst):
+                os.replace(src, dst)
+            done.append(dst)
+    except BaseException:
+        for dst in done:
+            with contextlib.suppress(OSError):
+                dst.unlink()
+        raise
+
+
+def write_text(path: Path, text: str, what: str | None = None) -> None:
+    """Write ``text`` to ``path`` atomically (a temporary file, then a rename)."""
+    path = Path(path)
+    _mkdir(path.parent, path, what)
+    with _temp_beside(path) as tmp:
+        try:
+            _write_file(tmp, text, path)
+            _commit([(tmp, path)])
+        except OutputError as e:
+            raise OutputError(e.path, e.reason, what) from e.__cause__
+
+
+def write_result(result: dict[str, Any], out: Path | None, json_path: Path | None,
+                 tables: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """result.json, report.html and the tables into ``out``; the JSON alone to ``json_path``.
+
+    Everything is rendered first (a rendering error is not an output error), then
+    written to temporaries, then renamed into place (``_commit``): the ``--json``
+    file, report.html, the tables, and result.json last.
+    """
+    from logdiff.reports import render_html
+
+    text = json_text(result)
+    html = render_html(result) if out is not None else None
+    moves: list[tuple[Path, Path]] = []
+    with contextlib.ExitStack() as stack:
+        if json_path is not None:
+            json_path = Path(json_path)
+            _mkdir(json_path.parent, json_path)
+            tmp = stack.enter_context(_temp_beside(json_path))
+            _write_file(tmp, text, json_path)
+            moves.append((tmp, json_path))
+        if out is not None:
+            out = Path(out)
+            _mkdir(out, out)
+            with writing(out):
+                staging = Path(tempfile.mkdtemp(dir=out, prefix=TEMP_PREFIXES[1]))
+            stack.callback(shutil.rmtree, staging, ignore_errors=True)
+            staged = [staging / "report.html"]
+            _write_file(staged[0], html or "", out / "report.html")
+            if tables:
+                from logdiff.comparison.locate import write_tables
+
+                try:
+                    written = write_tables(tables, staging)
+                except OutputError as e:  # name the table as the user will look for it
+                    raise OutputError(out / e.path.name, e.reason) from e.__cause__
+                for table in written:  # flushed to disk like the others before any rename
+                    _sync(table, out / table.name)
+                staged += written
+            staged.append(staging / "result.json")
+            _write_file(staged[-1], text, out / "result.json")
+            moves += [(p, out / p.name) for p in staged]  # result.json last
+        _commit(moves)

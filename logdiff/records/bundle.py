@@ -1,0 +1,304 @@
+"""Capture bundles: records of one side of a run, from any number of ranks, on disk.
+
+A bundle is a directory that any machine can read with numpy and safetensors
+alone (no torch, vLLM, torch_npu or GPU)::
+
+    BUNDLE/
+      bundle.json                   {"format": "logdiff-capture", "version": 1, "role": "train", "world_size": 2}
+      rank-00000/manifest.json      the rank's ParallelLayout, its metadata, and one entry per step
+      rank-00000/step-000000.safetensors
+      rank-00001/...
+
+Each rank writes only its own directory, with no collective: a trainer rank or
+an inference worker never waits for another to record. A step is one forward
+pass; its file holds the pass's token ids and positions (``tokens``,
+``positions``) and every record of the pass under its boundary name, as the
+rank's *local* tensor. The manifest gives each record's dtype, local shape and
+``Placement`` (``layout.py``), so ``unshard`` can rebuild the logical tensor. A record
+outside the capture's full window holds only its row sketches (``sketch.py``;
+``"sketch": true`` in the manifest), rebuilt across ranks by ``unshard_sketches``.
+Steps are written as they finish (memory stays flat) and each written step's
+manifest entry is appended to the rank's step log until the writer closes and
+writes the manifest whole (``"step_log"`` in an open writer's manifest names the
+log), so a run that dies leaves a readable bundle of the steps it completed
+(``bundle_writer.py``, which writes a capture's steps in a thread of its own).
+bfloat16 is stored as its raw 16-bit pattern (``int16``) with ``dtype: bfloat16``
+in the manifest, since numpy has no bfloat16.
+
+**Weight versions.** A rank whose weights change while it records (a rollout engine
+that the trainer syncs new weights into) numbers them: each step entry in the manifest
+carries the ``weight_version`` it ran with (0, the weights as loaded, where a bundle
+has none), and the rank's metadata ``weight_versions`` lists each version's
+``fingerprints`` (``fingerprints`` itself is the last version's, for readers that know
+no versions). A capture of weights wider than bfloat16 also keeps them rounded:
+``fingerprints_at`` (``{"bfloat16": {...}, "float16": {...}}``), since a bundle cannot
+re-round. ``RankPart.fingerprints`` reads either, ``Bundle.versions_of`` says which
+versions the steps of given sequences ran with.
+
+**Untrusted input.** A bundle is read as untrusted input (``bundle_input.py``): its JSON is type-checked on
+open, every file a manifest names must stay inside its rank directory, and every array read is checked
+against its manifest entry; anything wrong is one ``InputError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from logdiff.errors import InputError
+from logdiff.records import bundle_input as checked
+from logdiff.records.bundle_writer import FORMAT, RESERVED, ROLES, VERSION
+from logdiff.records.layout import ParallelLayout, Placement
+from logdiff.records.sketch import DIGESTS, LEGACY
+from logdiff.records.unshard import Logical, unshard
+
+
+def _meta_ids(meta: dict[str, Any], seq: int) -> list[int] | None:
+    """The whole ids the rank's metadata gives for its sequence ``seq``, if any."""
+    listed = meta.get("sequences")
+    if not isinstance(listed, list) or not 0 <= seq < len(listed) or not isinstance(listed[seq], dict):
+        return None
+    ids = listed[seq].get("ids")
+    return [int(t) for t in ids] if isinstance(ids, list) else None
+
+
+@dataclass
+class RankPart:
+    layout: ParallelLayout
+    meta: dict[str, Any]
+    steps: list[dict[str, Any]]
+    dir: Path
+    _names: dict[int, set[str]] = field(default_factory=dict, repr=False)
+    _rows: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def file(self, step: int) -> Path:
+        """Step ``step``'s file, inside the rank directory (``bundle_input.inside``)."""
+        return checked.inside(self.dir, self.steps[step]["file"], f"{self.dir / 'manifest.json'}: step {step}")
+
+    def load(self, step: int, names: list[str]) -> dict[str, np.ndarray]:
+        """Arrays ``names`` of step ``step``, each checked against the manifest (``bundle_input.read_step``)."""
+        return checked.read_step(self.file(step), names, self.steps[step]["records"])
+
+    def names(self, step: int) -> set[str]:
+        """Every array in the step's file (read once per step: a comparison asks for each record's)."""
+        if step not in self._names:
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(self.file(step)), framework="numpy") as f:
+                    self._names[step] = set(f.keys())
+            except InputError:
+                raise
+            except Exception:  # read_step names the file and what safetensors says of it
+                checked.read_step(self.file(step), [], {})
+                raise
+        return self._names[step]
+
+    def table(self, step: int) -> dict[str, np.ndarray]:
+        """The step's row table: ``tokens``, ``positions`` and, from a capture, ``sequences`` and ``valid``
+        (each one row per step row)."""
+        names = [n for n in RESERVED if n in self.names(step)]
+        if "tokens" not in names or "positions" not in names:
+            raise InputError(f"{self.file(step)}: no tokens and positions arrays (not a capture's step file)")
+        table = self.load(step, names)
+        if len({a.shape for a in table.values()}) > 1 or table["tokens"].ndim != 1:
+            raise InputError(f"{self.file(step)}: its row arrays ({', '.join(names)}) are not one row each")
+        return table
+
+    def weight_version(self, step: int) -> int:
+        """The weight version step ``step`` ran with (0 where the bundle numbers none)."""
+        return int(self.steps[step].get("weight_version", 0))
+
+    def fingerprints(self, version: int = 0, at: str | None = None) -> dict[str, Any] | None:
+        """The rank's weight fingerprints of ``version`` (``weight_versions``; a bundle without them has version 0
+        only, ``fingerprints``), those rounded to ``at`` where the capture kept them (``fingerprints_at``), else
+        its own dtype's; None where the rank hashed none of that version."""
+        versions = self.meta.get("weight_versions")
+        if isinstance(versions, list) and versions:
+            entry = versions[version] if 0 <= version < len(versions) else None
+        else:
+            entry = self.meta if version == 0 else None
+        if not isinstance(entry, dict):
+            return None
+        rounded = (entry.get("fingerprints_at") or {}).get(at) if at else None
+        found = rounded if rounded is not None else entry.get("fingerprints")
+        return dict(found) if isinstance(found, dict) else None
+
+
+class Bundle:
+    """A bundle on disk, read with numpy only."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        head_path = self.root / "bundle.json"
+        try:
+            head = json.loads(head_path.read_text())
+        except (OSError, ValueError) as e:
+            raise InputError(f"{self.root} is not a capture bundle (no readable bundle.json: {e})") from None
+        if not isinstance(head, dict):
+            raise InputError(f"{head_path}: not a bundle.json (a JSON {type(head).__name__}, expected an object)")
+        if head.get("format") != FORMAT:
+            raise InputError(f"{head_path}: format {head.get('format')!r}, expected {FORMAT!r}")
+        if head.get("version") != VERSION:
+            raise InputError(f"{head_path}: bundle version {head.get('version')!r}, this logdiff reads {VERSION}")
+        checked.check_head(head_path, head, ROLES)
+        self.role: str = head["role"]
+        self.world_size = int(head["world_size"])
+        self.ranks: list[RankPart] = []
+        for part in sorted(self.root.glob("rank-*/manifest.json")):
+            m = checked.read_json(part, "manifest.json")
+            if "step_log" in m:  # a writer that has not closed (still running, or killed)
+                m["steps"] = checked.read_step_log(part, m["step_log"])
+            self.ranks.append(RankPart(checked.check_manifest(part, m), m.get("meta", {}), m["steps"], part.parent))
+        if not self.ranks:
+            raise InputError(f"{self.root}: a bundle with no rank's records")
+        if {r.layout.rank for r in self.ranks} != set(range(self.world_size)):
+            missing = sorted(set(range(self.world_size)) - {r.layout.rank for r in self.ranks})
+            raise InputError(f"{self.root}: world size {self.world_size}, no records from ranks {missing}")
+        digests = {str(part.meta.get("sketch_digest", LEGACY)) for part in self.ranks}
+        if len(digests) > 1 or not digests <= set(DIGESTS):
+            raise InputError(f"{self.root}: row sketch digests {sorted(digests)} (this logdiff reads one of "
+                             f"{', '.join(DIGESTS)}, the same on every rank)")
+        #: the digest of the bundle's row sketches (``sketch.py``; ``LEGACY`` where the capture named none)
+        self.sketch_digest: str = digests.pop()
+
+    @property
+    def num_steps(self) -> int:
+        """The steps every rank has (data-parallel ranks may have more: ``sequences`` reads each rank's all)."""
+        return min(len(r.steps) for r in self.ranks)
+
+    def names(self, step: int) -> list[str]:
+        return list(self.ranks[0].steps[step]["records"])
+
+    def rows(self, step: int) -> dict[tuple[int, ...], dict[str, np.ndarray]]:
+        """The step's row table (``tokens``, ``positions``, and from a capture ``sequences``, ``valid``),
+        one per ``tp`` group (the ranks of a group see the same batch)."""
+        out = {}
+        for part in self.ranks:
+            key = part.layout.group("tp")
+            if key not in out:
+                out[key] = part.table(step)
+        return out
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """The first rank's metadata (every rank of a capture writes the same model facts)."""
+        return self.ranks[0].meta
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """The ``tp`` groups, in rank order: each holds its own sequences."""
+        return list(dict.fromkeys(part.layout.group("tp") for part in self.ranks))
+
+    def part_of(self, group: tuple[int, ...]) -> RankPart:
+        """The first rank of ``group`` (its ranks see the same rows)."""
+        return next(part for part in self.ranks if part.layout.group("tp") == group)
+
+    def sequence_table(self) -> dict[tuple[tuple[int, ...], int], list[int]]:
+        """Every captured sequence's token ids by position (-1 where no row fed one), keyed by its ``tp`` group
+        and its sequence id there (ranks number their own sequences), groups in rank order, each in the
+        order its steps first saw them. Where a rank's metadata lists a sequence's whole ids (``sequences[i].ids``:
+        the vLLM plugin's, with the last sampled token that no step fed), those are taken."""
+        out: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for group in self.groups():
+            part = self.part_of(group)
+            for step in range(len(part.steps)):  # data-parallel groups may run different numbers of steps
+                table = part.table(step)
+                if "sequences" not in table:
+                    raise InputError(f"{self.root}: step {step} has no sequence ids (not written by a capture)")
+                valid = table["valid"].astype(bool) if "valid" in table else np.ones(len(table["tokens"]), bool)
+                seq, pos, tok = table["sequences"][valid], table["positions"][valid], table["tokens"][valid]
+                for s in dict.fromkeys(seq.tolist()):
+                    mine = seq == s
+                    ids = out.setdefault((group, int(s)), [])
+                    for p, t in zip(pos[mine].tolist(), tok[mine].tolist()):
+                        ids.extend([-1] * (p + 1 - len(ids)))
+                        ids[p] = t
+            for (g, s), ids in out.items():  # ids a rank knows beyond what it fed (vLLM's last sampled token)
+                known = _meta_ids(part.meta, s) if g == group else None
+                if known and len(known) > len(ids) and all(a in (-1, b) for a, b in zip(ids, known)):
+                    out[(g, s)] = known
+        return out
+
+    def position_offset(self, group: tuple[int, ...], seq: int) -> int:
+        """The model position sequence ``seq`` of ``group`` was fed its first token at (0 unless the capture saw it
+        shifted: a left-padded row without ``position_ids``; ``meta["position_offsets"]``, ``logdiff/records/batching.py``)."""
+        return int((self.part_of(group).meta.get("position_offsets") or {}).get(str(seq), 0))
+
+    def versions_of(self, keys: Any) -> dict[tuple[tuple[int, ...], int], list[int]]:
+        """The weight versions the steps that fed sequences ``keys`` (``(group, sequence id)``, as
+        ``sequence_table``'s) ran with: ``(group, version)`` -> those steps, in order."""
+        wanted: dict[tuple[int, ...], set[int]] = {}
+        for group, seq in keys:
+            wanted.setdefault(tuple(group), set()).add(int(seq))
+        out: dict[tuple[tuple[int, ...], int], list[int]] = {}
+        for group, seqs in wanted.items():
+            part = self.part_of(group)
+            numbered = any("weight_version" in step for step in part.steps)
+            for step in range(len(part.steps)):
+                if numbered:  # else every step is version 0: no row table needs reading
+                    table = part.table(step)
+                    valid = table["valid"].astype(bool) if "valid" in table else slice(None)
+                    if not seqs.intersection(table["sequences"][valid].tolist()):
+                        continue
+                out.setdefault((group, part.weight_version(step)), []).append(step)
+        return out
+
+    def sequences(self) -> list[list[int]]:
+        """Every captured sequence's token ids in position order (``sequence_table``'s, unfed positions left out)."""
+        return [[t for t in ids if t >= 0] for ids in self.sequence_table().values()]
+
+    def record_rows(self, step: int, name: str, group: tuple[int, ...] | None = None) -> np.ndarray | None:
+        """The index into the step's rows of each row of record ``name`` (None: one row per step row)."""
+        part = self.ranks[0] if group is None else self.part_of(group)
+        key, entry = f"{name}#rows", part.steps[step]["records"].get(name)
+        index = part.load(step, [key])[key] if key in part.names(step) else None
+        if entry is not None and not entry.get("sketch"):
+            if index is None and step not in part._rows:
+                part._rows[step] = len(part.table(step)["tokens"])
+            rows = len(index) if index is not None else part._rows[step]
+            checked.check_rows(part.file(step), name, entry, rows)
+        return index
+
+    def logical(self, step: int, name: str, group: tuple[int, ...] | None = None) -> dict[tuple[int, ...], Logical]:
+        """Record ``name`` of ``step`` rebuilt into logical tensors (``unshard``), one per ``tp`` group (only
+        ``group``'s, if given: data-parallel groups may have run different numbers of steps)."""
+        ranks = [part for part in self.ranks if group is None or part.layout.group("tp") == group]
+        entries = [part.steps[step]["records"].get(name) if step < len(part.steps) else None for part in ranks]
+        if any(e is None for e in entries):
+            raise InputError(f"{self.root}: step {step} has no record {name!r} on every rank")
+        placements = {json.dumps(e["placement"], sort_keys=True) for e in entries}
+        dtypes = {e["dtype"] for e in entries}
+        if len(placements) > 1 or len(dtypes) > 1:
+            raise InputError(f"{self.root}: ranks disagree on how {name!r} is placed or typed")
+        pieces = [(part.layout, part.load(step, [name])[name]) for part in ranks]
+        placement = Placement.from_json(entries[0]["placement"])
+        try:
+            if entries[0].get("sketch"):
+                from logdiff.records.sketch import unshard_sketches
+
+                return unshard_sketches(pieces, placement, self.sketch_digest)
+            return unshard(name, pieces, placement, entries[0]["dtype"])
+        except (ValueError, IndexError, KeyError) as e:
+            raise InputError(f"{self.root}: step {step}, record {name!r}: the ranks' pieces do not make one "
+                             f"tensor ({type(e).__name__}: {e})") from None
+
+    def widths(self) -> dict[str, int]:
+        """Each whole record's logical values per row (``bundle_input.row_width``), from the first step that has
+        it (each step file's header read until every record's is known)."""
+        out: dict[str, int] = {}
+        for part in self.ranks:
+            tp = len(part.layout.group("tp"))
+            for step, entry in enumerate(part.steps):
+                todo = [n for n in entry["records"] if n not in out]
+                if not todo:
+                    continue
+                shapes = checked.header_shapes(part.file(step))
+                for name in todo:
+                    width = checked.row_width(part.file(step), name, entry["records"][name], tp, shapes)
+                    if width is not None:
+                        out[name] = width
+        return out

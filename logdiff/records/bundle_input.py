@@ -1,0 +1,195 @@
+"""A capture bundle is untrusted input: every fact it states is checked before it is used.
+
+A bundle may come from another machine, a run that died, or a hand that edited it. So (``bundle.py`` calls
+these): ``bundle.json`` and each ``manifest.json`` must be JSON of the documented types (a layout, a list of
+steps, each record's dtype, shape and placement); every file a manifest names must lie inside its rank
+directory (no ``..``, no absolute path, no link out of it); a step file safetensors cannot read, an array the
+manifest lists but the file lacks, an array whose shape or dtype is not the manifest's, and a ``#rows`` index
+outside the step's rows are each one ``InputError`` naming the file and what is wrong (exit 2), never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from logdiff.errors import InputError
+from logdiff.records.layout import ParallelLayout, Placement
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """``path``'s JSON object; anything else is one line naming it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: not a readable {what} ({type(e).__name__})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a {what} (a JSON {type(data).__name__}, expected an object)")
+    return data
+
+
+def read_step_log(manifest: Path, name: Any) -> list[Any]:
+    """The step entries an open writer's log holds (``bundle_writer.STEP_LOG``), one JSON value per line; a
+    last line cut short (the writer stopped while appending it) is left out, any other bad line refused."""
+    path = inside(manifest.parent, name, f"{manifest}: step_log")
+    try:
+        lines = path.read_text().split("\n")
+    except (OSError, ValueError) as e:
+        raise InputError(f"{path}: not a readable step log ({type(e).__name__})") from None
+    steps = []
+    for i, line in enumerate(lines):
+        try:
+            steps.append(json.loads(line))
+        except ValueError:
+            if i < len(lines) - 1:  # only the last, unterminated line may be cut short
+                raise InputError(f"{path}: line {i + 1} is not a JSON step entry") from None
+    return steps
+
+
+def inside(directory: Path, name: Any, where: str) -> Path:
+    """``directory / name``, refused unless it resolves inside ``directory`` (links followed)."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute():
+        raise InputError(f"{where}: file {name!r} is not a file name inside its rank directory")
+    root = Path(directory).resolve()
+    path = (root / name).resolve()
+    if path == root or root not in path.parents:
+        raise InputError(f"{where}: file {name!r} lies outside its rank directory {directory}")
+    return path
+
+
+#: the metadata the comparison reads, and the JSON type each must have where present
+META_TYPES = {"config": dict, "prompt_lens": dict, "position_offsets": dict, "owners": dict, "contract": dict,
+              "sequences": list, "weight_versions": list}
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_head(path: Path, head: dict[str, Any], roles: tuple[str, ...]) -> None:
+    if head.get("role") not in roles:
+        raise InputError(f"{path}: role {head.get('role')!r} (expected one of {', '.join(roles)})")
+    if not _int(head.get("world_size")) or head["world_size"] < 1:
+        raise InputError(f"{path}: world_size {head.get('world_size')!r} is not a positive integer")
+
+
+def check_manifest(path: Path, m: dict[str, Any]) -> ParallelLayout:
+    """The manifest's layout, once its every field the comparison reads has the documented type."""
+    try:
+        layout = ParallelLayout.from_json(m["layout"])
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InputError(f"{path}: no valid layout ({type(e).__name__}: {e})") from None
+    if not isinstance(m.get("meta", {}), dict) or not isinstance(m.get("steps"), list):
+        raise InputError(f"{path}: meta must be an object and steps a list")
+    meta = m.get("meta", {})
+    for key, kind in META_TYPES.items():
+        if meta.get(key) is not None and not isinstance(meta[key], kind):
+            raise InputError(f"{path}: meta {key} is not a JSON {'object' if kind is dict else 'list'}")
+    for key in ("prompt_lens", "position_offsets"):
+        if not all(_int(v) and v >= 0 for v in (meta.get(key) or {}).values()):
+            raise InputError(f"{path}: meta {key} must map sequence ids to non-negative integers")
+    for i, step in enumerate(m["steps"]):
+        where = f"{path}: step {i}"
+        if not isinstance(step, dict) or not isinstance(step.get("records"), dict):
+            raise InputError(f"{where} is not an object with records")
+        inside(path.parent, step.get("file"), where)
+        if "weight_version" in step and (not _int(step["weight_version"]) or step["weight_version"] < 0):
+            raise InputError(f"{where}: weight_version {step['weight_version']!r} is not a non-negative integer")
+        for name, e in step["records"].items():
+            shape = e.get("shape") if isinstance(e, dict) else None
+            if (not isinstance(shape, list) or not all(_int(n) and n >= 0 for n in shape)
+                    or not isinstance(e.get("dtype"), str) or not isinstance(e.get("placement"), dict)):
+                raise InputError(f"{where}: record {name!r} needs a dtype, a shape of sizes and a placement")
+            try:
+                Placement.from_json(e["placement"])
+            except (TypeError, ValueError) as err:
+                raise InputError(f"{where}: record {name!r}: {err}") from None
+    return layout
+
+
+def _stored_dtype(name: str) -> np.dtype | None:
+    """The numpy dtype a record of manifest dtype ``name`` is stored in (bfloat16 as its int16 bits)."""
+    try:
+        return np.dtype("int16" if name == "bfloat16" else name)
+    except TypeError:
+        return None
+
+
+def read_step(file: Path, names: list[str], entries: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Arrays ``names`` of step file ``file``, each checked against its manifest entry in ``entries`` (records)
+    and the step's rows (``#rows`` indices)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            keys = set(f.keys())
+            absent = [n for n in names if n not in keys]
+            if absent:
+                raise InputError(f"{file}: no array {absent[0]!r} in the step file (its manifest lists it)")
+            out = {n: f.get_tensor(n) for n in names}
+            rows = f.get_slice("tokens").get_shape()[0] if "tokens" in keys else None
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors' own errors (a truncated or corrupt file) are the input's
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise InputError(f"{file}: not a readable safetensors step file ({type(e).__name__}: {reason})") from None
+    for n, array in out.items():
+        entry = entries.get(n)
+        if entry is not None:
+            want = _stored_dtype(entry["dtype"]) if not entry.get("sketch") else None
+            if list(array.shape) != entry["shape"] or (want is not None and array.dtype != want):
+                raise InputError(f"{file}: array {n!r} is {array.dtype}{list(array.shape)}, its manifest says "
+                                 f"{entry['dtype']}{entry['shape']}")
+        elif n.endswith("#rows") and rows is not None and not _within(array, rows):
+            raise InputError(f"{file}: row index {n!r} points outside the step's {rows} rows")
+    return out
+
+
+def _within(index: np.ndarray, rows: int) -> bool:
+    """Whether ``index`` is a flat integer index into ``rows`` rows."""
+    if index.ndim != 1 or index.dtype.kind not in "iu":
+        return False
+    return not index.size or (int(index.min()) >= 0 and int(index.max()) < rows)
+
+
+def check_rows(file: Path, name: str, entry: dict[str, Any], rows: int) -> None:
+    """A whole record must hold a whole number of values per row of its rows."""
+    size = math.prod(entry["shape"])
+    if (size % rows) if rows else size:
+        raise InputError(f"{file}: record {name!r} of shape {entry['shape']} does not split into {rows} rows")
+
+
+def header_shapes(file: Path) -> dict[str, list[int]]:
+    """Every array's shape in step file ``file``, read from its header alone."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - as read_step: the file's own fault, named
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise InputError(f"{file}: not a readable safetensors step file ({type(e).__name__}: {reason})") from None
+
+
+def row_width(file: Path, name: str, entry: dict[str, Any], tp: int, shapes: dict[str, list[int]]) -> int | None:
+    """A whole record's logical values per row: its shape (a shard's split dimension whole), which must be the
+    one stored in ``file`` (``shapes``, its header's), over its rows (its ``#rows`` index, else the step's). None
+    for a sketch or a record of no rows."""
+    shape = list(entry["shape"])
+    if name not in shapes:
+        raise InputError(f"{file}: no array {name!r} in the step file (its manifest lists it)")
+    if shapes[name] != shape:
+        raise InputError(f"{file}: array {name!r} is {shapes[name]}, its manifest says {entry['dtype']}{shape}")
+    rows = (shapes.get(f"{name}#rows") or shapes.get("tokens") or [0])[0]
+    if entry.get("sketch") or not shape:
+        return None
+    check_rows(file, name, entry, rows)
+    p = entry["placement"]
+    if p.get("kind") == "shard" and _int(p.get("dim")) and -len(shape) <= p["dim"] < len(shape):
+        d = p["dim"] % len(shape)
+        shape[d] = int(p.get("size") or shape[d] * tp)
+    return math.prod(shape) // rows if rows else None
