@@ -35,14 +35,16 @@ no versions). A capture of weights wider than bfloat16 also keeps them rounded:
 re-round. ``RankPart.fingerprints`` reads either, ``Bundle.versions_of`` says which
 versions the steps of given sequences ran with.
 
-**Untrusted input.** A bundle is read as untrusted input (``bundle_input.py``): its JSON is type-checked on
-open, every file a manifest names must stay inside its rank directory, and every array read is checked
-against its manifest entry; anything wrong is one ``InputError`` naming the file.
+**Untrusted input.** A bundle is read as untrusted input: every file through ``untrusted.InputRoot`` (inside
+the bundle, links out refused, regular files only), its JSON type-checked on open, every step file's header
+checked against its manifest entry before anything loads (``bundle_input.py``), the stated world size and
+ranks against the rank directories on disk; anything wrong is one ``InputError`` naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,7 @@ from logdiff.records.bundle_writer import FORMAT, RESERVED, ROLES, VERSION
 from logdiff.records.layout import ParallelLayout, Placement
 from logdiff.records.sketch import DIGESTS, LEGACY
 from logdiff.records.unshard import Logical, unshard
+from logdiff.records.untrusted import InputRoot
 
 
 def _meta_ids(meta: dict[str, Any], seq: int) -> list[int] | None:
@@ -72,31 +75,23 @@ class RankPart:
     meta: dict[str, Any]
     steps: list[dict[str, Any]]
     dir: Path
-    _names: dict[int, set[str]] = field(default_factory=dict, repr=False)
+    source: InputRoot
+    #: each step file's arrays and their shapes, from its header (``bundle_input.check_step_files``)
+    shapes: list[dict[str, list[int]]] = field(default_factory=list, repr=False)
     _rows: dict[int, int] = field(default_factory=dict, repr=False)
 
     def file(self, step: int) -> Path:
-        """Step ``step``'s file, inside the rank directory (``bundle_input.inside``)."""
-        return checked.inside(self.dir, self.steps[step]["file"], f"{self.dir / 'manifest.json'}: step {step}")
+        """Step ``step``'s file, inside the rank directory and the bundle (``untrusted.InputRoot.child``)."""
+        return self.source.child(self.dir, self.steps[step]["file"], f"{self.dir / 'manifest.json'}: step {step}",
+                                 within="its rank directory")
 
     def load(self, step: int, names: list[str]) -> dict[str, np.ndarray]:
         """Arrays ``names`` of step ``step``, each checked against the manifest (``bundle_input.read_step``)."""
         return checked.read_step(self.file(step), names, self.steps[step]["records"])
 
     def names(self, step: int) -> set[str]:
-        """Every array in the step's file (read once per step: a comparison asks for each record's)."""
-        if step not in self._names:
-            from safetensors import safe_open
-
-            try:
-                with safe_open(str(self.file(step)), framework="numpy") as f:
-                    self._names[step] = set(f.keys())
-            except InputError:
-                raise
-            except Exception:  # read_step names the file and what safetensors says of it
-                checked.read_step(self.file(step), [], {})
-                raise
-        return self._names[step]
+        """Every array in the step's file (from its header, read when the bundle opened)."""
+        return set(self.shapes[step])
 
     def table(self, step: int) -> dict[str, np.ndarray]:
         """The step's row table: ``tokens``, ``positions`` and, from a capture, ``sequences`` and ``valid``
@@ -134,31 +129,33 @@ class Bundle:
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        source = InputRoot(self.root, "capture bundle")
         head_path = self.root / "bundle.json"
-        try:
-            head = json.loads(head_path.read_text())
-        except (OSError, ValueError) as e:
-            raise InputError(f"{self.root} is not a capture bundle (no readable bundle.json: {e})") from None
-        if not isinstance(head, dict):
-            raise InputError(f"{head_path}: not a bundle.json (a JSON {type(head).__name__}, expected an object)")
+        if not os.path.lexists(head_path):
+            raise InputError(f"{self.root} is not a capture bundle (no bundle.json)")
+        head = source.read_object(head_path, "bundle.json")
         if head.get("format") != FORMAT:
-            raise InputError(f"{head_path}: format {head.get('format')!r}, expected {FORMAT!r}")
-        if head.get("version") != VERSION:
-            raise InputError(f"{head_path}: bundle version {head.get('version')!r}, this logdiff reads {VERSION}")
+            raise InputError(f"{head_path}: format {str(head.get('format'))[:60]!r}, expected {FORMAT!r}")
+        checked.check_version(head_path, head, VERSION)
         checked.check_head(head_path, head, ROLES)
         self.role: str = head["role"]
         self.world_size = int(head["world_size"])
         self.ranks: list[RankPart] = []
-        for part in sorted(self.root.glob("rank-*/manifest.json")):
-            m = checked.read_json(part, "manifest.json")
+        for rank_dir in (p for p in sorted(self.root.glob("rank-*")) if p.is_dir() or p.is_symlink()):
+            source.resolve(rank_dir, "dir")
+            part = rank_dir / "manifest.json"
+            if not os.path.lexists(part):
+                raise InputError(f"{rank_dir}: a rank directory with no manifest.json (an interrupted capture or an "
+                                 "incomplete copy)")
+            m = source.read_object(part, "manifest.json")
             if "step_log" in m:  # a writer that has not closed (still running, or killed)
-                m["steps"] = checked.read_step_log(part, m["step_log"])
-            self.ranks.append(RankPart(checked.check_manifest(part, m), m.get("meta", {}), m["steps"], part.parent))
+                m["steps"] = checked.read_step_log(source, part, m["step_log"])
+            layout = checked.check_manifest(source, part, m)
+            shapes = checked.check_step_files(source, part, m["steps"], rank_dir)
+            self.ranks.append(RankPart(layout, m.get("meta", {}), m["steps"], rank_dir, source, shapes))
         if not self.ranks:
             raise InputError(f"{self.root}: a bundle with no rank's records")
-        if {r.layout.rank for r in self.ranks} != set(range(self.world_size)):
-            missing = sorted(set(range(self.world_size)) - {r.layout.rank for r in self.ranks})
-            raise InputError(f"{self.root}: world size {self.world_size}, no records from ranks {missing}")
+        checked.check_ranks(self.root, self.world_size, [(p.dir / "manifest.json", p.layout.rank) for p in self.ranks])
         digests = {str(part.meta.get("sketch_digest", LEGACY)) for part in self.ranks}
         if len(digests) > 1 or not digests <= set(DIGESTS):
             raise InputError(f"{self.root}: row sketch digests {sorted(digests)} (this logdiff reads one of "
@@ -296,7 +293,7 @@ class Bundle:
                 todo = [n for n in entry["records"] if n not in out]
                 if not todo:
                     continue
-                shapes = checked.header_shapes(part.file(step))
+                shapes = part.shapes[step]
                 for name in todo:
                     width = checked.row_width(part.file(step), name, entry["records"][name], tp, shapes)
                     if width is not None:

@@ -1,11 +1,15 @@
 """A capture bundle is untrusted input: every fact it states is checked before it is used.
 
-A bundle may come from another machine, a run that died, or a hand that edited it. So (``bundle.py`` calls
-these): ``bundle.json`` and each ``manifest.json`` must be JSON of the documented types (a layout, a list of
-steps, each record's dtype, shape and placement); every file a manifest names must lie inside its rank
-directory (no ``..``, no absolute path, no link out of it); a step file safetensors cannot read, an array the
-manifest lists but the file lacks, an array whose shape or dtype is not the manifest's, and a ``#rows`` index
-outside the step's rows are each one ``InputError`` naming the file and what is wrong (exit 2), never a crash.
+A bundle may come from another machine, a run that died, or a hand that edited it. Every file is read
+through ``untrusted.InputRoot`` (inside the bundle, regular files only, bounded sizes), and what the files
+say is checked here (``bundle.py`` calls these): ``bundle.json`` and each ``manifest.json`` must be JSON of
+the documented types (a layout, a list of steps, each record's dtype, shape and placement); every file a
+manifest names must lie inside its rank directory (no ``..``, no absolute path, no link out of it); every
+step file's safetensors header is read when the bundle opens, before any model loads, and each record the
+manifest lists must be there with the manifest's shape and dtype (``check_step_files``). A step file that
+cannot be read, an array the manifest lists but the file lacks, an array whose shape or dtype is not the
+manifest's, and a ``#rows`` index outside the step's rows are each one ``InputError`` naming the file and
+what is wrong (exit 2), never a crash.
 """
 
 from __future__ import annotations
@@ -19,26 +23,16 @@ import numpy as np
 
 from logdiff.errors import InputError
 from logdiff.records.layout import ParallelLayout, Placement
+from logdiff.records.untrusted import InputRoot, brief, safetensors_header
 
 
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    """``path``'s JSON object; anything else is one line naming it."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path}: not a readable {what} ({type(e).__name__})") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path}: not a {what} (a JSON {type(data).__name__}, expected an object)")
-    return data
-
-
-def read_step_log(manifest: Path, name: Any) -> list[Any]:
+def read_step_log(source: InputRoot, manifest: Path, name: Any) -> list[Any]:
     """The step entries an open writer's log holds (``bundle_writer.STEP_LOG``), one JSON value per line; a
     last line cut short (the writer stopped while appending it) is left out, any other bad line refused."""
-    path = inside(manifest.parent, name, f"{manifest}: step_log")
+    path = source.child(manifest.parent, name, f"{manifest}: step_log", within="its rank directory")
     try:
-        lines = path.read_text().split("\n")
-    except (OSError, ValueError) as e:
+        lines = source.read_bytes(path).decode("utf-8").split("\n")
+    except ValueError as e:
         raise InputError(f"{path}: not a readable step log ({type(e).__name__})") from None
     steps = []
     for i, line in enumerate(lines):
@@ -48,17 +42,6 @@ def read_step_log(manifest: Path, name: Any) -> list[Any]:
             if i < len(lines) - 1:  # only the last, unterminated line may be cut short
                 raise InputError(f"{path}: line {i + 1} is not a JSON step entry") from None
     return steps
-
-
-def inside(directory: Path, name: Any, where: str) -> Path:
-    """``directory / name``, refused unless it resolves inside ``directory`` (links followed)."""
-    if not isinstance(name, str) or not name or Path(name).is_absolute():
-        raise InputError(f"{where}: file {name!r} is not a file name inside its rank directory")
-    root = Path(directory).resolve()
-    path = (root / name).resolve()
-    if path == root or root not in path.parents:
-        raise InputError(f"{where}: file {name!r} lies outside its rank directory {directory}")
-    return path
 
 
 #: the metadata the comparison reads, and the JSON type each must have where present
@@ -72,12 +55,45 @@ def _int(value: Any) -> bool:
 
 def check_head(path: Path, head: dict[str, Any], roles: tuple[str, ...]) -> None:
     if head.get("role") not in roles:
-        raise InputError(f"{path}: role {head.get('role')!r} (expected one of {', '.join(roles)})")
+        raise InputError(f"{path}: role {_said(head.get('role'))} (expected one of {', '.join(roles)})")
     if not _int(head.get("world_size")) or head["world_size"] < 1:
-        raise InputError(f"{path}: world_size {head.get('world_size')!r} is not a positive integer")
+        raise InputError(f"{path}: world_size {_said(head.get('world_size'))} is not a positive integer")
 
 
-def check_manifest(path: Path, m: dict[str, Any]) -> ParallelLayout:
+def _said(value: Any) -> str:
+    """A value a file states, in a message: its JSON type where that is the fault, and never more than a line."""
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} (a string)" if isinstance(value, str) and value.strip("-").isdigit() else text
+
+
+def check_version(path: Path, head: dict[str, Any], version: int) -> None:
+    """The bundle format's version: the integer this logdiff reads, named as both sides write it."""
+    found = head.get("version")
+    if found != version or not _int(found):
+        kind = "" if _int(found) else f" (a JSON {type(found).__name__ if found is not None else 'null'})"
+        raise InputError(f"{path}: bundle version {_said(found) if _int(found) else repr(found)[:60]}{kind}; "
+                         f"this logdiff reads version {version} (an integer)")
+
+
+def check_ranks(root: Path, world_size: int, claimed: list[tuple[Path, int]]) -> None:
+    """Each rank of ``world_size`` written by exactly one rank directory: none missing, none twice, none beyond.
+    Counted against the directories on disk, so a stated world size of a billion costs nothing."""
+    seen: dict[int, Path] = {}
+    for manifest, rank in claimed:
+        if not 0 <= rank < world_size:
+            raise InputError(f"{manifest}: rank {rank:,} is outside the bundle's world size {world_size:,} "
+                             f"({root / 'bundle.json'})")
+        if rank in seen:
+            raise InputError(f"{manifest} and {seen[rank]} both hold rank {rank} (a rank directory copied twice?)")
+        seen[rank] = manifest
+    if len(seen) < world_size:
+        missing = (r for r in range(world_size) if r not in seen)
+        raise InputError(f"{root}: world size {world_size:,} ({root / 'bundle.json'}), no records from ranks "
+                         f"{brief(missing, total=world_size - len(seen))}")
+
+
+def check_manifest(source: InputRoot, path: Path, m: dict[str, Any]) -> ParallelLayout:
     """The manifest's layout, once its every field the comparison reads has the documented type."""
     try:
         layout = ParallelLayout.from_json(m["layout"])
@@ -96,7 +112,7 @@ def check_manifest(path: Path, m: dict[str, Any]) -> ParallelLayout:
         where = f"{path}: step {i}"
         if not isinstance(step, dict) or not isinstance(step.get("records"), dict):
             raise InputError(f"{where} is not an object with records")
-        inside(path.parent, step.get("file"), where)
+        source.child(path.parent, step.get("file"), where, within="its rank directory")
         if "weight_version" in step and (not _int(step["weight_version"]) or step["weight_version"] < 0):
             raise InputError(f"{where}: weight_version {step['weight_version']!r} is not a non-negative integer")
         for name, e in step["records"].items():
@@ -109,6 +125,11 @@ def check_manifest(path: Path, m: dict[str, Any]) -> ParallelLayout:
             except (TypeError, ValueError) as err:
                 raise InputError(f"{where}: record {name!r}: {err}") from None
     return layout
+
+
+def stored_as(dtype: str) -> str:
+    """A stored array's dtype in the manifest's words: int16 is also how a bfloat16 record is stored."""
+    return "int16 (a bfloat16 or int16 record's bits)" if dtype == "int16" else dtype
 
 
 def _stored_dtype(name: str) -> np.dtype | None:
@@ -142,8 +163,8 @@ def read_step(file: Path, names: list[str], entries: dict[str, Any]) -> dict[str
         if entry is not None:
             want = _stored_dtype(entry["dtype"]) if not entry.get("sketch") else None
             if list(array.shape) != entry["shape"] or (want is not None and array.dtype != want):
-                raise InputError(f"{file}: array {n!r} is {array.dtype}{list(array.shape)}, its manifest says "
-                                 f"{entry['dtype']}{entry['shape']}")
+                raise InputError(f"{file}: array {n!r} is stored as {stored_as(str(array.dtype))}"
+                                 f"{list(array.shape)}, its manifest says {entry['dtype']}{entry['shape']}")
         elif n.endswith("#rows") and rows is not None and not _within(array, rows):
             raise InputError(f"{file}: row index {n!r} points outside the step's {rows} rows")
     return out
@@ -163,16 +184,30 @@ def check_rows(file: Path, name: str, entry: dict[str, Any], rows: int) -> None:
         raise InputError(f"{file}: record {name!r} of shape {entry['shape']} does not split into {rows} rows")
 
 
-def header_shapes(file: Path) -> dict[str, list[int]]:
-    """Every array's shape in step file ``file``, read from its header alone."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(file), framework="numpy") as f:
-            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - as read_step: the file's own fault, named
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise InputError(f"{file}: not a readable safetensors step file ({type(e).__name__}: {reason})") from None
+def check_step_files(source: InputRoot, manifest: Path, steps: list[dict[str, Any]], dir: Path) -> list[dict]:
+    """Every step file of a rank, from its safetensors header alone, against the manifest: each record there with
+    the manifest's shape and stored dtype, the row arrays one row each, each ``#rows`` index as long as its
+    record's rows. Read when the bundle opens, before a model loads or an array is allocated; returns each step's
+    header shapes (name -> shape)."""
+    out = []
+    for i, step in enumerate(steps):
+        shown = dir / str(step["file"])
+        real = source.child(dir, step["file"], f"{manifest}: step {i}", within="its rank directory")
+        header = safetensors_header(real, shown)
+        for name, entry in step["records"].items():
+            if name not in header:
+                raise InputError(f"{shown}: no array {name!r} in the step file (its manifest lists it)")
+            dtype, shape = header[name]
+            want = _stored_dtype(entry["dtype"])
+            stored = "int16" if dtype == "bfloat16" else dtype  # logdiff stores bfloat16 as int16 bits
+            if shape != entry["shape"] or (not entry.get("sketch") and (want is None or np.dtype(stored) != want)):
+                raise InputError(f"{shown}: array {name!r} is stored as {stored_as(stored)}{shape}, its manifest "
+                                 f"says {entry['dtype']}{entry['shape']}")
+        rows = [header[n][1] for n in ("tokens", "positions", "sequences", "valid") if n in header]
+        if len({tuple(r) for r in rows}) > 1 or any(len(r) != 1 for r in rows):
+            raise InputError(f"{shown}: its row arrays (tokens, positions, ...) are not one row each")
+        out.append({name: shape for name, (_, shape) in header.items()})
+    return out
 
 
 def row_width(file: Path, name: str, entry: dict[str, Any], tp: int, shapes: dict[str, list[int]]) -> int | None:

@@ -15,13 +15,14 @@ is one ``InputError`` naming the file.
 
 from __future__ import annotations
 
-import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from logdiff.errors import InputError
+from logdiff.records.untrusted import InputRoot
 
 #: a module entry: ``Module.{path}.{class}.forward.{call count}``
 ENTRY = re.compile(r"^Module\.(?P<path>.+)\.(?P<cls>[A-Za-z0-9_]+)\.forward\.(?P<count>\d+)$")
@@ -42,9 +43,14 @@ def pick(entry: dict[str, Any], where: str, index: int) -> Any:
 
 
 def dump_files(root: Path) -> list[Path]:
-    """The ``dump.json`` files of a dump directory (the dump root, a step directory or a rank directory)."""
-    root = Path(root)
-    return sorted({*root.glob("dump.json"), *root.glob("*/dump.json"), *root.glob("step*/*/dump.json")})
+    """The ``dump.json`` files of a dump directory (the dump root, a step directory or a rank directory), each
+    a regular file inside it (``untrusted.InputRoot``: a rank directory or a dump.json that links out is refused)."""
+    source = InputRoot(root, "msprobe dump")
+    found = sorted({*source.given.glob("dump.json"), *source.given.glob("*/dump.json"),
+                    *source.given.glob("step*/*/dump.json")})
+    for f in found:
+        source.resolve(f)
+    return found
 
 
 def is_dump(path: Path) -> bool:
@@ -63,12 +69,19 @@ class RankDump:
     parents: dict[str, str | None] = field(default_factory=dict)
 
     def load(self, desc: Any) -> Any:
-        """The tensor a description names (``data_name``), or None where no file was kept."""
+        """The tensor a description names (``data_name``), or None where no file was kept; a name that leads out
+        of the rank directory, or to a FIFO, a device or a directory, is refused (``untrusted.InputRoot``)."""
         if not isinstance(desc, dict) or not desc.get("data_name"):
             return None
-        f = _inside(self.dir / "dump_tensor_data", desc["data_name"], self.dir / "dump.json")
-        if not f.is_file():
+        source = InputRoot(self.dir, "msprobe rank directory")
+        name = desc["data_name"]
+        tensors = self.dir / "dump_tensor_data"
+        if not isinstance(name, str) or not name or Path(name).is_absolute() or not source.contains(tensors / name) \
+                or Path(os.path.realpath(tensors)) not in Path(os.path.realpath(tensors / name)).parents:
+            raise InputError(f"{self.dir / 'dump.json'}: data_name {name!r} is not a file inside {tensors}")
+        if not os.path.lexists(tensors / name):
             return None
+        f = source.resolve(tensors / name)
         import torch
 
         try:
@@ -78,15 +91,6 @@ class RankDump:
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{f}: holds a {type(t).__name__}, not a tensor msprobe wrote")
         return t
-
-
-def _inside(directory: Path, name: Any, where: Path) -> Path:
-    """``directory / name``, refused unless it resolves inside ``directory`` (links followed)."""
-    root = Path(directory).resolve()
-    path = (root / name).resolve() if isinstance(name, str) and not Path(name).is_absolute() else root
-    if root not in path.parents:
-        raise InputError(f"{where}: data_name {name!r} is not a file inside {directory}")
-    return path
 
 
 def _check_entries(path: Path, data: dict[str, Any]) -> None:
@@ -101,10 +105,11 @@ def _check_entries(path: Path, data: dict[str, Any]) -> None:
 
 
 def _read_json(path: Path) -> Any:
+    source = InputRoot(path.parent, "msprobe dump")
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"{path}: not readable JSON ({type(e).__name__})") from None
+        return source.read_json(path, "JSON")
+    except InputError as e:  # the dump's words: "not readable JSON"
+        raise InputError(str(e).replace("not a readable JSON", "not readable JSON")) from None
 
 
 def _check_complete(root: Path) -> None:
@@ -153,7 +158,7 @@ def read_dump(root: Path, tasks: tuple[str, ...] = ("tensor",)) -> list[RankDump
             raise InputError(f"{f.parent}: a tensor dump with no dump_tensor_data/ (its tensors): an interrupted dump "
                              "or an incomplete copy")
         construct = f.parent / "construct.json"
-        parents = _read_json(construct) if construct.is_file() else {}
+        parents = _read_json(construct) if os.path.lexists(construct) else {}
         if not isinstance(parents, dict) or not all(v is None or isinstance(v, str) for v in parents.values()):
             raise InputError(f"{construct}: not an msprobe construct.json (each entry's parent: a name or null)")
         out.append(RankDump(step, f.parent, head["data"], parents))

@@ -126,9 +126,11 @@ def check_ranks(root: Path, parallel: Parallel | None) -> dict[int, list[Path]] 
 def _one_of_several(rank_dir: Path) -> None:
     """One line where the only rank directory of a step holds DTensor pieces of a mesh of several ranks: the
     other ranks' dumps are missing (a dump of one TP rank cannot be un-sharded)."""
+    from logdiff.records.untrusted import InputRoot
+
     try:
-        text = (rank_dir / "dump.json").read_text()
-    except OSError:
+        text = InputRoot(rank_dir, "msprobe rank directory").read_bytes(rank_dir / "dump.json").decode("utf-8", "replace")
+    except InputError:
         return  # read_dump says why
     found = re.search(r'"device_mesh":\s*\[([0-9,\s]+)\]', text)
     ranks = [int(r) for r in found.group(1).split(",") if r.strip()] if found else []

@@ -21,13 +21,13 @@ versioned schema (``logprobs`` of nulls, no pairs, no causes; docs/result-schema
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from logdiff.errors import InputError
+from logdiff.records.untrusted import InputRoot
 from logdiff.sources.msprobe.convert import named_forwards
 from logdiff.sources.msprobe.layout import ENTRY, RankDump, dump_files, pick, read_dump
 from logdiff.sources.msprobe.names import TABLES, boundary, order_key, template
@@ -74,8 +74,8 @@ def dump_task(path: Path) -> str | None:
     """The ``task`` of the first dump.json under ``path`` (``tensor``, ``statistics``), None where unreadable."""
     files = dump_files(Path(path)) if Path(path).is_dir() else []
     try:
-        head = json.loads(files[0].read_text()) if files else None
-    except (OSError, ValueError):
+        head = InputRoot(files[0].parent, "msprobe dump").read_json(files[0], "dump.json") if files else None
+    except InputError:
         return None
     return head.get("task") if isinstance(head, dict) and isinstance(head.get("task"), str) else None
 
