@@ -225,10 +225,10 @@ def scan(
         replay_all_paths=replay_all_paths, drill=drill, batch_compositions=batch_compositions,
         trust_remote_code=trust_remote_code, device=device, is_threshold=is_threshold, window=window,
     )  # fmt: skip
-    outputs.prepare(out, json_path)
     tables: dict[str, Any] = {}
-    result = _run_scan(cfg, quiet, tables)
-    outputs.write_result(result, out, json_path, tables)
+    with outputs.prepared(out, json_path):
+        result = _run_scan(cfg, quiet, tables)
+        outputs.write_result(result, out, json_path, tables)
     print_summary(result, Console(), quiet=quiet)
 
 
@@ -322,11 +322,10 @@ def check(
     if base_path is not None:
         old = gating.load_baseline(base_path, hardware) if not update_baseline else gating.try_load_baseline(base_path)
     out, json_path = scan_options.get("out"), scan_options.get("json_path")
-    outputs.prepare(out, json_path, junit, base_path if update_baseline else None)
-
     tables: dict[str, Any] = {}
-    result = _run_scan(cfg, quiet, tables)
-    outputs.write_result(result, out, json_path, tables)
+    with outputs.prepared(out, json_path, junit, base_path if update_baseline else None):
+        result = _run_scan(cfg, quiet, tables)
+        outputs.write_result(result, out, json_path, tables)
     console = Console()
     print_summary(result, console, quiet=quiet)
 
@@ -466,8 +465,8 @@ def compare_bundles(
         if tp is not None or parallel is not None:
             raise InputError("--tp/--parallel: a statistics-only comparison reads one rank per dump (docs/msprobe.md)")
         result = statistics_result(train_bundle, infer_bundle, model, environment())
-        outputs.prepare(out, json_path)
-        outputs.write_result(result, out, json_path)
+        with outputs.prepared(out, json_path):
+            outputs.write_result(result, out, json_path)
         print_summary(result, Console(), quiet=quiet)
         return
     tables: dict[str, Any] = {}
@@ -477,12 +476,12 @@ def compare_bundles(
         sizes = parse_parallel(parallel, tp)
         train, infer = (as_bundle(p, role, model, Path(scratch), sizes) for p, role in ((train_bundle, "train"),
                                                                                 (infer_bundle, "infer")))
-        outputs.prepare(out, json_path)
-        weights = live_model(model, (train, infer), (train_bundle, infer_bundle))
-        result = _with_progress(
-            lambda progress: run(train, infer, model=weights, is_threshold=is_threshold, progress=progress,
-                                 tables=tables), quiet)  # fmt: skip
-    outputs.write_result(result, out, json_path, tables)
+        with outputs.prepared(out, json_path):
+            weights = live_model(model, (train, infer), (train_bundle, infer_bundle))
+            result = _with_progress(
+                lambda progress: run(train, infer, model=weights, is_threshold=is_threshold, progress=progress,
+                                     tables=tables), quiet)  # fmt: skip
+            outputs.write_result(result, out, json_path, tables)
     print_summary(result, Console(), quiet=quiet)
 
 
@@ -591,9 +590,10 @@ def demo_model(
 
     if arch not in SUPPORTED_DEMO_ARCHS:
         raise InputError(f"unknown --arch {arch!r}; choose one of {', '.join(SUPPORTED_DEMO_ARCHS)}")
-    outputs.probe_demo_target(path)  # before the training, not after it
+    created = outputs.probe_demo_target(path)  # before the training, not after it
     console = _stderr()
-    with console.status(f"building {arch} demo model") as status, outputs.writing_tree(path):
+    with outputs.removed_on_failure(created), console.status(f"building {arch} demo model") as status, \
+            outputs.writing_tree(path):
         built = build_demo_model(
             path, arch, seed=seed, train_seconds=train_seconds, max_steps=max_steps,
             progress=lambda msg: status.update(msg),

@@ -362,16 +362,21 @@ def test_update_baseline_target_is_probed(tmp_path: Path) -> None:
     assert code == 4 and "cannot write /proc/x/b.json (--baseline)" in error(out), out
 
 
-def test_stale_outputs_are_cleared_at_start(tmp_path: Path) -> None:
+def test_a_failed_run_keeps_the_earlier_outputs_and_a_good_one_replaces_them(tmp_path: Path) -> None:
     out, junit, js = tmp_path / "out", tmp_path / "junit.xml", tmp_path / "r.json"
     out.mkdir()
-    stale = [out / "result.json", out / "report.html", out / "divergence_table.parquet", junit, js]
-    for f in [*stale, out / "notes.txt"]:
-        f.write_text("from an earlier run")
+    earlier = [out / "result.json", out / "report.html", out / "divergence_table.parquet", junit, js]
+    for f in [*earlier, out / "notes.txt"]:
+        f.write_text(f"{f.name} from an earlier run")
     code, res = invoke("check", tmp_path / "missing-model", "--infer", "hf", *FAST, "--max-abs-diff", "1",
                        "--out", out, "--junit", junit, "--json", js)  # fmt: skip
     assert code == 2 and "model directory not found" in error(res)
-    assert not any(f.exists() for f in stale) and (out / "notes.txt").exists()  # only our own names go
+    assert all(f.read_text() == f"{f.name} from an earlier run" for f in [*earlier, out / "notes.txt"])
+    assert sorted(p.name for p in out.iterdir()) == ["divergence_table.parquet", "notes.txt", "report.html",
+                                                     "result.json"]  # nothing half-written beside them
+    outputs.write_result(json.loads(SAMPLE.read_text()), out, js)  # a run that succeeds, with no table
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "report.html", "result.json"]  # the old table went
+    assert json.loads((out / "result.json").read_text()) == json.loads(js.read_text())
 
 
 def test_outputs_are_written_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

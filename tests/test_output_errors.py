@@ -241,7 +241,7 @@ def test_report_negative_control(saved: Path, tmp_path: Path) -> None:
     ("replace", errno.EROFS, "result.json"),  # the last rename: report.html and the table are in place
     ("replace", errno.ENOSPC, "report.html"),
 ])  # fmt: skip
-def test_scan_out_failure_leaves_no_new_file(
+def test_scan_out_failure_keeps_the_earlier_files(
     tmp_path: Path, fake_scan: list[int], fail: Callable[..., FaultyOS], call: str, code: int, name: str
 ) -> None:
     out = tmp_path / "out"
@@ -253,8 +253,9 @@ def test_scan_out_failure_leaves_no_new_file(
     rc, stdout, stderr = invoke_cli("scan", tmp_path / "model", *SCAN, "--out", out)
     assert the_error(rc, stderr) == f"logdiff: error: cannot write {out / name}: {REASON[code]}"
     assert fake_scan and faulty.failed and stdout == ""
-    # neither the earlier run's files nor any of this run's: never a new result.json beside an old report
-    assert listing(out) == ["notes.txt"]
+    # the earlier run's files as they were, none of this run's: never a new result.json beside an old report
+    assert listing(out) == sorted(["notes.txt", "result.json", "report.html", _table_name()])
+    assert all((out / old).read_text() == "from an earlier run" for old in ("result.json", "report.html", _table_name()))
 
 
 def test_scan_table_write_failure_names_the_table(
@@ -494,9 +495,10 @@ def test_real_full_disk_and_read_only_file_system(small_tmpfs: Path, fake_scan: 
     out = small_tmpfs / "out"
     rc, _, stderr = invoke_cli("scan", small_tmpfs / "model", *SCAN, "--out", out)
     assert the_error(rc, stderr) == f"logdiff: error: cannot write {out / 'report.html'}: No space left on device"
-    assert listing(small_tmpfs) == ["out"]  # the report is ~90 KB: nothing truncated, no temporary
+    # the report is ~90 KB: nothing truncated, no temporary, and the --out directory the run created is gone
+    assert listing(small_tmpfs) == []
     rc, _, stderr = invoke_cli("report", SAMPLE, "--out", small_tmpfs / "report.html")
-    assert "No space left on device" in the_error(rc, stderr) and listing(small_tmpfs) == ["out"]
+    assert "No space left on device" in the_error(rc, stderr) and listing(small_tmpfs) == []
     subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
     rc, _, stderr = invoke_cli("report", SAMPLE, "--out", small_tmpfs / "report.html")
     assert the_error(rc, stderr) == (

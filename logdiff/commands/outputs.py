@@ -1,18 +1,23 @@
-"""The files a run writes: probed before the scan, cleared of an earlier run's, written atomically.
+"""The files a run writes: probed before the scan, swapped in whole when it succeeds, never lost when it fails.
 
-* ``prepare`` runs before anything loads: every target (``--out`` directory,
-  ``--json``, ``--junit``, a baseline to write) is created or probe-written, so
-  an unwritable or invalid path is one line and exit 4 instead of a lost scan;
-  then this run's output names in those places are removed, so a file left
-  from an earlier run is never read as this run's.
+* ``prepared`` (``prepare``, the probe) runs before anything loads: every target
+  (``--out`` directory, ``--json``, ``--junit``, a baseline to write) is created
+  or probe-written, so an unwritable or invalid path is one line and exit 4
+  instead of a lost scan. Nothing an earlier run wrote is touched: a run that
+  fails (bad input, an engine that will not start, an interrupt) leaves the
+  earlier results exactly as they were, and removes the directories its probe
+  created.
 * ``write_result`` renders result.json, report.html and the tables, writes them
   to temporary files on the targets' file system (a hidden ``.logdiff-partial-*``
   directory inside ``--out``, a hidden ``.NAME.*.tmp`` beside the ``--json``
-  file) and only then renames them into place, result.json last; a failure or
-  an interrupt before the last rename removes the temporaries and whatever this
-  call already renamed, so it leaves nothing new behind (never a new
-  result.json beside an older report.html).
-* ``write_text`` does the same for one file (JUnit XML, a baseline, ``report --out``).
+  file) and only then swaps them in (``_swap``): the earlier run's files of
+  those names, and its tables this run does not write, are moved aside, the new
+  files renamed into place (result.json last), and only then the earlier ones
+  deleted. A failure or an interrupt before the end puts the earlier files back
+  and removes the new ones, so the directory holds one run's set, never a new
+  result.json beside an older report.html, and never fewer files than before.
+* ``write_text`` does the same for one file (JUnit XML, a baseline, ``report --out``):
+  a rename over the target, atomic on one file system.
 
 Every OSError while probing or writing (a full disk, no permission, a read-only
 file system, a directory where a file belongs, a parent that cannot be created)
@@ -31,7 +36,7 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,12 +118,15 @@ def probe_file(path: Path, what: str | None) -> None:
     _probe_dir(path.parent, what, path)
 
 
-def probe_demo_target(path: Path) -> None:
-    """``demo-model PATH``: a directory (or nothing yet) whose parent can be written, checked before training."""
+def probe_demo_target(path: Path) -> list[Path]:
+    """``demo-model PATH``: a directory (or nothing yet) whose parent can be written, checked before training;
+    returns the parent directories it created (``removed_on_failure``)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise OutputError(path, "exists and is not a directory")
+    created = _missing([path.parent])
     _probe_dir(path.parent, None, path)
+    return created
 
 
 #: errors only a write gives (a full disk, a quota, a file too large, a read-only file system)
@@ -170,8 +178,11 @@ def _ours_in(out: Path) -> list[Path]:
 
 
 def prepare(out: Path | None, json_path: Path | None, junit: Path | None = None,
-            baseline: Path | None = None) -> None:  # fmt: skip
-    """Probe every target, then remove this run's output names left from an earlier run."""
+            baseline: Path | None = None) -> list[Path]:  # fmt: skip
+    """Probe every target (creating the directories it needs); returns the directories it created, outermost
+    first. An earlier run's files are not touched: ``write_result`` replaces them when this run succeeds."""
+    wanted = [Path(p).parent for p in (json_path, junit, baseline) if p is not None]
+    created = _missing([*([Path(out)] if out is not None else []), *wanted])
     if out is not None:
         out = Path(out)
         if out.exists() and not out.is_dir():
@@ -183,11 +194,41 @@ def prepare(out: Path | None, json_path: Path | None, junit: Path | None = None,
     for path, what in ((json_path, "--json"), (junit, "--junit"), (baseline, "--baseline")):
         if path is not None:
             probe_file(path, what)
-    stale = _ours_in(out) if out is not None else []
-    stale += [Path(p) for p in (json_path, junit) if p is not None and Path(p).is_file()]
-    for path in stale:
-        with writing(path), contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    return created
+
+
+def _missing(directories: list[Path]) -> list[Path]:
+    """The directories (and their parents) that do not exist yet, outermost first."""
+    out: list[Path] = []
+    for d in directories:
+        d = Path(os.path.abspath(d))
+        chain = []
+        while not os.path.lexists(d) and d != d.parent:
+            chain.append(d)
+            d = d.parent
+        out += [c for c in reversed(chain) if c not in out]
+    return out
+
+
+@contextlib.contextmanager
+def prepared(out: Path | None, json_path: Path | None, junit: Path | None = None,
+             baseline: Path | None = None) -> Iterator[None]:  # fmt: skip
+    """``prepare``, then the run: where the run fails, the directories the probe created are removed again
+    (where still empty), so a failed run leaves nothing behind and the earlier results as they were."""
+    with removed_on_failure(prepare(out, json_path, junit, baseline)):
+        yield
+
+
+@contextlib.contextmanager
+def removed_on_failure(created: list[Path]) -> Iterator[None]:
+    """Remove the directories a probe ``created`` (innermost first, where still empty) if the block fails."""
+    try:
+        yield
+    except BaseException:
+        for d in reversed(created):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
 
 
 @contextlib.contextmanager
@@ -227,23 +268,38 @@ def _sync(path: Path, target: Path) -> None:
             os.close(fd)
 
 
-def _commit(moves: list[tuple[Path, Path]]) -> None:
-    """Rename every (temporary, target) pair into place, in order; all or none.
+def _swap(moves: list[tuple[Path, Path]], remove: Sequence[Path] = ()) -> None:
+    """Rename every (temporary, target) pair into place and take the ``remove`` targets away: all or none.
 
-    A failure (or an interrupt) partway removes the targets this call already
-    renamed, so a set of files that belong together is never half replaced.
+    The earlier files at the targets are first moved aside (beside themselves, ``.NAME.*.prev``), then the
+    new ones renamed in, in order, then the earlier ones deleted. A failure (or an interrupt) partway removes
+    what this call placed and puts the earlier files back, so the targets hold either the earlier set or the
+    new one, never a mix and never less than before.
     """
-    done: list[Path] = []
+    saved: list[tuple[Path, Path]] = []
+    placed: list[Path] = []
     try:
+        for dst in [dst for _, dst in moves] + list(remove):
+            if os.path.lexists(dst):
+                aside = dst.with_name(f".{dst.name}.{os.getpid()}.{secrets.token_hex(4)}.prev")
+                with writing(dst):
+                    os.replace(dst, aside)
+                saved.append((aside, dst))
         for src, dst in moves:
             with writing(dst):
                 os.replace(src, dst)
-            done.append(dst)
+            placed.append(dst)
     except BaseException:
-        for dst in done:
+        for dst in placed:
             with contextlib.suppress(OSError):
                 dst.unlink()
+        for aside, dst in reversed(saved):
+            with contextlib.suppress(OSError):
+                os.replace(aside, dst)
         raise
+    for aside, _ in saved:
+        with contextlib.suppress(OSError):
+            aside.unlink()
 
 
 def write_text(path: Path, text: str, what: str | None = None) -> None:
@@ -253,7 +309,7 @@ def write_text(path: Path, text: str, what: str | None = None) -> None:
     with _temp_beside(path) as tmp:
         try:
             _write_file(tmp, text, path)
-            _commit([(tmp, path)])
+            _swap([(tmp, path)])
         except OutputError as e:
             raise OutputError(e.path, e.reason, what) from e.__cause__
 
@@ -263,7 +319,7 @@ def write_result(result: dict[str, Any], out: Path | None, json_path: Path | Non
     """result.json, report.html and the tables into ``out``; the JSON alone to ``json_path``.
 
     Everything is rendered first (a rendering error is not an output error), then
-    written to temporaries, then renamed into place (``_commit``): the ``--json``
+    written to temporaries, then swapped into place (``_swap``): the ``--json``
     file, report.html, the tables, and result.json last.
     """
     from logdiff.reports import render_html
@@ -271,6 +327,7 @@ def write_result(result: dict[str, Any], out: Path | None, json_path: Path | Non
     text = json_text(result)
     html = render_html(result) if out is not None else None
     moves: list[tuple[Path, Path]] = []
+    stale: list[Path] = []
     with contextlib.ExitStack() as stack:
         if json_path is not None:
             json_path = Path(json_path)
@@ -299,4 +356,5 @@ def write_result(result: dict[str, Any], out: Path | None, json_path: Path | Non
             staged.append(staging / "result.json")
             _write_file(staged[-1], text, out / "result.json")
             moves += [(p, out / p.name) for p in staged]  # result.json last
-        _commit(moves)
+            stale = [p for p in _ours_in(out) if p.name not in {dst.name for _, dst in moves}]
+        _swap(moves, stale)

@@ -214,14 +214,28 @@ def build_demo_model(
         }
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
         _apply_umask(staging)
-        if path.exists():
-            shutil.rmtree(path)
-        staging.rename(path)
+        _swap_in(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     say(f"saved {arch} demo model to {path}")
     return path
+
+
+def _swap_in(staging: Path, path: Path) -> None:
+    """Put the finished ``staging`` directory at ``path``: an earlier model there is moved aside first and deleted
+    only once the new one is in place (put back if the rename fails), so it is never lost to a failed build."""
+    aside = path.with_name(f".{path.name}.{os.getpid()}.previous") if path.exists() else None
+    if aside is not None:
+        path.rename(aside)
+    try:
+        staging.rename(path)
+    except BaseException:
+        if aside is not None:
+            aside.rename(path)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _is_moe(arch: str) -> bool:
