@@ -23,7 +23,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from logdiff.errors import EXIT_INTERNAL, LogdiffError
+from logdiff.errors import EXIT_ENGINE_UNAVAILABLE, EXIT_INTERNAL, LogdiffError
 from logdiff.probes.arch import demos as demo_archs  # names only: no torch
 from logdiff.sources import DEFAULT_INFER, DEFAULT_TRAIN
 
@@ -39,6 +39,13 @@ app = typer.Typer(
 
 def _stderr() -> Console:
     return Console(stderr=True)
+
+
+#: the packages a command may need that ``pip install logdiff`` does not bring (torch's build depends on the machine:
+#: a CPU wheel, a CUDA one or torch_npu; so it stays an extra), and what each is for
+OPTIONAL_PACKAGES = {"torch": "PyTorch (replays and exact functions run in it)", "transformers": "transformers",
+                     "vllm": "vLLM", "pyarrow": "pyarrow (parquet tables and rollout dumps)"}
+INSTALL_HINT = "pip install 'logdiff[cpu]' (CPU) or 'logdiff[vllm]' (CUDA), or scripts/install.sh (docs/cli.md)"
 
 
 def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -69,6 +76,12 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             _stderr().print("logdiff: interrupted")
             raise typer.Exit(130) from None
         except Exception as e:  # noqa: BLE001 - the last line of defence
+            missing = (e.name or "").split(".")[0] if isinstance(e, ModuleNotFoundError) else ""
+            if missing in OPTIONAL_PACKAGES:  # a light machine: one line, exit 3, what to install
+                _stderr().print(f"logdiff: error: {fn.__name__.replace('_', '-')} needs {OPTIONAL_PACKAGES[missing]}, "
+                                f"which is not installed here: {INSTALL_HINT}", highlight=False, markup=False,
+                                soft_wrap=True)
+                raise typer.Exit(EXIT_ENGINE_UNAVAILABLE) from None
             if os.environ.get("LOGDIFF_DEBUG"):
                 traceback.print_exc()
             from logdiff.reports.format import safe_text

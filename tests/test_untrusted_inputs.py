@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -262,3 +262,130 @@ def test_a_dump_json_of_the_wrong_types(model_dir: Path, tmp_path: Path, edit, w
 def test_metadata_of_the_wrong_types(copy, tmp_path: Path, meta: dict, words: str) -> None:
     _edit_manifest(copy[1], lambda m: m["meta"].update(meta))
     _refused(*copy, tmp_path, "manifest.json", words)
+
+
+# --- issue 49: each hole a user met, by name ------------------------------------------------------------
+
+
+def _outside(tmp_path: Path) -> Path:
+    """A directory outside both bundles that a hostile bundle points into."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    return elsewhere
+
+
+def test_a_rank_directory_that_links_out_of_the_bundle(copy, tmp_path: Path) -> None:
+    elsewhere = _outside(tmp_path) / "rank-00000"
+    shutil.move(str(copy[0] / "rank-00000"), elsewhere)
+    (copy[0] / "rank-00000").symlink_to(elsewhere, target_is_directory=True)
+    line = _refused(*copy, tmp_path, "rank-00000", "leads outside the capture bundle")
+    assert str(copy[0]) in line
+
+
+def test_a_manifest_that_links_to_etc_passwd_is_not_read(copy, tmp_path: Path, opened: list[str]) -> None:
+    (copy[0] / MANIFEST).unlink()
+    (copy[0] / MANIFEST).symlink_to("/etc/passwd")
+    _refused(*copy, tmp_path, "manifest.json", "leads outside the capture bundle")
+    assert not [p for p in opened if "passwd" in p], opened
+
+
+def test_a_bundle_json_that_links_out(copy, tmp_path: Path) -> None:
+    target = _outside(tmp_path) / "bundle.json"
+    shutil.move(str(copy[0] / "bundle.json"), target)
+    (copy[0] / "bundle.json").symlink_to(target)
+    _refused(*copy, tmp_path, "bundle.json", "leads outside the capture bundle")
+
+
+@pytest.mark.parametrize("world_size", [1_000_000_000, 1_000_000])
+def test_a_huge_world_size_is_one_short_line_at_once(copy, tmp_path: Path, world_size: int) -> None:
+    import time
+
+    head = json.loads((copy[0] / "bundle.json").read_text())
+    (copy[0] / "bundle.json").write_text(json.dumps({**head, "world_size": world_size}))
+    start = time.monotonic()
+    line = _refused(*copy, tmp_path, f"world size {world_size:,}", "no records from ranks 1, 2, 3, 4, 5 and")
+    assert time.monotonic() - start < 30 and len(line) < 400, (len(line), line[:200])
+
+
+def test_a_step_file_that_is_a_fifo_is_refused_without_blocking(copy, tmp_path: Path) -> None:
+    import os
+
+    (copy[0] / STEP).unlink()
+    os.mkfifo(copy[0] / STEP)  # nobody writes it: opening it would block for ever
+    _refused(*copy, tmp_path, "step-000000.safetensors", "expected a regular file, found a FIFO")
+
+
+def test_a_token_outside_the_vocabulary_in_one_bundle_only(copy, tmp_path: Path) -> None:
+    vocab = json.loads((copy[0] / MANIFEST).read_text())["meta"]["config"]["vocab_size"]
+    _rewrite_step(copy[0], lambda a: a["tokens"].__setitem__(3, vocab + 7))
+    _refused(*copy, tmp_path, "train bundle's sequence", f"token id {vocab + 7:,}", "outside the vocabulary")
+
+
+def test_a_wrong_dtype_in_the_manifest_is_named_before_any_model_loads(copy, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import logdiff.commands.compare as compare
+
+    name, entry = _record(copy[0])
+    assert entry["dtype"] == "bfloat16"
+    _edit_manifest(copy[0], lambda m: m["steps"][0]["records"][name].update(dtype="float32"))
+    loads = []
+    monkeypatch.setattr(compare, "_training_engine", lambda *a, **k: loads.append(a))
+    line = _refused(*copy, tmp_path, repr(name), "stored as int16 (a bfloat16 or int16 record's bits)",
+                    "manifest says float32")
+    assert not loads and "is int16" not in line
+
+
+def test_a_version_written_as_a_string_names_its_type(copy, tmp_path: Path) -> None:
+    head = json.loads((copy[0] / "bundle.json").read_text())
+    (copy[0] / "bundle.json").write_text(json.dumps({**head, "version": "1"}))
+    _refused(*copy, tmp_path, "bundle version '1' (a JSON str)", "reads version 1 (an integer)")
+
+
+def test_a_duplicated_rank_directory_names_both(copy, tmp_path: Path) -> None:
+    shutil.copytree(copy[0] / "rank-00000", copy[0] / "rank-00001")
+    head = json.loads((copy[0] / "bundle.json").read_text())
+    (copy[0] / "bundle.json").write_text(json.dumps({**head, "world_size": 2}))
+    _refused(*copy, tmp_path, "rank-00001/manifest.json and", "rank-00000/manifest.json both hold rank 0")
+
+
+def test_a_capture_is_readable_by_the_users_group_and_others_as_umask_allows(pair: dict[str, Path]) -> None:
+    import os
+    import stat
+
+    written = [p for p in pair["train"].rglob("*") if p.is_file()]
+    modes = {oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert modes == {oct(0o666 & ~mask)}, {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in written}
+
+
+def test_compare_without_torch_is_one_line_and_exit_3(copy, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from logdiff.cli import main\nsys.argv = ['logdiff', 'compare', *sys.argv[1:]]\nmain()")
+    done = subprocess.run([sys.executable, "-c", code, str(copy[0]), str(copy[1]), "--quiet"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 3 and len(lines) == 1, done.stderr
+    assert "needs PyTorch" in lines[0] and "pip install" in lines[0] and "Traceback" not in done.stderr
+
+
+@pytest.fixture
+def opened() -> Iterator[list[str]]:
+    """Every path this process opens during the test (``open`` audit events). Audit hooks cannot be removed:
+    this one goes quiet at teardown."""
+    import os
+    import sys
+
+    seen: list[str] = []
+    active = [True]
+
+    def hook(event: str, args: tuple) -> None:
+        if active[0] and event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+            seen.append(os.fsdecode(args[0]))
+
+    sys.addaudithook(hook)
+    yield seen
+    active[0] = False

@@ -198,9 +198,9 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
     progress("reading the bundles and matching their sequences by token ids", phase="stage")
     tb, ib = open_bundles(train_dir, infer_dir)
     train_table, infer_table = tb.sequence_table(), ib.sequence_table()
+    _check_vocabulary(tb, ib, {"train": train_table, "infer": infer_table})
     matching = match_sequences(train_table, infer_table)
     seqs = _sequences(matching.ids, _prompt_lens(ib, matching.infer) or _prompt_lens(tb, matching.train))
-    _check_vocabulary(tb, ib, matching.ids)
     train_weights, infer_weights = SideWeights(tb, matching.train, "train"), SideWeights(ib, matching.infer, "infer")
     engine = _training_engine(model, tb, live) if model is not None or live is not None else None
     rejected = (model_warning(engine.fingerprints(), train_weights.fingerprints(_dtype(tb)))
@@ -330,12 +330,21 @@ def _prompt_lens(bundle: Bundle, common: dict[Any, int]) -> list[int] | None:
     return [found.get(c, 0) for c in range(max(common.values()) + 1)]
 
 
-def _check_vocabulary(tb: Bundle, ib: Bundle, ids: list[list[int]]) -> None:
-    sizes = [int((b.meta.get("config") or {}).get("vocab_size") or 0) for b in (tb, ib)]
-    size = min((s for s in sizes if s), default=0)
-    top = max(max(s) for s in ids)
-    if size and top >= size:
-        raise InputError(f"token id {top} is outside the vocabulary of {size}: the bundles used another tokenizer")
+def _check_vocabulary(tb: Bundle, ib: Bundle, tables: dict[str, dict[Any, list[int]]]) -> None:
+    """Every token id of every sequence on both sides, paired or not, inside the vocabulary both models share
+    (the smaller ``vocab_size`` the bundles state): an id outside it is bad input, never an unpaired sequence
+    that a verdict of ``consistent`` would pass over. -1 marks a position no row fed."""
+    sizes = [(b.meta.get("config") or {}).get("vocab_size") for b in (tb, ib)]
+    size = min((s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and s > 0), default=0)
+    for side, bundle in (("train", tb), ("infer", ib)):
+        for key, ids in tables[side].items():
+            bad = next(((p, t) for p, t in enumerate(ids) if t < -1 or (size and t >= size)), None)
+            if bad is not None:
+                group, seq = key
+                raise InputError(f"{bundle.root}: the {side} bundle's sequence {seq} (tp group {list(group)}) has "
+                                 f"token id {bad[1]:,} at position {bad[0]}, outside the vocabulary of {size:,}"
+                                 f"{'' if bad[1] >= 0 else ' (ids are non-negative)'}: another tokenizer, or a "
+                                 "corrupt step file")
 
 
 def _dtype(bundle: Bundle) -> str:

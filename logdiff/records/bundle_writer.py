@@ -73,6 +73,20 @@ HOLD_SHARE = 0.1
 STEP_LOG = "steps.jsonl"
 
 
+def file_mode() -> int:
+    """The mode the user's umask gives a new file (``0o644`` under the usual ``022``): one mode for everything a
+    capture writes, so a bundle copied to a shared place reads for a teammate as the user's other files do.
+    safetensors writes its files ``0600`` whatever the umask; the writer sets this mode on each step file.
+    The umask is read without changing it where the kernel says it (``/proc/self/status``)."""
+    try:
+        with open("/proc/self/status") as f:
+            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_json(path: Path, data: dict[str, Any] | str) -> None:
     """Write ``data`` (or its JSON text) to ``path`` atomically (ranks share bundle.json: each its own temporary)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
@@ -323,6 +337,7 @@ class BundleWriter:
             _sketch_small_together(arrays)
             save_file({name: host_array(a.stored() if isinstance(a, _Kept) else a)[0] for name, a in arrays.items()},
                       str(tmp))
+            os.chmod(tmp, file_mode())  # the user's umask, as the manifest's (safetensors writes 0600)
             os.replace(tmp, self.dir / file)
         finally:
             arrays.clear()
