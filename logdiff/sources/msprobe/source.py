@@ -8,6 +8,7 @@ architecture, the split sizes of packed projections and the shapes the compariso
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +21,12 @@ def model_config(model: Path | None, dump: Path) -> dict[str, Any]:
     if model is None:
         raise InputError(f"{dump} is an msprobe dump, which holds no model config: give --model MODEL (the HF model "
                          "directory it ran)")
-    try:
-        config = json.loads((Path(model) / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"--model {model}: no readable config.json ({type(e).__name__})") from None
+    from logdiff.records.untrusted import InputRoot
+
+    source = InputRoot(model, "model directory (--model)")
+    if not os.path.lexists(source / "config.json"):
+        raise InputError(f"--model {model}: no config.json")
+    config = source.read_json(source / "config.json", "config.json")
     if not isinstance(config, dict) or "num_attention_heads" not in config:
         raise InputError(f"--model {model}: its config.json is not a transformers model config")
     return config
