@@ -235,6 +235,27 @@ def test_read_back_compares_structures() -> None:
         check_applied(engine, "infer", {"layer_types": ["full_attention"]})
 
 
+def test_an_input_of_a_derived_key_must_change_it() -> None:
+    """Qwen2's ``layer_types`` is derived from ``max_window_layers`` when the config is built; an override is set
+    on the built config, so ``max_window_layers`` alone leaves every layer as it was: it did not take effect."""
+    from transformers import Qwen2Config
+
+    from logdiff.commands.overrides import check_applied
+
+    engine = _Loaded()
+    engine.config = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=4)
+    assert engine.config.layer_types == ["full_attention"] * 4  # the issue's config: a window on no layer
+    engine.config.max_window_layers = 0  # as the loaders apply --set infer.max_window_layers=0
+    with pytest.raises(InputError, match=r"infer.max_window_layers=0 did not take effect on fake: transformers "
+                                         r"derives layer_types .* set infer.layer_types=\[\"sliding_attention\""):
+        check_applied(engine, "infer", {"max_window_layers": 0})
+    engine.config.layer_types = ["sliding_attention"] * 4  # the control: the derived key given as well
+    check_applied(engine, "infer", {"max_window_layers": 0, "layer_types": ["sliding_attention"] * 4})
+    engine.config.max_window_layers = 4  # and an input set to what the derived key already follows
+    engine.config.layer_types = ["full_attention"] * 4
+    check_applied(engine, "infer", {"max_window_layers": 4})
+
+
 def test_structured_overrides_key_the_engine_pool() -> None:
     from logdiff.sources.base import EngineSpec
 
