@@ -121,7 +121,7 @@ def contract_cross_lines(conf: Any) -> list[str]:
     if all(conf.sides[s].within for s in SIDES) and not all(conf.crossed[s].within for s in SIDES):
         return [("each side is within its bound of its own contract's function and a side is outside the other's: "
                  "the contract difference changes this op's output")]
-    if all(conf.crossed[s].within for s in SIDES):
+    if all(conf.sides[s].within and conf.crossed[s].within for s in SIDES):
         return [("each side is also within its bound of the other contract's function: on these inputs the "
                  "difference is below the output's rounding here")]
     return []
