@@ -34,6 +34,25 @@ never equal (``unknown``). Each key's off value, decided once:
 Consumers that compute with a value (conformance's exact functions, the
 override read-back) take ``applied(value)``: None where the feature is off.
 
+**Per layer: what each layer computes, not the config key.** A key's effect
+often depends on other keys: Qwen2's ``sliding_window`` acts only where
+``use_sliding_window`` is set and only on the layers at or past
+``max_window_layers`` (transformers 5 derives ``layer_types`` from the three;
+vLLM 0.32 windows every layer only where every layer type is sliding); Gemma's
+window only on its ``sliding_attention`` layers; Mistral's on every layer. So
+both readers read the window each layer's attention masks (HF: the attention
+module's ``sliding_window``, else the family's config rule; vLLM: each layer's
+backend) and record it as two keys (``layer_keys``): ``layer_types``
+(``sliding``/``full`` per layer) and ``sliding_window`` (the sliding layers'
+width, ``OFF`` where no layer slides: a window set in the config but on no
+layer is off). A key whose value differs between layers (a window per layer,
+vLLM's RoPE base per layer) is a list with one value per layer
+(``per_layer``). ``at_layer`` gives the contract as one layer computes with
+it: its window (``OFF`` on a full layer), its type, its RoPE base (Gemma 3's
+``rope_local_base_freq`` on a sliding layer). An op is compared and judged on
+its layer's view, so a window that one side applies on layer 1 only is no
+difference at layer 0's attention.
+
 Values are read from the loaded modules, not from config files, because the
 module is what runs: an ``hf_overrides`` eps shows up as the norm's
 ``variance_epsilon``, a weight-sync bug as a different hash of the loaded tensor.
@@ -193,3 +212,48 @@ def narrowest(tensor: Any, dtype: Any) -> Any:
         return tensor
     narrow = tensor.detach().to(dtype)
     return narrow if narrow.to(tensor.dtype).equal(tensor.detach()) else tensor
+
+
+#: the contract keys read per layer: which layers slide, and how many keys a sliding layer's queries see
+WINDOW_KEYS = ("sliding_window", "layer_types")
+
+
+def per_layer(values: list[Any]) -> Any:
+    """One value where every layer reads the same (the usual case), else the list of each layer's value;
+    None where any layer could not be read."""
+    if not values or any(v is None for v in values):
+        return None
+    return values[0] if all(v == values[0] for v in values) else list(values)
+
+
+def layer_keys(windows: list[Any]) -> dict[str, Any]:
+    """``layer_types`` and ``sliding_window`` from the window each layer's attention masks (``OFF``: none, an
+    int: the keys a query sees, None: not read): a window on no layer is ``OFF``, whatever the config says."""
+    if not windows or any(w is None for w in windows):
+        return dict.fromkeys(WINDOW_KEYS)
+    widths = [w for w in windows if not is_off(w)]
+    return {
+        "layer_types": ",".join("full" if is_off(w) else "sliding" for w in windows),
+        "sliding_window": OFF if not widths else widths[0] if len(set(widths)) == 1 else list(windows),
+    }
+
+
+def at_layer(contract: dict[str, Any], layer: int | None) -> dict[str, Any]:
+    """``contract`` as layer ``layer`` computes with it: its layer type, its window (``OFF`` on a full layer), each
+    per-layer list's own entry, and on a sliding layer Gemma 3's local RoPE base as its ``rope_theta``.
+
+    A contract not read per layer (no ``layer_types``: a dump's declared contract, an older result) and a
+    model-level op (``layer`` None) are returned as they are.
+    """
+    types = contract.get("layer_types") if contract else None
+    if layer is None or not isinstance(types, str) or layer >= len(types.split(",")):
+        return contract
+    kinds = types.split(",")
+    out = {k: v[layer] if isinstance(v, list) and len(v) == len(kinds) else v for k, v in contract.items()}
+    out["layer_types"] = kinds[layer]
+    if kinds[layer] != "sliding" and out.get("sliding_window") is not None:
+        out["sliding_window"] = OFF
+    local = out.pop("rope_local_base_freq", None)
+    if kinds[layer] == "sliding" and applied(local) is not None:
+        out["rope_theta"] = local
+    return out

@@ -126,6 +126,17 @@ def qwen3(demo_model: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen2_window_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random (untrained) Qwen2 demo whose config sets a window of 8 that no layer applies: ``use_sliding_window``
+    true, ``sliding_window`` 8 and ``max_window_layers`` equal to its 4 layers (``layer_types`` all full, in
+    transformers 5 and vLLM 0.32 alike). Untrained: seconds to build, no cache needed (issue 48, item 6)."""
+    from logdiff.demo.untrained import build_random_model
+
+    return build_random_model(tmp_path_factory.mktemp("qwen2-window-layers"), "qwen2", vocab_size=512,
+                              use_sliding_window=True, sliding_window=8, max_window_layers=4)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct, a real pretrained chat model, as a bf16 HF directory (logdiff/demo/pretrained.py).
 

@@ -100,8 +100,8 @@ def test_vllm_readers_tell_off_from_unread() -> None:
     """Without vLLM: stand-ins of vLLM's tree. A backend with no window or cap reads off; no backend, unread."""
     from logdiff.probes.arch import adapter_for
 
-    from logdiff.sources.vllm.contract import _backend_window
     from logdiff.sources.vllm.contract_extras import EXTRAS
+    from logdiff.sources.vllm.contract_extras import backend_window as _backend_window
 
     assert _backend_window(NS(sliding_window=-1)) == OFF and _backend_window(NS(sliding_window=8)) == 8
     assert _backend_window(None) is None and _backend_window(NS()) is None

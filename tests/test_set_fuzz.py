@@ -235,6 +235,27 @@ def test_read_back_compares_structures() -> None:
         check_applied(engine, "infer", {"layer_types": ["full_attention"]})
 
 
+def test_an_input_of_a_derived_key_must_change_it() -> None:
+    """Qwen2's ``layer_types`` is derived from ``max_window_layers`` when the config is built; an override is set
+    on the built config, so ``max_window_layers`` alone leaves every layer as it was: it did not take effect."""
+    from transformers import Qwen2Config
+
+    from logdiff.commands.overrides import check_applied
+
+    engine = _Loaded()
+    engine.config = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=4)
+    assert engine.config.layer_types == ["full_attention"] * 4  # the issue's config: a window on no layer
+    engine.config.max_window_layers = 0  # as the loaders apply --set infer.max_window_layers=0
+    with pytest.raises(InputError, match=r"infer.max_window_layers=0 did not take effect on fake: transformers "
+                                         r"derives layer_types .* set infer.layer_types=\[\"sliding_attention\""):
+        check_applied(engine, "infer", {"max_window_layers": 0})
+    engine.config.layer_types = ["sliding_attention"] * 4  # the control: the derived key given as well
+    check_applied(engine, "infer", {"max_window_layers": 0, "layer_types": ["sliding_attention"] * 4})
+    engine.config.max_window_layers = 4  # and an input set to what the derived key already follows
+    engine.config.layer_types = ["full_attention"] * 4
+    check_applied(engine, "infer", {"max_window_layers": 4})
+
+
 def test_structured_overrides_key_the_engine_pool() -> None:
     from logdiff.sources.base import EngineSpec
 
@@ -282,3 +303,38 @@ def test_cli_structured_rope_exit_0_and_a_wrong_one_exit_2(llama3_model: Path, t
     lines = [line for line in res.output.strip().splitlines() if line.strip()]
     assert res.exit_code == 2 and lines[-1].startswith("logdiff: error: --set infer.rope_parameters="), res.output
     assert "rope_parameters.rope_theta must be float | None" in lines[-1] and "internal error" not in res.output
+
+
+# --- a sample of the fuzz's structured values through a whole scan at the default depth ------------------------
+
+#: one value of each structured kind the fuzz sends, on a demo whose config has that key: a dict (Llama 3's
+#: ``rope_parameters`` without its llama3 scaling: the issue's case, once ``internal error: unhashable type``)
+#: and a list (Qwen2's ``layer_types``, every layer sliding where the config's window acted on none). Each must
+#: pass every stage (engine pool, read-back, conformance, the reference and attribution rescans, the report)
+#: and be named as its cause: the RoPE difference at RoPE, the window at the attention core.
+DEFAULT_DEPTH_SAMPLE = [
+    ("llama3_model", "rope_parameters", json.loads(ROPE), "rope", ["rope_type"]),
+    ("qwen2_window_layers", "layer_types", ["sliding_attention"] * 4, "attn", ["sliding_window", "layer_types"]),
+]
+
+
+@pytest.mark.parametrize(("fixture", "key", "value", "op_kind", "differs"), DEFAULT_DEPTH_SAMPLE,
+                         ids=[s[1] for s in DEFAULT_DEPTH_SAMPLE])  # fmt: skip
+def test_structured_override_gives_a_full_diagnosis_at_the_default_depth(
+    request: pytest.FixtureRequest, tmp_path: Path, fixture: str, key: str, value: Any, op_kind: str,
+    differs: list[str],
+) -> None:
+    model = request.getfixturevalue(fixture)
+    args = ["scan", str(model), "--infer", "hf", "--num-sequences", "2", "--prompt-len", "8", "--response-len", "8",
+            "--set", f"infer.{key}={json.dumps(value)}", "--json", str(tmp_path / "r.json")]  # fmt: skip
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output  # the issue's case ended in exit 101 (internal error) here
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["settings"]["depth"] == "modules" and r["settings"]["overrides"]["infer"] == {key: value}
+    causes = [c for c in r["causes"] if c["op_kind"] == op_kind and c["class"] == "framework_difference"]
+    assert causes, [(c["boundary"], c["class"], c["kind"]) for c in r["causes"]]
+    assert all(c["differs"] == differs for c in causes), [c["differs"] for c in causes]
+    assert causes[0]["conformance"]["under_other_contract"], causes[0]["evidence"]  # judged under both contracts
+    # attribution drops the structured override as one lever, and it closes the gap
+    [lever] = r["attribution"]["levers"]
+    assert lever["lever"] == f"config:{key}" and lever["share"] == pytest.approx(1.0)

@@ -18,11 +18,15 @@ eps in the norm modules, the RoPE base, whether the head is tied), else its
 loaded config, and its effective engine options. An override that did not
 take effect (``tie_word_embeddings`` in vLLM) would report "nothing differs"
 for a mismatch the user set up on purpose, so it is an error naming the key
-and the engine. Structured values are compared item by item (``_same``).
+and the engine. Structured values are compared item by item (``_same``). A key
+another one is derived from when transformers builds a config (``max_window_layers``
+-> ``layer_types``: ``DERIVED``) must change the derived key as the config class would,
+or it did not take effect either: the override is set on the built config.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import typing
 from typing import Any, Optional, TypedDict, Union
@@ -214,4 +218,38 @@ def check_applied(engine: Any, side: str, settings: dict[str, Any]) -> None:
             raise InputError(
                 f"--set {side}.{key}={want!r} did not take effect on {engine.name}: the loaded engine "
                 f"uses {key} = {have!r}"
+            )
+    _check_derived(engine, side, settings)
+
+
+#: config keys transformers derives from others when it builds a config, and the inputs that act through them
+#: alone: an override is set on the built config, so changing such an input changes nothing (Qwen2/3: a layer
+#: slides from ``max_window_layers`` on where ``use_sliding_window`` is set; an explicit ``layer_types`` in
+#: config.json wins over both). ``sliding_window`` also sets the width, which the contract read-back checks.
+DERIVED = {"layer_types": ("use_sliding_window", "max_window_layers")}
+
+
+def _check_derived(engine: Any, side: str, settings: dict[str, Any]) -> None:
+    """InputError where an override of a key another one is derived from leaves the derived key as it was,
+    while the config class, built with it, would derive another value: the override had no effect on what runs."""
+    try:
+        config = engine.loaded_config()
+    except (NotImplementedError, AttributeError):
+        return
+    build = getattr(type(config), "from_dict", None)
+    for derived, inputs in DERIVED.items():
+        given = [k for k in inputs if k in settings]
+        have = getattr(config, derived, None)
+        if not given or derived in settings or build is None or have is None:
+            continue
+        try:
+            want = getattr(build({**config.to_dict(), derived: None}), derived, None)
+        except Exception:  # noqa: BLE001 - a config the class cannot rebuild: nothing to compare
+            continue
+        if want is not None and list(want) != list(have):
+            sets = ", ".join(f"{side}.{k}={settings[k]!r}" for k in given)
+            raise InputError(
+                f"--set {sets} did not take effect on {engine.name}: transformers derives {derived} from "
+                f"{'it' if len(given) == 1 else 'them'} only when it builds the config, and the loaded engine uses "
+                f"{derived} = {have!r}; set {side}.{derived}={json.dumps(list(want), separators=(',', ':'))} too"
             )

@@ -6,7 +6,8 @@ Each cause has a *lever* that neutralises it (``lever_of``):
   (``attention``, ``rms_norm``, ``linear``, ...) on both sides;
 * a weight difference from ``--infer-ckpt``: load the training checkpoint on
   the inference side too;
-* a contract difference from ``--set``: drop the override.
+* a contract difference from ``--set``: drop the overrides behind it (``CONFIG_KEYS``: a RoPE key is
+  set through ``rope_parameters`` too, a window through the keys that decide its layers).
 
 One lever often neutralises many causes (every layer's attention is one
 kernel family). The levers are the players of a cooperative game measured by
@@ -62,11 +63,22 @@ from logdiff.diagnosis.attribute_patched import PATCHED, RESCAN
 from logdiff.diagnosis.settings import KERNEL_FAMILIES, RunSettings
 from logdiff.phases import silent
 
-Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key)
+Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key) | ("config", "key+key")
 Coalition = frozenset  # a set of levers
 
-# contract key -> the config key an override sets it through
-CONFIG_KEY = {"qk_norm_eps": "rms_norm_eps", "final_norm_eps": "rms_norm_eps"}
+#: contract key -> the config keys an override may set it through: transformers 5 keeps RoPE in
+#: ``rope_parameters`` (a whole one given with ``--set``, or one of its keys), and which layers a window acts on
+#: follows ``use_sliding_window``, ``max_window_layers`` and ``layer_types`` as much as ``sliding_window``
+_WINDOW = ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types")
+CONFIG_KEYS = {
+    "qk_norm_eps": ("rms_norm_eps",),
+    "final_norm_eps": ("rms_norm_eps",),
+    "rope_theta": ("rope_theta", "rope_parameters"),
+    "rope_type": ("rope_type", "rope_parameters"),
+    "rope_local_base_freq": ("rope_local_base_freq", "rope_parameters"),
+    "sliding_window": _WINDOW,
+    "layer_types": _WINDOW,
+}
 #: the attributed metric, and the other metric whose shares are reported per lever
 METRIC, ALSO = "abs_diff_mean", "k3_kl"
 #: exact Shapley values (every subset rescanned) up to this many levers; sampled orders beyond
@@ -82,11 +94,8 @@ def lever_of(cause: Cause, cfg: RunSettings) -> Lever | None:
     if cause.kind == "weights":
         return ("weights", "") if cfg.infer_ckpt is not None else None
     overridden = set(cfg.train_set) | set(cfg.infer_set)
-    for key in cause.differs:
-        config_key = CONFIG_KEY.get(key, key)
-        if config_key in overridden:
-            return ("config", config_key)
-    return None
+    keys = {k for key in cause.differs for k in CONFIG_KEYS.get(key, (key,)) if k in overridden}
+    return ("config", "+".join(sorted(keys))) if keys else None  # every override behind the difference, dropped
 
 
 def apply_levers(cfg: RunSettings, levers: set[Lever]) -> RunSettings:
@@ -94,7 +103,7 @@ def apply_levers(cfg: RunSettings, levers: set[Lever]) -> RunSettings:
     # A scan already in consistent mode keeps its kernels; levers add families to them.
     base = set(cfg.consistent_kernels or KERNEL_FAMILIES) if cfg.consistent else set()
     families = base | {f for kind, f in levers if kind == "kernel"}
-    drop = {k for kind, k in levers if kind == "config"}
+    drop = {k for kind, keys in levers if kind == "config" for k in keys.split("+")}
     return replace(
         cfg,
         depth="logprobs",

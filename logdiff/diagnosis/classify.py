@@ -32,16 +32,28 @@ one, the plain Llama-like layout that every registered adapter shares.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from logdiff.comparison.cause import FAMILY, Cause
+from logdiff.diagnosis.contract_effect import (
+    contract_cross_lines,
+    difference_at,
+    disagreement,
+    inert_window,
+    layer_differs,
+    layer_view,
+)
 from logdiff.diagnosis.preflight import difference_line, one_sided
+from logdiff.probes.contracts import WINDOW_KEYS
 
 if TYPE_CHECKING:
     from logdiff.diagnosis.conformance import Conformance
     from logdiff.probes.arch import ArchAdapter
 
+#: contract keys a config sets inside ``rope_parameters`` (transformers 5)
+ROPE_KEYS = {"rope_theta", "rope_type", "rope_local_base_freq"}
 # Beyond this many units of the output dtype's spacing, a local error is not reordering noise.
 NOISE_ULPS = 64.0
 
@@ -78,6 +90,8 @@ class OpEvidence:
     paths: dict[str, str] | None = None  # side -> path name ({"train": "hf", "infer": "vllm"})
     #: side -> over how many ranks that side summed the op's reduction (captured sharded sides; absent: 1)
     reduction_ranks: dict[str, int] | None = None
+    #: tokens of the longest sequence scanned (prompt and response): a window no shorter hides no key
+    longest: int | None = None
 
 
 def adapter_or_default(adapter: ArchAdapter | None) -> ArchAdapter:
@@ -101,7 +115,7 @@ def _framework_kind(keys: list[str], weights: list[str]) -> str:
 
     if any(k in ROUTER_KEYS for k in keys):
         return "moe_routing"
-    if "sliding_window" in keys:
+    if any(k in WINDOW_KEYS for k in keys):
         return "mask"
     return "config_contract"
 
@@ -146,9 +160,18 @@ def classify_op(
     """
     keys, weights = contract_keys(ev.boundary, ev.kind, adapter)
     evidence: list[str] = []
-    c_diff = [k for k in keys if contracts and k in contracts.get("differs", [])]
+    # the keys as the op's layer computes with them (its window, its RoPE base), and whether they change it here
+    here = layer_view(contracts, ev.layer)
+    c_diff = layer_differs(keys, contracts, ev.layer)
+    inert = inert_window(c_diff, contracts, ev.layer, ev.longest)
+    if inert:
+        evidence.append(inert)
+        c_diff = []
     w_block = (contracts or {}).get("weights") or {}
     w_diff = [w for w in weights if w in w_block.get("differs", [])]
+    disagrees = disagreement(ev.conformance, ev.paths or {}) if c_diff and not w_diff else None
+    if disagrees is not None and disagrees[1]:  # both sides compute one function: the contract alone decides nothing
+        return _disagreeing(ev, evidence, c_diff, contracts, disagrees[0])
     if ev.local_max_abs_diff is None:
         local = "the inputs differed and the op could not be replayed: its own part is known from conformance alone"
     else:
@@ -157,12 +180,15 @@ def classify_op(
         local += f" ({ev.ulps:.3g} units of the output dtype's spacing)"
     if c_diff or w_diff:
         for k in c_diff:
-            evidence.append(difference_line(k, contracts))
+            evidence.append(difference_at(k, here, ev.layer, contracts))
         for w in w_diff:
             evidence.append(f"weight differs: {w} has different fingerprints on the two sides")
         evidence.append(local)
         if ev.conformance is not None:
             evidence += ev.conformance.evidence(ev.paths or {"train": "train", "infer": "infer"})
+            evidence += contract_cross_lines(ev.conformance)
+        if disagrees is not None:
+            evidence.append(disagrees[0])
         if ev.vanished_under_reference is False:
             evidence.append("the divergence persists with the reference kernel on both sides")
         dropped = _dropped(c_diff, contracts)
@@ -179,17 +205,21 @@ def classify_op(
             "moe_routing": "align the router settings (top-k, renormalisation, scoring, expert groups, scaling) and "
             "compute router logits in fp32 on both sides",
             "mask": "align the attention mask / sliding window between the engines",
-            "config_contract": f"set {', '.join(c_diff)} to the same value in both engines' configs",
+            "config_contract": f"set {', '.join(c_diff)} to the same value in both engines' configs"
+            + (" (transformers 5 and vLLM read it from rope_parameters)" if set(c_diff) & ROPE_KEYS else ""),
         }[kind]
         # the side applying a feature the other has off, else the side conformance puts outside its bound
         conf = ev.conformance
-        sides = one_sided(c_diff, contracts) or (conf.outside if conf is not None and conf.conclusive else None)
+        sides = one_sided(c_diff, here) or (conf.outside if conf is not None and conf.conclusive else None)
         return _cause(ev, "framework_difference", kind, evidence, fix, c_diff + w_diff, sides=sides)
     evidence.append(local)
     unverified = [w for w in weights if w in w_block.get("unverified", [])]
     unread = [side for side in ("train", "infer") if contracts is not None and not contracts.get(side)]
     checked = [*([] if unread else keys), *(w for w in weights if w not in unverified)]
-    evidence.append(f"no {'' if unread else 'contract or '}weight this op reads differs ({', '.join(checked) or 'none'})")
+    what = f"{'' if unread else 'contract or '}weight this op reads differs"
+    if inert:
+        what = "weight this op reads differs, and no contract difference it reads changes it on these inputs"
+    evidence.append(f"no {what} ({', '.join(checked) or 'none'})")
     if unread:  # a foreign dump's side: judged under the contract its config declares, never compared
         evidence.append(f"no contract was read on the {' and '.join(unread)} side{'s' if len(unread) > 1 else ''} "
                         "(a dump holds none): "
@@ -214,6 +244,21 @@ def classify_op(
         kind = _path_kind(ev, fused_add_norm, evidence)
         return _cause(ev, "operator_path", kind, evidence, FIX[kind])
     return _not_judged(ev, evidence, unverified)
+
+
+def _disagreeing(ev: OpEvidence, evidence: list[str], c_diff: list[str], contracts: dict[str, Any] | None,
+                 line: str) -> Cause:
+    """A ``not_judged`` cause where the contracts differ at the op but both sides' outputs are within their
+    bounds of one function, the one a contract names for the other side (``contract_effect.disagreement``):
+    the contract and the measurement say different things, and neither decides alone."""
+    here = layer_view(contracts, ev.layer)
+    evidence += [difference_at(k, here, ev.layer, contracts) for k in c_diff]
+    if ev.local_max_abs_diff is not None:
+        evidence.append(f"local error {ev.local_max_abs_diff:.3g} with both sides fed the same inputs")
+    evidence += ev.conformance.evidence(ev.paths or {"train": "train", "infer": "infer"}) + [line]
+    fix = ("not judged: check which value each side really computes with at this op (the contract reader, or a "
+           "setting that another one switches off), then rescan")
+    return _cause(ev, "not_judged", "not_judged", evidence, fix, c_diff)
 
 
 def _not_judged(ev: OpEvidence, evidence: list[str], unverified: list[str]) -> Cause:
@@ -293,42 +338,49 @@ def merge_fused(causes: list[Cause], adapter: ArchAdapter | None = None) -> list
 
 def preflight_only_causes(
     contracts: dict[str, Any] | None, causes: list[Cause], adapter: ArchAdapter | None = None,
-    paths: dict[str, str] | None = None,
+    paths: dict[str, str] | None = None, inert: Collection[str] = (),
 ) -> list[Cause]:
     """Contract or weight differences that no introducing op accounts for (``paths``: side -> path name, to
-    name the side applying a feature the other has off).
+    name the side applying a feature the other has off; ``inert``: keys whose difference changes no op's
+    function on the inputs seen, ``contract_effect.inert_differences``: evidence, not causes).
 
     The preflight alone is enough for a framework verdict: a stale expert that no
     probe token was routed to, or an eps whose effect hid below the output's
-    rounding, still means the two engines compute different functions.
+    rounding, still means the two engines compute different functions. A window
+    no shorter than every sequence is not: it gives the same function here.
     """
     if not contracts:
         return []
     arch = adapter_or_default(adapter)
-    covered = {d for c in causes for d in c.differs}
+    covered = {d for c in causes for d in c.differs} | set(inert)
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
     from logdiff.diagnosis import (
         sampling,  # sampler and scoring keys: one sampling_semantics cause (logdiff/diagnosis/sampling.py)
     )
 
-    for item in [*contracts.get("differs", []), *weights]:
+    items = [*contracts.get("differs", []), *weights]
+    window = [k for k in items if k in WINDOW_KEYS and k not in covered]  # one cause: the window and its layers
+    for item in items:
         if item in covered or item == "dtype" or item in (*sampling.SAMPLER_KEYS, *sampling.SCORING_KEYS):
             continue
+        if item in WINDOW_KEYS and item != window[0]:
+            continue
         is_weight = item in weights
+        group = window if item in WINDOW_KEYS else [item]
         boundary, kind = arch.weight_boundary(item) if is_weight else arch.key_boundary.get(item, ("model", "module"))
         ev = OpEvidence(boundary, kind, None, 0.0, None, None, paths=paths)
         if is_weight:
             evidence = [f"weight differs: {item} has different fingerprints on the two sides"]
             fix = f"reload or resync {item} on the inference engine (stale or mis-loaded weights)"
         else:
-            evidence = [difference_line(item, contracts)]
-            fix = f"set {item} to the same value in both engines' configs"
+            evidence = [difference_line(k, contracts) for k in group]
+            fix = f"set {', '.join(group)} to the same value in both engines' configs"
         evidence.append("found by the semantic preflight; no probed token exercised a difference at this op, "
                         "so it did not show in these logprobs but will on other inputs")
-        kind_name = _framework_kind([] if is_weight else [item], [item] if is_weight else [])
-        sides = None if is_weight else one_sided([item], contracts)
-        out.append(_cause(ev, "framework_difference", kind_name, evidence, fix, [item], sides=sides))
+        kind_name = _framework_kind([] if is_weight else group, [item] if is_weight else [])
+        sides = None if is_weight else one_sided(group, contracts)
+        out.append(_cause(ev, "framework_difference", kind_name, evidence, fix, group, sides=sides))
     if "dtype" in contracts.get("differs", []):
         out.append(dtype_cause(contracts))
     semantics = sampling.contract_cause(contracts)

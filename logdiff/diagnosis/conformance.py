@@ -16,7 +16,13 @@ The local check here decides instead, on recorded tensors alone:
 
 Both sides within their bounds: the same function computed two ways
 (``operator_path``). A side outside: it computes something else
-(``framework_difference``), whatever its contract says. An MoE block is judged
+(``framework_difference``), whatever its contract says. Each side is judged on
+its contract as the op's layer computes with it (``contracts.at_layer``: that
+layer's window and RoPE base). Where the two contracts differ at the op, each
+side's output is also measured against the exact function under the *other*
+side's contract (``crossed``): a side within the other's function and outside
+its own computes what the other side's contract says, and the contract and
+the measurement disagree (``contract_effect``). An MoE block is judged
 on its own router logits under each side's own routing rule (``exact_moe``);
 its router is a linear. An op this module has no exact function for (an
 embedding, an unknown activation or RoPE style) is reported as unchecked,
@@ -33,7 +39,7 @@ import numpy as np
 
 from logdiff.diagnosis import exact
 from logdiff.diagnosis.spacing import EPS32, eps
-from logdiff.probes.contracts import DECLARED, applied, norm_eps
+from logdiff.probes.contracts import DECLARED, applied, at_layer, norm_eps
 
 SIDES = ("train", "infer")
 #: rows read per side and op (evenly spaced over the kept sequences); attention reads every key before them
@@ -63,6 +69,9 @@ class Conformance:
 
     sides: dict[str, SideCheck] = field(default_factory=dict)
     unchecked: str | None = None
+    #: each side's output against the exact function under the *other* side's contract (where they differ here)
+    crossed: dict[str, SideCheck] = field(default_factory=dict)
+    crossed_unchecked: str | None = None
 
     @property
     def decided(self) -> bool:
@@ -81,10 +90,17 @@ class Conformance:
         """The sides whose output is outside their rounding bound (they compute another function)."""
         return [s for s in SIDES if s in self.sides and not self.sides[s].within]
 
+    @property
+    def crossed_decided(self) -> bool:
+        """Both sides were also checked under the other side's contract."""
+        return self.decided and all(s in self.crossed for s in SIDES)
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {s: self.sides[s].to_dict() for s in SIDES if s in self.sides}
         if self.unchecked:
             out["unchecked"] = self.unchecked
+        if self.crossed:
+            out["under_other_contract"] = {s: self.crossed[s].to_dict() for s in SIDES if s in self.crossed}
         return out
 
     def evidence(self, paths: dict[str, str]) -> list[str]:
@@ -96,6 +112,14 @@ class Conformance:
                          f"the exact {c.function}, {verdict} its rounding bound of {c.bound:.3g}")  # fmt: skip
         if self.unchecked:
             lines.append(f"conformance not checked locally: {self.unchecked}")
+        other = dict(zip(SIDES, reversed(SIDES)))
+        for side, c in self.crossed.items():
+            verdict = "within" if c.within else "OUTSIDE"
+            lines.append(f"conformance under the other side's contract: {side} ({paths[side]}) is {c.error:.3g} units "
+                         f"from the exact {c.function} of the {other[side]} contract, {verdict} its bound of "
+                         f"{c.bound:.3g}")  # fmt: skip
+        if self.crossed_unchecked:
+            lines.append(f"not checked under the other side's contract: {self.crossed_unchecked}")
         return lines
 
 
@@ -144,20 +168,42 @@ class ConformanceCheck:
         widened: dict[Any, Callable[[Any], exact.Exact]] = {}  # a linear's fp64 weight, for both sides
         for side in SIDES:
             try:
-                function = self._function(b, side, widened)
-                checks = [self._measure(function, site, self.op_dtype(b, side)) for site in self._sites(b, side)]
+                out.sides[side] = self._side(b, side, side, widened)
             except NotCheckable as e:
                 out.unchecked = str(e)
                 return out
-            if not checks:
-                out.unchecked = f"no rows of {boundary} were recorded with their inputs on the {side} side"
-                return out
-            worst = max(checks, key=lambda c: c.error / c.bound if c.bound else c.error)
-            worst.rows = sum(c.rows for c in checks)
-            if self.contracts[side].get(DECLARED):  # a dump's side: the function its config declares
-                worst.function += f" (as {self.contracts[side][DECLARED]} declares it)"
-            out.sides[side] = worst
+        if self._contracts_differ_here(b):
+            for side, other in zip(SIDES, reversed(SIDES)):
+                try:
+                    out.crossed[side] = self._side(b, side, other, widened)
+                except NotCheckable as e:
+                    out.crossed, out.crossed_unchecked = {}, str(e)
+                    break
         return out
+
+    def _side(self, b: Any, side: str, under: str, widened: dict[Any, Any]) -> SideCheck:
+        """``side``'s recorded output at ``b`` against the exact function of ``under``'s contract (its own, or
+        the other side's), the worst of its sites."""
+        function = self._function(b, side, widened, under)
+        checks = [self._measure(function, site, self.op_dtype(b, side)) for site in self._sites(b, side)]
+        if not checks:
+            raise NotCheckable(f"no rows of {b.name} were recorded with their inputs on the {side} side")
+        worst = max(checks, key=lambda c: c.error / c.bound if c.bound else c.error)
+        worst.rows = sum(c.rows for c in checks)
+        if self.contracts[under].get(DECLARED):  # a dump's side: the function its config declares
+            worst.function += f" (as {self.contracts[under][DECLARED]} declares it)"
+        return worst
+
+    def _contracts_differ_here(self, b: Any) -> bool:
+        """Whether a contract key the op at ``b`` reads differs between the sides at its layer."""
+        from logdiff.diagnosis.contract_effect import layer_differs
+
+        keys = self.adapter.contract_keys(b.name, b.kind)[0]
+        return bool(layer_differs(keys, self.contracts, b.layer))
+
+    def contract(self, side: str, layer: int | None) -> dict[str, Any]:
+        """``side``'s contract as ``layer`` computes with it (``at_layer``)."""
+        return at_layer(self.contracts[side], layer)
 
     # ---- rows ------------------------------------------------------------------------------
 
@@ -212,8 +258,11 @@ class ConformanceCheck:
 
     # ---- the contracted function of each op kind ---------------------------------------------
 
-    def _function(self, b: Any, side: str, widened: dict[Any, Any]) -> Callable[[Site], exact.Exact]:
-        contract = self.contracts[side]
+    def _function(self, b: Any, side: str, widened: dict[Any, Any], under: str | None = None
+                  ) -> Callable[[Site], exact.Exact]:
+        """The exact function of ``b`` under ``under``'s contract (default: ``side``'s own), for ``side``'s rows."""
+        under = under or side
+        contract = self.contract(under, b.layer)
         kind = b.kind
         if kind in ("linear", "logits", "router"):  # the same weight on both sides: widened once for both
             mod = self._module(b.name) if kind != "logits" else self.adapter.lm_head(self.model)
@@ -230,7 +279,7 @@ class ConformanceCheck:
             # eps as this norm module holds it (the contract reads one norm per key); a side whose contract
             # differs from the training model's holds its own
             held = norm_eps(mod)
-            agree = self.contracts["train"].get(key) == contract[key]
+            agree = self.contract("train", b.layer).get(key) == contract[key]
             value = float(held if agree and held is not None else contract[key])
             offset = bool(self.adapter.norm_offset)
             return lambda s: exact.rms_norm(s.inputs[0], mod.weight, value, offset)
@@ -242,15 +291,15 @@ class ConformanceCheck:
                 raise NotCheckable(f"no exact function for the activation {act!r}")
             return lambda s: exact.act_mul(s.inputs[0], s.inputs[1], act)
         if kind == "rope":
-            return self._rope(b, side)
+            return self._rope(b, under, side)
         if kind == "attn":
-            return self._attention(b, side)
+            return self._attention(b, under, side)
         if kind == "log_softmax":
             t = float(contract.get("temperature") or 1.0)
             t = t if contract.get("logprobs_mode") == "processed_logprobs" else 1.0
             return lambda s: exact.log_softmax(s.inputs[0], t)
         if kind == "moe":
-            return self._moe(b, side)
+            return self._moe(b, side, under)
         if kind == "embed":
             return self._embed(b)
         raise NotCheckable(f"no exact function for a {kind} op")
@@ -280,7 +329,7 @@ class ConformanceCheck:
             raise NotCheckable(f"no router boundary in layer {b.layer} to read the routing from")
         return (*b.inputs, router)
 
-    def _moe(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
+    def _moe(self, b: Any, side: str, under: str) -> Callable[[Site], exact.Exact]:
         """The routed experts' weighted sum (plus the shared expert) under the side's own routing rule
         (``exact_moe``), with the training model's experts and correction bias."""
         from logdiff.diagnosis import exact_moe
@@ -294,7 +343,7 @@ class ConformanceCheck:
             raise NotCheckable(f"the experts of {b.name} could not be read: {e}") from None
         experts = replace(experts, fp32_units=EPS32 / eps(self.side_dtype(side)))
         config = self.model.config.to_dict()
-        rule = rule_of(self.contracts[side], config, getattr(self.adapter, "router_renormalizes", None))
+        rule = rule_of(self.contract(under, b.layer), config, getattr(self.adapter, "router_renormalizes", None))
         bias = self.adapter.router_bias(layer)
         bias = bias.detach().double().cpu().numpy() if bias is not None else None
         shared = len(b.inputs) > 1  # (norm, shared expert's output): the block adds it
@@ -313,8 +362,12 @@ class ConformanceCheck:
             raise NotCheckable(f"{name} holds no weight")
         return mod
 
-    def _rope(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
-        contract = self.contracts[side]
+    def _rope(self, b: Any, side: str, rows: str) -> Callable[[Site], exact.Exact]:
+        """RoPE under ``side``'s contract at ``b``'s layer, at the model positions of ``rows``' sequences: the
+        training model's table, with the side's own base
+        where it differs (an override), or the plain table of its base where the side's type is ``default``
+        and the training model scales its RoPE (``--set infer.rope_parameters={"rope_type": "default", ...}``)."""
+        contract = self.contract(side, b.layer)
         style = contract.get("rope_style")
         if style is None:  # no contract (an msprobe dump): unknown, not unsupported
             raise NotCheckable(f"the {side} side's RoPE style is unknown")
@@ -323,11 +376,19 @@ class ConformanceCheck:
         params = self._rope_params(b.layer)
         if params is None:
             raise NotCheckable("the RoPE table the training model computes could not be read")
-        from logdiff.kernels.rope import rope_attention_scaling, rope_inv_freq
+        from logdiff.kernels.rope import (
+            RopeParams,
+            rope_attention_scaling,
+            rope_inv_freq,
+        )
 
-        if contract.get("rope_type") not in (None, params.rope_type) or contract.get("rope_theta") is None:
+        if contract.get("rope_theta") is None:
+            raise NotCheckable(f"the {side} side's RoPE base is unknown")
+        if contract.get("rope_type") == "default" and params.rope_type != "default":  # the base alone defines it
+            params = RopeParams(theta=float(contract["rope_theta"]), rotary_dim=params.rotary_dim)
+        elif contract.get("rope_type") not in (None, params.rope_type):
             raise NotCheckable(f"the {side} side's RoPE type {contract.get('rope_type')!r} is not the training model's")
-        theta = self.contracts["train"].get("rope_theta")
+        theta = self.contract("train", b.layer).get("rope_theta")
         if contract["rope_theta"] != theta and params.theta == theta:  # a side with its own base (an override)
             params = replace(params, theta=float(contract["rope_theta"]))
         inv_freq, factor = rope_inv_freq(params), rope_attention_scaling(params)
@@ -337,8 +398,9 @@ class ConformanceCheck:
 
         def run(s: Site) -> exact.Exact:
             heads = s.inputs[0].shape[1] // head_dim
-            at = s.pos + self.record.position_offsets.get(side, {}).get(int(s.seq[0]), 0)  # the model positions
+            at = s.pos + self.record.position_offsets.get(rows, {}).get(int(s.seq[0]), 0)  # the model positions
             ex = exact.rope(s.inputs[0], _tensor(at), inv_freq, factor, heads, params.rotary_dim, style)
+            ex = replace(ex, function=f"{ex.function[:-1]}, {params.rope_type} theta={params.theta:g})")
             return exact.deinterleaved(ex, heads) if split else ex
 
         return run
@@ -349,21 +411,18 @@ class ConformanceCheck:
         types = getattr(self.model.config, "layer_types", None)
         return self.rope_params.get(types[layer]) if types and layer is not None else None
 
-    def _attention(self, b: Any, side: str) -> Callable[[Site], exact.Exact]:
-        contract = self.contracts[side]
+    def _attention(self, b: Any, side: str, rows: str) -> Callable[[Site], exact.Exact]:
+        """Attention under ``side``'s contract at ``b``'s layer, judged in the spacing of ``rows``' dtype."""
+        contract = self.contract(side, b.layer)
         layer_module = self.adapter.layers(self.model)[b.layer]
         attn = self.adapter.attention(layer_module)
         if self.adapter.latent_attention(attn):
-            return _latent_attention(attn, contract, side, self.side_dtype(side))
+            return _latent_attention(attn, contract, side, self.side_dtype(rows))
         sinks = getattr(attn, "sinks", None)  # gpt-oss: one logit per head in the denominator
         if contract.get("attention_scale") is None:
             raise NotCheckable(f"the {side} side's attention scale is unknown")
         scale, cap = float(contract["attention_scale"]), applied(contract.get("attn_logit_softcapping"))
-        # this layer's window as its module holds it (Gemma, Qwen: None on full-attention layers); a module
-        # without one (Mistral) slides on every layer by the config; the side's own contract gives the width
-        window = getattr(attn, "sliding_window", applied(contract.get("sliding_window")))
-        if window is not None:
-            window = applied(contract.get("sliding_window"))
+        window = self._window(attn, contract)
         heads = int(self.model.config.num_attention_heads)
 
         def run(s: Site) -> exact.Exact:
@@ -371,6 +430,17 @@ class ConformanceCheck:
                                    sinks)  # fmt: skip
 
         return run
+
+
+    @staticmethod
+    def _window(attn: Any, contract: dict[str, Any]) -> int | None:
+        """The window of a contract at one layer (``at_layer``: off on a full layer). A contract not read per
+        layer (a dump's declared one) slides where the training model's module does (Gemma, Qwen: None on
+        full-attention layers; a module without one, Mistral, on every layer), with the contract's width."""
+        window = applied(contract.get("sliding_window"))
+        if "layer_types" in contract:
+            return window
+        return window if getattr(attn, "sliding_window", window) is not None else None
 
 
 def _latent_attention(attn: Any, contract: dict[str, Any], side: str, dtype: str) -> Callable[[Site], exact.Exact]:

@@ -28,7 +28,7 @@ from typing import Any
 
 from logdiff.comparison.cause import FAMILY, Findings
 from logdiff.comparison.result import ScanResult
-from logdiff.diagnosis import attribute, classify, spacing
+from logdiff.diagnosis import attribute, classify, contract_effect, spacing
 from logdiff.diagnosis.conformance import Conformance, ConformanceCheck
 from logdiff.diagnosis.preflight import preflight
 from logdiff.diagnosis.rescan import Rescanner
@@ -99,8 +99,11 @@ def diagnose(
         found.warnings.append("weight fingerprints skipped: the weights hold NaN/inf (see non_finite)")
     contracts = found.contracts = preflight(train, infer, weights=not held)
     arch = scan_adapter(result.architecture, train)  # what each op reads (None: the plain decoder layout)
+    longest = _longest(result)
+    inert = contract_effect.inert_differences(contracts, longest)  # e.g. a window no sequence reaches
+    found.warnings += list(dict.fromkeys(inert.values()))
     if result.non_finite:  # no op's arithmetic can be judged on NaN/inf: the finding is the cause
-        found.causes = classify.preflight_only_causes(contracts, result.causes, arch)
+        found.causes = classify.preflight_only_causes(contracts, result.causes, arch, inert=inert)
         return found
     pair, ops = result.primary, result.located.introducing_ops
     if pair.bitwise_equal:
@@ -118,7 +121,8 @@ def diagnose(
     conformance = _conformance(ops, check)
     # the reference rerun only where the local check could not decide and no contract already does
     undecided = [
-        op for op in ops if not conformance[op["boundary"]].conclusive and not _reads_a_difference(op, contracts, arch)
+        op for op in ops
+        if not conformance[op["boundary"]].conclusive and not _reads_a_difference(op, contracts, arch, longest)
     ]
     reference = None
     if undecided:
@@ -144,6 +148,7 @@ def diagnose(
             conformance=conformance[op["boundary"]],
             paths=paths,
             reduction_ranks=_reduction_ranks(record, op["boundary"]),
+            longest=longest,
         )
         causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
     # a boundary locate could not judge (inputs differ, no replay) is an introducing op after all when a
@@ -152,12 +157,14 @@ def diagnose(
     checked = _conformance(unresolved, check)
     for u in unresolved:
         conf = checked[u["boundary"]]
-        if (conf.conclusive and conf.outside) or _reads_a_difference(u, contracts, arch):
+        if (conf.conclusive and conf.outside) or _reads_a_difference(u, contracts, arch, longest):
             kind = u.get("kind") or "module"
-            ev = classify.OpEvidence(u["boundary"], kind, u.get("layer"), None, None, None, conf, paths)
+            ev = classify.OpEvidence(u["boundary"], kind, u.get("layer"), None, None, None, conf, paths,
+                                     longest=longest)  # fmt: skip
             causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
     causes = classify.merge_fused(causes, arch)
-    causes += classify.preflight_only_causes(contracts, causes, arch, paths)
+    causes += classify.preflight_only_causes(contracts, causes, arch, paths, inert=inert)
+    found.warnings += _disagreements(causes)
     progress("attributing the logdiff to its causes", phase="attribute")
     rescanner.remember(cfg, pair.metrics)  # the empty set of levers is this scan itself
     try:
@@ -214,8 +221,26 @@ def _reduction_ranks(record: Any, boundary: str) -> dict[str, int] | None:
     return found or None
 
 
-def _reads_a_difference(op: dict[str, Any], contracts: dict[str, Any], arch: Any) -> bool:
-    """Whether the op reads a contract key or weight that differs (then the contract alone classifies it)."""
+def _reads_a_difference(op: dict[str, Any], contracts: dict[str, Any], arch: Any, longest: int | None) -> bool:
+    """Whether the op reads a contract key that differs at its layer in a way that can change it on these inputs,
+    or a weight that differs (then the contract alone classifies it)."""
     keys, weights = classify.contract_keys(op["boundary"], op.get("kind") or "module", arch)
     w_diff = set((contracts.get("weights") or {}).get("differs", []))
-    return bool(set(keys) & set(contracts.get("differs", [])) or set(weights) & w_diff)
+    return contract_effect.reads_a_difference(keys, contracts, op.get("layer"), longest) or bool(set(weights) & w_diff)
+
+
+def _longest(result: ScanResult) -> int | None:
+    """Tokens of the longest sequence scanned (prompt and response), or None where the lengths are not known."""
+    seqs = result.sequences
+    lengths = [p + r for p, r in zip(seqs.prompt_lens or [], seqs.response_lens or [])]
+    return max(lengths) if lengths else None
+
+
+def _disagreements(causes: list[Any]) -> list[str]:
+    """One warning per op whose contract difference the conformance measurement contradicts."""
+    out = []
+    for c in causes:
+        line = next((e for e in c.evidence if e.startswith(contract_effect.DISAGREE)), None)
+        if line is not None:
+            out.append(f"{c.boundary}: {line}; see its cause's evidence")
+    return out

@@ -60,5 +60,8 @@ class Rescanner:
 
     @staticmethod
     def _key(cfg: RunSettings) -> tuple:
-        return (cfg.consistent_kernels, cfg.consistent, cfg.infer_ckpt, tuple(sorted(cfg.train_set.items())),
-                tuple(sorted(cfg.infer_set.items())))  # fmt: skip
+        """The configuration's key; a structured ``--set`` value (``rope_parameters``, a dict) keys by its items."""
+        from logdiff.sources.base import hashable
+
+        return (hashable(cfg.consistent_kernels), cfg.consistent, cfg.infer_ckpt, hashable(cfg.train_set),
+                hashable(cfg.infer_set))  # fmt: skip

@@ -72,16 +72,17 @@ class EngineSpec:
 
     def __hash__(self) -> int:
         """The pool's key; a structured ``--set`` value (a dict, a list) hashes by its items."""
-        return hash((self.model_dir, self.dtype, _hashable(self.overrides), _hashable(self.options), self.seed,
+        return hash((self.model_dir, self.dtype, hashable(self.overrides), hashable(self.options), self.seed,
                      self.trust_remote_code, self.device))  # fmt: skip
 
 
-def _hashable(value: Any) -> Any:
-    """``value`` with its dicts and lists as tuples (equal values, equal results)."""
+def hashable(value: Any) -> Any:
+    """``value`` with its dicts and lists as tuples (equal values, equal results): a structured ``--set`` value
+    as a key (the engine pool's, the rescanner's cache)."""
     if isinstance(value, dict):
-        return ("dict", tuple(sorted((repr(k), _hashable(v)) for k, v in value.items())))
+        return ("dict", tuple(sorted((repr(k), hashable(v)) for k, v in value.items())))
     if isinstance(value, (list, tuple)):
-        return tuple(_hashable(v) for v in value)
+        return tuple(hashable(v) for v in value)
     try:
         hash(value)
     except TypeError:

@@ -45,6 +45,7 @@ KEY_BOUNDARY = {
     "rope_style": ("model.layers.0.self_attn.rope_q", "rope"),
     "attention_scale": ("model.layers.0.self_attn.attn_core", "attn"),
     "sliding_window": ("model.layers.0.self_attn.attn_core", "attn"),
+    "layer_types": ("model.layers.0.self_attn.attn_core", "attn"),
     "tie_word_embeddings": ("logits", "logits"),
     "temperature": ("log_softmax", "log_softmax"),
     "logprobs_mode": ("log_softmax", "log_softmax"),
@@ -180,7 +181,7 @@ class DecoderAdapter(ArchAdapter):
         elif kind == "rope":
             keys += ["rope_theta", "rope_type", "rope_style"]
         elif kind == "attn":
-            keys += ["attention_scale", "sliding_window"]
+            keys += ["attention_scale", "sliding_window", "layer_types"]  # the window, and the layers it acts on
         elif kind == "log_softmax":
             keys += ["temperature", "logprobs_mode", "vocab_size"]
         elif kind in ("router", "moe"):
@@ -257,7 +258,8 @@ class DecoderAdapter(ArchAdapter):
         return next((layer.mlp for layer in self.layers(model) if hasattr(layer.mlp, "gate")), None)
 
     def sliding_window(self, config: Any) -> int | None:
-        """The HF model's active sliding window, or None."""
+        """The HF model's active sliding window, or None: the window a family without per-layer types masks on
+        every layer (the HF contract reads the window each layer's module holds first: ``hf_layer_windows``)."""
         window = getattr(config, "sliding_window", None)
         if self.sliding_window_flag is not None and not getattr(config, self.sliding_window_flag, False):
             return None

@@ -44,7 +44,6 @@ from logdiff.probes.correspondence import Boundary, CorrespondenceMap
 #: where Gemma 3's own contract keys are read first
 _GEMMA3_KEYS = {
     "rope_local_base_freq": ("model.layers.0.self_attn.rope_q", "rope"),
-    "layer_types": ("model.layers.0.self_attn.attn_core", "attn"),
 }
 
 SLIDING, FULL = "sliding_attention", "full_attention"

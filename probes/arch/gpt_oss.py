@@ -96,7 +96,6 @@ class GptOssAdapter(DecoderAdapter):
         if kind == "linear" and boundary.endswith("o_proj"):
             weights.append(f"{boundary}.bias")
         elif kind == "attn":
-            keys.append("layer_types")
             weights.append(f"{boundary.rsplit('.', 1)[0]}.sinks")
         elif kind in ("router", "moe"):
             block = boundary if kind == "moe" else boundary.rsplit(".", 1)[0]
@@ -114,7 +113,6 @@ class GptOssAdapter(DecoderAdapter):
             **KEY_BOUNDARY,
             "num_experts_per_tok": router,
             "norm_topk_prob": router,
-            "layer_types": ("model.layers.0.self_attn.attn_core", "attn"),
             **dict.fromkeys(SWIGLU_KEYS, ("model.layers.0.mlp", "moe")),
         }
 

@@ -15,6 +15,7 @@ from logdiff.probes.contracts import (
     ContractExtras,
     effective,
     fingerprint,
+    layer_keys,
     narrowest,
     norm_eps,
     off_if_none,
@@ -46,7 +47,7 @@ def hf_contract(model: Any, options: dict[str, Any], extras: ContractExtras = EX
         "rope_type": rope.get("rope_type", "default"),
         "rope_style": "neox",  # transformers' Llama/Qwen families rotate halves
         "attention_scale": float(attn.scaling),
-        "sliding_window": off_if_none(arch.sliding_window(cfg)),  # the config is what the modeling code reads
+        **layer_keys(hf_layer_windows(arch, model)),  # the window each layer masks, not the config key
         "tie_word_embeddings": _shared(arch.lm_head(model).weight, arch.embed(model).weight),
         "num_experts_per_tok": getattr(cfg, "num_experts_per_tok", None),
         "norm_topk_prob": getattr(cfg, "norm_topk_prob", renormalizes),
@@ -58,6 +59,24 @@ def hf_contract(model: Any, options: dict[str, Any], extras: ContractExtras = EX
         "attn_implementation": impl,
     }
     return effective(contract, {**HF_DROPS.get(impl, {}), **arch.hf_dropped})
+
+
+def hf_layer_windows(arch: Any, model: Any) -> list[Any]:
+    """The window each layer's attention masks (``OFF``: none).
+
+    Families with per-layer types (Qwen2/3, Gemma 2/3, gpt-oss) build each attention module with its own
+    ``sliding_window``, None on a ``full_attention`` layer, and choose each layer's mask by the same
+    ``layer_types`` (transformers 5 derives Qwen2's from ``use_sliding_window``, ``sliding_window`` and
+    ``max_window_layers``: a layer slides from ``max_window_layers`` on); a module without the attribute
+    (Mistral, Mixtral, Phi-3) is masked by the config's window on every layer (the family's rule,
+    ``arch.sliding_window``; Llama's never is).
+    """
+    everywhere = off_if_none(arch.sliding_window(model.config))
+    out = []
+    for layer in arch.layers(model):
+        attn = arch.attention(layer)
+        out.append(off_if_none(attn.sliding_window) if hasattr(attn, "sliding_window") else everywhere)
+    return out
 
 
 #: contracted features each HF attention implementation silently ignores when the model passes them

@@ -6,15 +6,17 @@ HF tensor names and are the same on every CPU. The keys only some architectures 
 by this engine's ``contract_extras.EXTRAS`` (one reader per adapter name), which also holds
 vLLM's RoPE class names. The shared pieces are in ``probes/contracts.py``, which also says which
 value of each key means off (``OFF``: a backend without a window) and which means "not read"
-(None: no attention backend, no rotary module where the adapter says it sits).
+(None: no attention backend, no rotary module where the adapter says it sits). Each layer is
+read: its backend's window (``layer_keys``: which layers slide, and how far) and its own rotary
+module (one value where all layers agree, else one per layer: ``per_layer``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from logdiff.probes.contracts import ContractExtras, fingerprint, narrowest, norm_eps, sampler, window_size
-from logdiff.sources.vllm.contract_extras import EXTRAS, VLLM_ROPE_TYPES
+from logdiff.probes.contracts import ContractExtras, fingerprint, layer_keys, narrowest, norm_eps, per_layer, sampler
+from logdiff.sources.vllm.contract_extras import EXTRAS, VLLM_ROPE_TYPES, layer_windows
 
 
 def vllm_contract(model: Any, options: dict[str, Any], extras: ContractExtras = EXTRAS) -> dict[str, Any]:
@@ -25,8 +27,9 @@ def vllm_contract(model: Any, options: dict[str, Any], extras: ContractExtras = 
     arch = adapter_of(model)
     layer = arch.layers(model)[0]
     attn = arch.attention(layer)
-    rotary = getattr(attn, "rotary_emb", None)
     core = getattr(attn, "attn", None)
+    # each layer holds its own rotary module: read every layer's (a list where they differ: ``per_layer``)
+    rotaries = [getattr(arch.attention(x), "rotary_emb", None) for x in arch.layers(model)]
     experts = _moe_experts(model)
     lm_head = arch.lm_head(model)
     embed = arch.embed(model)
@@ -39,11 +42,11 @@ def vllm_contract(model: Any, options: dict[str, Any], extras: ContractExtras = 
         "rms_norm_eps": norm_eps(arch.input_norm(layer)),
         "qk_norm_eps": norm_eps(arch.qk_norm_module(attn)),
         "final_norm_eps": norm_eps(arch.final_norm(model)),
-        "rope_theta": float(getattr(rotary, "base", 0.0)) if rotary is not None else None,
-        "rope_type": VLLM_ROPE_TYPES.get(type(rotary).__name__, type(rotary).__name__) if rotary is not None else None,
-        "rope_style": ("neox" if getattr(rotary, "is_neox_style", True) else "gptj") if rotary is not None else None,
+        "rope_theta": per_layer([_rope_theta(r) for r in rotaries]),
+        "rope_type": per_layer([_rope_type(r) for r in rotaries]),
+        "rope_style": per_layer([_rope_style(r) for r in rotaries]),
         "attention_scale": float(core.impl.scale) if core is not None and hasattr(core, "impl") else None,
-        "sliding_window": _backend_window(getattr(core, "impl", None)),
+        **layer_keys(layer_windows(arch, model)),  # each layer's backend window
         "tie_word_embeddings": lm_head is not None and lm_head.weight.data_ptr() == embed.weight.data_ptr(),
         "num_experts_per_tok": getattr(experts, "top_k", None),
         "norm_topk_prob": getattr(experts, "renormalize", None),
@@ -56,9 +59,16 @@ def vllm_contract(model: Any, options: dict[str, Any], extras: ContractExtras = 
     }
 
 
-def _backend_window(impl: Any) -> int | str | None:
-    """The window an attention backend masks (``OFF``: none), or None where no backend holds one to read."""
-    return window_size(impl.sliding_window) if hasattr(impl, "sliding_window") else None
+def _rope_theta(rotary: Any) -> float | None:
+    return float(getattr(rotary, "base", 0.0)) if rotary is not None else None
+
+
+def _rope_type(rotary: Any) -> str | None:
+    return VLLM_ROPE_TYPES.get(type(rotary).__name__, type(rotary).__name__) if rotary is not None else None
+
+
+def _rope_style(rotary: Any) -> str | None:
+    return ("neox" if getattr(rotary, "is_neox_style", True) else "gptj") if rotary is not None else None
 
 
 def _moe_experts(model: Any) -> Any:

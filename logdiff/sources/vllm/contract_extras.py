@@ -61,9 +61,22 @@ def _str_or_none(value: Any) -> str | None:
     return str(value) if value is not None else None
 
 
+def backend_window(impl: Any) -> int | str | None:
+    """The window an attention backend masks (``OFF``: none; CPU: the window or -1, FlashAttention: a pair),
+    or None where no backend holds one to read."""
+    return window_size(impl.sliding_window) if hasattr(impl, "sliding_window") else None
+
+
+def layer_windows(arch: Any, model: Any) -> list[int | str | None]:
+    """The window each layer's attention backend masks: vLLM decides per model (Gemma's and gpt-oss's
+    ``per_layer_sliding_window``; Qwen2/3 and Mistral take the cache config's window, set only where every
+    layer type slides), so the backends are what runs."""
+    return [backend_window(getattr(getattr(arch.attention(x), "attn", None), "impl", None)) for x in arch.layers(model)]
+
+
 def _slides(layer_attention: Any) -> bool:
-    """Whether a layer's attention backend masks a window (CPU: the window or -1; FlashAttention: a pair)."""
-    return window_size(layer_attention.attn.impl.sliding_window) != OFF
+    """Whether a layer's attention backend masks a window."""
+    return backend_window(layer_attention.attn.impl) != OFF
 
 
 def vllm_swiglu_constants() -> tuple[float, float]:
