@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import shares
+from . import positions, shares
 from .format import current_names, terminal_safe
 from .groups import cause_groups
 
@@ -61,11 +61,12 @@ def _where(result: dict[str, Any]) -> list[str]:
         if result["settings"].get("depth") == "logprobs" and result["verdict"] != "consistent":
             return ["Where: not probed. Rerun with --depth modules to find the first op where the engines part."]
         return []
-    inputs = "its inputs were bitwise equal" if fd.get("inputs_equal") else "its inputs already differed"
-    return [
-        f"Where: the values first part at {fd['boundary']} (position {fd.get('position')}, max |Δ| "
-        f"{_num(fd.get('max_abs_diff'))}); {inputs}, so the error starts there."
-    ]
+    inputs = ("its inputs were bitwise equal, so the error starts there" if fd.get("inputs_equal") else
+              "its inputs already differed")
+    rows = positions.first_divergence(result)
+    largest = positions.worst_text(rows, _num) or f"max |Δ| {_num(fd.get('max_abs_diff'))}"
+    first = positions.first_text(rows) or "a version 1 result does not record the first position"
+    return [f"Where: the values first part at {fd['boundary']} ({first}; {largest}); {inputs}."]
 
 
 def _why(result: dict[str, Any]) -> list[str]:
