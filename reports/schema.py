@@ -172,8 +172,8 @@ def _position_errors(result: dict) -> list[str]:
         if scored and expect is None:
             return [f"{where}.position: {r['position']} lies in sequence {r['sequence']}'s prompt"]
         if r.get("response_index") != expect:
-            return [f"{where}.response_index: {r.get('response_index')} for position {r['position']} of sequence "
-                    f"{r['sequence']} (prompt of {prompts[r['sequence']]} tokens), expected {expect}"]
+            return [(f"{where}.response_index: {r.get('response_index')} for position {r['position']} of sequence "
+                     f"{r['sequence']} (prompt of {prompts[r['sequence']]} tokens), expected {expect}")]
         return []
 
     errors = []

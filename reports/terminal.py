@@ -337,12 +337,24 @@ def _divergence_fields(result: dict, width: int | None = None) -> list[Field]:
     rows = positions.first_divergence(result)
     how = {True: "inputs bitwise equal", False: "inputs already differ"}.get(fd.get("inputs_equal"),
                                                                              "inputs not compared")
-    head, layer = "first divergence: ", f" (layer {fd.get('layer')})"
-    name = _shortened(str(fd.get("boundary")), width, len(head) + cell_len(layer) + 1)
     first = positions.first_text(rows)                      # empty for a version 1 result: not recorded
-    largest = positions.worst_text(rows, fmt_num) or f"max |Δ| {fmt_num(fd.get('max_abs_diff'))}"
-    return [("", Text(head, style="bold") + Text(name + layer)), *([(" ", Text(f"from {first}"))] if first else []),
-            (", ", Text(largest)), (", ", Text(how))]
+    head, layer = "first divergence: ", f" (layer {fd.get('layer')}){'' if first else ':'}"
+    name = _shortened(str(fd.get("boundary")), width, len(head) + cell_len(layer) + 1)
+    # the rest is prose in phrases that never break inside ("position 22 (response token 6),"): it fills lines
+    phrases = ["starts at", *_phrases(first)] if first else []
+    largest = positions.worst_text(rows, fmt_num)
+    if largest:
+        size, where = largest.split(" at ", 1)
+        phrases += [size, "at " + _phrases(where)[0], *_phrases(where)[1:]]
+    else:
+        phrases.append(f"max |Δ| {fmt_num(fd.get('max_abs_diff'))};")
+    return [("", Text(head, style="bold") + Text(name + layer)), *((" ", Text(p)) for p in phrases + [how])]
+
+
+def _phrases(row_text: str) -> list[str]:
+    """'position 22 (response token 6), sequence 1' -> ['position 22 (response token 6),', 'sequence 1;']."""
+    parts = row_text.split(", ")
+    return [part + ("," if i < len(parts) - 1 else ";") for i, part in enumerate(parts)]
 
 
 def clip(text: str, width: int, lines: int = 2) -> str:
@@ -413,7 +425,7 @@ def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:
 def _share_lines(result: dict, width: int) -> list[str]:
     """What the share column means and what it sums to, wrapped at ``width`` (none for older results)."""
     shown = cause_groups(result)[:MAX_GROUPS]
-    text = shares.note(result, negative=any(shares.is_negative(g.get("share")) for g in shown))
+    text = shares.note(result, negative=any(shares.is_negative(g.get("share")) for g in shown), detail=False)
     return textwrap.wrap(text, max(20, width), break_on_hyphens=False) if text else []
 
 

@@ -258,6 +258,13 @@ def demo_result() -> dict:
 
 
 @pytest.fixture
+def demo_v2() -> dict:
+    """The demo scan as ``scripts/demo.sh`` runs it (``logdiff scan demo/qwen3``: HF against the CPU vLLM), schema
+    version 2, its pairs' per-boundary rows left out for size (data/demo_scan_v2.json)."""
+    return json.loads((DATA / "demo_scan_v2.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture
 def write_page():
     """``write_page(result, path)``: the rendered report at ``path`` (the CLI writes it through ``logdiff.commands.outputs``)."""
     from logdiff.reports.html import render_html

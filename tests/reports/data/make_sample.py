@@ -197,7 +197,7 @@ def main() -> None:
                           "the difference remains with the reference RMSNorm kernel on both sides"],
              "fix": "Give the inference engine the training config's rms_norm_eps (1e-06): "
                     "remove the infer-side override (hf_overrides / --set infer.rms_norm_eps).",
-             "share": 0.75, "necessity": True},
+             "share": 0.75, "necessity": True, "differs": ["rms_norm_eps"]},
             {"boundary": "model.layers.0.self_attn.attn_core", "class": "operator_path",
              "kind": "attention_reduction_order",
              "evidence": ["inputs bitwise equal (replay); outputs differ by up to 3.9e-03 "
@@ -206,7 +206,7 @@ def main() -> None:
                           "the difference vanishes with the reference consistent attention kernel"],
              "fix": "Run both paths with a batch-invariant attention kernel "
                     "(logdiff scan --consistent, or logdiff.kernels.attention in your trainer).",
-             "share": 0.2, "necessity": True},
+             "share": 0.2, "necessity": True, "differs": []},
         ],
         "verdict": "mixed",
         "divergence_table": {"boundaries": names, "positions": list(range(PROMPT + RESPONSE)),
