@@ -546,11 +546,15 @@ def report(
 
 @app.command()
 @handle_errors
-def explain(result_json: Path = typer.Argument(..., help="A result.json written by scan or check.")) -> None:
+def explain(
+    result_json: Path = typer.Argument(..., help="A result.json written by scan or check."),
+    evidence: bool = typer.Option(False, "--evidence", help="Show every evidence line of each cause group, not only "
+                                  "the ones that decided its class."),
+) -> None:
     """Explain a result in plain language: what diverged, why, how sure, what to do next."""
     from logdiff.reports import explain as account
 
-    sys.stdout.write(account(_load_valid_result(result_json)))
+    sys.stdout.write(account(_load_valid_result(result_json), evidence=evidence))
 
 
 @app.command()

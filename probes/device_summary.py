@@ -7,7 +7,8 @@ one small float64 vector of statistics (``STATS``) and keeps the vectors there,
 with the largest difference per position in a device tensor; ``settle`` reads
 them all back with one transfer and folds them into the summary's fields, in
 the order the chunks came, with the same rules as the host path (the first
-worst row wins ties, the first non-finite row is the one reported). The stored
+worst row wins ties, the first non-finite row is the one reported, the first
+unequal row is the one of smallest position, then sequence). The stored
 side's rows move to the live side's device, never the other way.
 
 ``DiffSummary(on_device=True)`` takes this path on the CPU too, which is how the
@@ -23,7 +24,7 @@ import numpy as np
 
 #: what each chunk's statistics vector holds, in order
 STATS = ("unequal", "nonfinite", "sum_abs_diff", "rows_equal", "max_abs_ref", "nonfinite_ref", "nonfinite_other",
-         "worst_value", "worst_row", "first_nonfinite_row", "max_ulp")
+         "worst_value", "worst_row", "first_nonfinite_row", "max_ulp", "first_unequal_row")
 
 
 class DeviceChunks:
@@ -53,6 +54,12 @@ class DeviceChunks:
         row_max = marked.amax(dim=1)
         unequal = marked != 0
         odd_rows = (~finite_a | ~finite_b).reshape(a.shape[0], -1).any(dim=1)
+        # each row's rank in (position, sequence) order, computed on the host: the first unequal row is the
+        # unequal row of the smallest rank (meaningful where the chunk has an unequal element)
+        rank = np.empty(len(seq), dtype=np.int64)
+        rank[np.lexsort((seq, pos))] = np.arange(len(seq))
+        rank_here = to_device(rank, self.device)
+        first_unequal = torch.where(row_max != 0, rank_here, len(seq)).argmin()
         zero = torch.zeros((), dtype=torch.float64, device=self.device)
         ulp = zero
         if dtype in INT_OF:
@@ -61,7 +68,7 @@ class DeviceChunks:
             unequal.sum(), bad.sum(), torch.where(bad, torch.zeros_like(diff), diff).sum(dtype=torch.float64),
             (row_max == 0).sum(), torch.where(finite_a, a.abs(), torch.zeros_like(a)).amax(),
             (~finite_a).sum(), (~finite_b).sum(), row_max.amax(), row_max.argmax(),
-            torch.where(odd_rows.any(), odd_rows.to(torch.int8).argmax(), -1), ulp,
+            torch.where(odd_rows.any(), odd_rows.to(torch.int8).argmax(), -1), ulp, first_unequal,
         ]
         self.stats.append(torch.stack([s.to(torch.float64) for s in stats]))
         self.rows.append((seq, pos, diff.numel()))
@@ -94,6 +101,9 @@ class DeviceChunks:
             if summary.worst_position is None or s["worst_value"] > summary.max_abs_diff:
                 summary.max_abs_diff = float(s["worst_value"])
                 summary.worst_sequence, summary.worst_position = int(seq[worst]), int(pos[worst])
+            if s["unequal"] > 0:
+                row = int(s["first_unequal_row"])
+                summary.note_first_row(int(seq[row]), int(pos[row]))
             first = int(s["first_nonfinite_row"])
             if summary.nonfinite_at is None and first >= 0:
                 summary.nonfinite_at = (int(seq[first]), int(pos[first]))

@@ -10,7 +10,10 @@ same sequence and position) is reduced on the spot into a ``DiffSummary``:
   integer line, so adjacent floats are 1 apart and +0 == -0);
 * ``bitwise_equal_fraction`` of elements, and ``rows_equal`` (tokens whose whole
   row is bitwise equal);
-* the worst element's sequence and position;
+* the worst element's sequence and position, and the first unequal row's: the smallest absolute
+  position at which any sequence differs, and the smallest sequence that differs there
+  (``first_position``, ``first_sequence``; a first divergence names where it *starts*, not
+  where it is largest);
 * ``per_position``: the largest difference at each absolute position, the
   small vector the boundary x position heatmap is made of.
 
@@ -48,6 +51,9 @@ class DiffSummary:
     max_abs_ref: float = 0.0  # largest |value| on the reference side, for relative errors
     worst_sequence: int | None = None
     worst_position: int | None = None
+    #: the first unequal row: smallest absolute position where any sequence differs, then the smallest such sequence
+    first_sequence: int | None = None
+    first_position: int | None = None
     nonfinite: int = 0  # elements whose difference is not finite (NaN on both sides counts as equal)
     nonfinite_ref: int = 0  # NaN/inf elements on each side, however they compare
     nonfinite_other: int = 0
@@ -141,6 +147,7 @@ class DiffSummary:
         self.rows += diff.shape[0]
         self.max_abs_ref = max(self.max_abs_ref, ref_abs)
         row_max = row_max.to(torch.float64).cpu().numpy()
+        self.note_first(row_max != 0, seq, pos)
         worst = int(np.argmax(row_max))
         if self.worst_position is None or row_max[worst] > self.max_abs_diff:
             self.max_abs_diff = float(row_max[worst])
@@ -175,6 +182,7 @@ class DiffSummary:
         self.max_abs_ref = max(self.max_abs_ref, float(np.nanmax(np.where(np.isfinite(ref[:, 2]), ref[:, 2], 0.0))))
         keep = pos < self.max_positions
         np.fmax.at(self.per_position, pos[keep], bound[keep].astype(np.float32))
+        self.note_first(~equal, seq, pos)
         if not equal.all():  # the worst row is an unequal one, even where its bound is 0
             worst = int(np.argmax(np.where(equal, -1.0, bound)))
             if not seen_unequal or bound[worst] > self.max_abs_diff:
@@ -182,6 +190,20 @@ class DiffSummary:
                 self.worst_sequence, self.worst_position = int(seq[worst]), int(pos[worst])
         elif self.worst_position is None:
             self.worst_sequence, self.worst_position = int(seq[0]), int(pos[0])
+
+    def note_first(self, unequal: np.ndarray, seq: np.ndarray, pos: np.ndarray) -> None:
+        """Keep the earliest of the ``unequal`` rows (smallest position, then sequence) if it precedes the
+        first unequal row seen so far."""
+        rows = np.flatnonzero(unequal)
+        if not len(rows):
+            return
+        row = rows[np.lexsort((seq[rows], pos[rows]))[0]]
+        self.note_first_row(int(seq[row]), int(pos[row]))
+
+    def note_first_row(self, seq: int, pos: int) -> None:
+        """Keep the unequal row (``seq``, ``pos``) if it precedes the first unequal row seen so far."""
+        if self.first_position is None or (pos, seq) < (self.first_position, self.first_sequence):
+            self.first_sequence, self.first_position = seq, pos
 
     def _count_nonfinite(self, ref: Any, other: Any, seq: np.ndarray, pos: np.ndarray) -> None:
         import torch
@@ -224,6 +246,8 @@ class DiffSummary:
             "max_abs_ref": self.max_abs_ref,
             "worst_sequence": self.worst_sequence,
             "worst_position": self.worst_position,
+            "first_sequence": self.first_sequence,
+            "first_position": self.first_position,
             "dtype": self.dtype,
             "nonfinite": self.nonfinite,
             "nonfinite_ref": self.nonfinite_ref,

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .charts import heatmap_data, histogram_chart, position_chart
-from . import shares
+from . import positions, shares
 from .groups import cause_groups, kind_label
 from .format import (cost_text, current_names, fmt_fraction, fmt_lens, fmt_num, fmt_value, is_number, pair_label,
                      verdict_text)
@@ -105,7 +105,7 @@ def build_view(result: dict) -> dict:
     pairs = [p for p in _list(r.get("pairs")) if isinstance(p, dict)]
     settings = _dict(r.get("settings"))
     depth = settings.get("depth")
-    heatmap = heatmap_data(r.get("divergence_table"), r.get("first_divergence"))
+    heatmap = heatmap_data(r.get("divergence_table"), _first_cell(r))
     if heatmap is not None:
         heatmap["response_start"] = _uniform_prompt_len(r.get("sequences"))
     verdict = _text(r.get("verdict"), "unknown")
@@ -133,8 +133,8 @@ def build_view(result: dict) -> dict:
         "paths": _paths(r.get("paths")),
         "metrics": metrics_view(pairs, r.get("logprobs")),
         "is_threshold": fmt_num(settings.get("is_threshold")) if is_number(settings.get("is_threshold")) else None,
-        "pairs": [_pair_view(p) for p in pairs],
-        "first_divergence": _first_divergence(r.get("first_divergence")),
+        "pairs": [_pair_view(p, r) for p in pairs],
+        "first_divergence": _first_divergence(r),
         "no_divergence_reason": _no_divergence_reason(r, depth),
         "introducing_ops": _introducing(r.get("introducing_ops")),
         "n_causes": len([c for c in _list(r.get("causes")) if isinstance(c, dict)]),
@@ -199,7 +199,8 @@ def _headline(r: dict, pairs: list[dict]) -> str:
                      f"mean {fmt_num(lp.get('abs_diff_mean'))} ({pair_label(pairs[0])}{tokens})")
     fd = r.get("first_divergence")
     if isinstance(fd, dict):
-        parts.append(f"first divergence at {fd.get('boundary')}, position {fd.get('position')}")
+        where = positions.first_text(positions.first_divergence(r))
+        parts.append(f"first divergence at {fd.get('boundary')}" + (f", {where}" if where else ""))
     causes, groups = _list(r.get("causes")), cause_groups(r)
     if causes:
         parts.append(f"{len(causes)} cause{'s' if len(causes) != 1 else ''} found in {len(groups)} "
@@ -224,8 +225,8 @@ def _cards(r: dict) -> list[dict]:
     if isinstance(fd, dict):
         layer = fd.get("layer")
         cards.append({"label": "first divergence", "value": _text(fd.get("boundary")), "mono": True,
-                      "sub": f"position {_text(fd.get('position'))}"
-                             + (f", layer {layer}" if layer is not None else "")})
+                      "sub": ", ".join(x for x in (positions.first_text(positions.first_divergence(r)),
+                                                   f"layer {layer}" if layer is not None else "") if x)})
     for card in cards:
         card.setdefault("mono", False)
     return cards
@@ -260,13 +261,13 @@ def _paths(paths: Any) -> list[dict]:
     return out
 
 
-def _pair_view(pair: dict) -> dict:
+def _pair_view(pair: dict, result: dict) -> dict:
     worst = pair.get("worst")
     worst_view = None
     if isinstance(worst, dict):
         t, i = worst.get("train_logprob"), worst.get("infer_logprob")
         diff = abs(t - i) if is_number(t) and is_number(i) else None
-        worst_view = {"sequence": _text(worst.get("sequence")), "position": _text(worst.get("position")),
+        worst_view = {"where": positions.row_text(positions.token(result, worst)),
                       "token_id": _text(worst.get("token_id")),
                       "token_text": None if worst.get("token_text") is None else repr(str(worst["token_text"])),
                       "train": fmt_num(t), "infer": fmt_num(i), "diff": fmt_num(diff)}
@@ -275,12 +276,26 @@ def _pair_view(pair: dict) -> dict:
             "histogram": histogram_chart(pair.get("histogram")), "worst": worst_view}
 
 
-def _first_divergence(fd: Any) -> dict | None:
+def _first_cell(r: dict) -> dict | None:
+    """The heatmap's first-divergence cell: its boundary at the first position (none for a version 1 result,
+    which did not record it)."""
+    fd, rows = r.get("first_divergence"), positions.first_divergence(r)
+    if not isinstance(fd, dict) or rows is None or rows["first"] is None:
+        return None
+    return {"boundary": fd.get("boundary"), "position": rows["first"]["position"]}
+
+
+def _first_divergence(r: dict) -> dict | None:
+    fd = r.get("first_divergence")
     if not isinstance(fd, dict):
         return None
     eq = fd.get("inputs_equal")
+    rows = positions.first_divergence(r) or {}
+    worst = rows.get("worst")
     return {"boundary": _text(fd.get("boundary")), "layer": _text(fd.get("layer"), "— (outside a layer)"),
-            "position": _text(fd.get("position")), "max_abs_diff": fmt_num(fd.get("max_abs_diff")),
+            "position": positions.first_text(rows) or "not recorded (a version 1 result)",
+            "worst": positions.row_text(worst) if worst is not None else "—",
+            "max_abs_diff": fmt_num(fd.get("max_abs_diff")),
             "inputs_equal": eq is True, "inputs_known": isinstance(eq, bool),
             "input_max_abs_diff": fmt_num(fd.get("input_max_abs_diff"))}
 

@@ -3,15 +3,18 @@
 It reads only the result dict (docs/result-schema.md) and says, in order:
 what diverged and by how much in the terms an RL run feels (importance ratio,
 clip fraction), where the two engines first part, why (each group of causes, ``groups.py``,
-with its class, sites, evidence and share, and what the shares add up to: ``shares.py``), how sure the tool is, and what to
-do next, in commands an installed logdiff can run.
+with its class, sites, the evidence that decided it and its share, and what the fixes do together and alone:
+``shares.py``), how sure the tool is (the causes counted by the kind of evidence they rest on:
+``evidence.py``), and what to do next, in commands an installed logdiff can run. ``evidence=True``
+(``logdiff explain --evidence``) shows every evidence line of each group instead of the deciding ones.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import shares
+from . import evidence as proof
+from . import positions, shares
 from .format import current_names, terminal_safe
 from .groups import cause_groups
 
@@ -61,14 +64,15 @@ def _where(result: dict[str, Any]) -> list[str]:
         if result["settings"].get("depth") == "logprobs" and result["verdict"] != "consistent":
             return ["Where: not probed. Rerun with --depth modules to find the first op where the engines part."]
         return []
-    inputs = "its inputs were bitwise equal" if fd.get("inputs_equal") else "its inputs already differed"
-    return [
-        f"Where: the values first part at {fd['boundary']} (position {fd.get('position')}, max |Δ| "
-        f"{_num(fd.get('max_abs_diff'))}); {inputs}, so the error starts there."
-    ]
+    inputs = ("its inputs were bitwise equal, so the error starts there" if fd.get("inputs_equal") else
+              "its inputs already differed")
+    rows = positions.first_divergence(result)
+    largest = positions.worst_text(rows, _num) or f"max |Δ| {_num(fd.get('max_abs_diff'))}"
+    first = positions.first_text(rows) or "a version 1 result does not record the first position"
+    return [f"Where: the values first part at {fd['boundary']} ({first}; {largest}); {inputs}."]
 
 
-def _why(result: dict[str, Any]) -> list[str]:
+def _why(result: dict[str, Any], every: bool = False) -> list[str]:
     groups = cause_groups(result)
     if not groups:
         return []
@@ -88,22 +92,18 @@ def _why(result: dict[str, Any]) -> list[str]:
         sites = f"{count} sites, " if count > 1 else ""
         lines.append(f"  - {str(g['class']).replace('_', ' ')} ({str(g['kind']).replace('_', ' ')}, "
                      f"{g.get('family')}) at {sites}{g.get('layers')}{share_text}.{necessary}")
-        lines += [f"      evidence: {e}" for e in (g.get("evidence") or [])[:2]]
+        shown = [str(e) for e in g.get("evidence") or []] if every else proof.decisive(result, g)
+        lines += [f"      evidence: {e}" for e in shown]
+        hidden = len([e for e in g.get("evidence") or [] if str(e) not in shown])
+        if hidden:
+            lines.append(f"      ({hidden} more evidence line{'s' if hidden != 1 else ''}: logdiff explain --evidence)")
         lines.append(f"      fix: {g.get('fix')}")
     note = shares.note(result, negative=any(shares.is_negative(g.get("share")) for g in groups))
     return lines + ([f"  {note}"] if note else [])
 
 
 def _confidence(result: dict[str, Any]) -> list[str]:
-    causes = result.get("causes") or []
-    proven = [c for c in causes if any("vanishes with the reference kernel" in e for e in c.get("evidence", []))]
-    contract = [c for c in causes if c.get("differs")]
-    lines = []
-    if causes:
-        lines.append(
-            f"How sure: {len(proven)} of {len(causes)} causes were proven by rerunning both engines with the "
-            f"reference kernels; {len(contract)} rest on a contract or weight difference read from the loaded engines."
-        )
+    lines = proof.how_sure(result)
     residual = (result.get("attribution") or {}).get("residual_abs_diff_max")
     if residual is not None:
         lines.append(
@@ -125,10 +125,17 @@ def _next(result: dict[str, Any]) -> list[str]:
     if v in ("framework_difference", "mixed"):
         steps.append("fix the framework differences first (they change the function, not just its rounding)")
     if v in ("operator_path", "mixed"):
+        worse = shares.worse_alone(result)
+        families = [x["family"] for x in shares.alone(result) if x["family"]]
+        if worse:  # one family at a time would look like a regression here: the fixes go together
+            buys = (f"`--consistent-kernels {','.join(families)}` applies these fixes together (alone, "
+                    f"{shares.listed(worse)} widen{'s' if len(worse) == 1 else ''} the mean or the max gap, so do not "
+                    "try them one family at a time)" if families else "apply the fixes together, not one at a time")
+        else:
+            buys = "`--consistent-kernels FAMILY` which kernel family buys what"
         steps.append(("then " if steps else "") + "decide whether the operator-path gap matters: `logdiff scan MODEL "
-                     "--consistent` shows logdiff = 0 is reachable, `--consistent-kernels FAMILY` which kernel family "
-                     "buys what, and `logdiff kernels --self-test` checks the reference kernels on this machine; "
-                     "otherwise importance-sampling correction absorbs it")
+                     f"--consistent` shows logdiff = 0 is reachable, {buys}, and `logdiff kernels --self-test` checks "
+                     "the reference kernels on this machine; otherwise importance-sampling correction absorbs it")
     steps.append("keep it fixed with `logdiff check` and a baseline")
     return ["Next: " + "; ".join(steps) + "."]
 
@@ -141,8 +148,9 @@ def _non_finite(result: dict[str, Any]) -> list[str]:
             "The metrics that read them are not numbers; fix the cause below before reading anything else."]
 
 
-def explain(result: dict[str, Any]) -> str:
-    """The account as plain text (one paragraph per part); control characters in the result are escaped."""
+def explain(result: dict[str, Any], evidence: bool = False) -> str:
+    """The account as plain text (one paragraph per part); control characters in the result are escaped.
+    ``evidence``: every evidence line of each cause group, not only the ones that decided its class."""
     result = terminal_safe(result)
     stats = result.get("statistics")
     if isinstance(stats, dict):  # an msprobe statistics-only comparison: no logprobs, pairs or causes
@@ -156,7 +164,7 @@ def explain(result: dict[str, Any]) -> str:
         _impact(result),
         _rollout(result),
         _where(result),
-        _why(result),
+        _why(result, every=evidence),
         _confidence(result),
         _next(result),
     ]

@@ -22,7 +22,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: older versions this code still reads (docs/result-schema.md, *Versions*)
+READ_VERSIONS = (1, 2)
 SCHEMA_PATH = Path(__file__).with_name("result.schema.json")
 
 
@@ -147,7 +149,55 @@ def _cross_field_errors(result: dict) -> list[str]:
     errors.extend(_moe_errors(result.get("moe")))
     errors.extend(_attribution_errors(result))
     errors.extend(_statistics_errors(result.get("statistics")))
+    errors.extend(_position_errors(result))
     return errors
+
+
+def _position_errors(result: dict) -> list[str]:
+    """Version 2's one position convention: a ``position`` is absolute (prompt + response) and its
+    ``response_index`` is that position less the sequence's prompt length (null inside the prompt); a first
+    divergence starts no later than its worst row."""
+    if result.get("schema_version") != 2:
+        return []
+    prompts = _dict(result.get("sequences")).get("prompt_lens")
+    prompts = prompts if isinstance(prompts, list) and all(_int(n) for n in prompts) else None
+
+    def row(where: str, r: Any, scored: bool = False) -> list[str]:
+        if not isinstance(r, dict) or not _int(r.get("sequence")) or not _int(r.get("position")) or prompts is None:
+            return []
+        if not 0 <= r["sequence"] < len(prompts):
+            return [f"{where}.sequence: {r['sequence']} is not a sequence of this result"]
+        offset = r["position"] - prompts[r["sequence"]]
+        expect = offset if offset >= 0 else None
+        if scored and expect is None:
+            return [f"{where}.position: {r['position']} lies in sequence {r['sequence']}'s prompt"]
+        if r.get("response_index") != expect:
+            return [(f"{where}.response_index: {r.get('response_index')} for position {r['position']} of sequence "
+                     f"{r['sequence']} (prompt of {prompts[r['sequence']]} tokens), expected {expect}")]
+        return []
+
+    errors = []
+    pairs = result.get("pairs")
+    for i, pair in enumerate(pairs if isinstance(pairs, list) else []):
+        if isinstance(pair, dict):
+            errors += row(f"$.pairs[{i}].worst", pair.get("worst"), scored=True)
+    fd = result.get("first_divergence")
+    if isinstance(fd, dict):
+        errors += row("$.first_divergence", fd) + row("$.first_divergence.worst", fd.get("worst"))
+        worst = fd.get("worst")
+        if isinstance(worst, dict) and _int(fd.get("position")) and _int(worst.get("position")) \
+                and worst["position"] < fd["position"]:
+            errors.append(f"$.first_divergence.position: {fd['position']} comes after its worst row's position "
+                          f"{worst['position']}: the first position at which it differs cannot")
+    return errors
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _dict(x: Any) -> dict:
+    return x if isinstance(x, dict) else {}
 
 
 def _statistics_errors(stats: Any) -> list[str]:

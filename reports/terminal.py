@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import shares
+from . import positions, shares
 from .groups import cause_groups, kind_label
 from .format import (KEY_METRICS, METRICS, cost_text, current_names, fmt_fraction, fmt_metric, fmt_num, is_number, pair_label,
                      safe_text, terminal_safe)
@@ -214,7 +214,8 @@ def _verdict_fields(result: dict, width: int | None = None) -> list[Field]:
     count = f"{len(causes)} cause{'s' if len(causes) != 1 else ''}" if isinstance(causes, list) and causes else ""
     fd = result.get("first_divergence")
     if isinstance(fd, dict):
-        where = f" @ position {fd.get('position')}"
+        first = (positions.first_divergence(result) or {}).get("first")
+        where = f" @ position {first['position']}" if first is not None else ""  # version 1: not recorded
         used = len("first divergence ") + cell_len(where) + (len("  ") + len(count) if count else 0)
         name = _shortened(str(fd.get("boundary")), room, used)         # leaves room for the count after it
         fields.append(("  ", Text(f"first divergence {name}{where}")))
@@ -269,7 +270,7 @@ def print_summary(result: dict, console: Console, quiet: bool = False) -> None:
 
     fd = result.get("first_divergence")
     if isinstance(fd, dict):
-        _print_fitted(console, _divergence_fields(fd, width))
+        _print_fitted(console, _divergence_fields(result, width))
     stats = result.get("statistics")
     if isinstance(stats, dict):  # a statistics-only comparison: its summary instead of logprob metrics
         _print_fitted(console, [("", Text(str(stats.get("summary")), style="bold"))])
@@ -329,15 +330,31 @@ def _context_fields(result: dict, width: int | None = None) -> list[Field]:
     return fields
 
 
-def _divergence_fields(fd: dict, width: int | None = None) -> list[Field]:
-    """The first divergence: the boundary with its layer and position, its size, whether its inputs agree."""
+def _divergence_fields(result: dict, width: int | None = None) -> list[Field]:
+    """The first divergence: the boundary with its layer and where it starts, where its difference is largest
+    and how large, whether its inputs agree."""
+    fd = result["first_divergence"]
+    rows = positions.first_divergence(result)
     how = {True: "inputs bitwise equal", False: "inputs already differ"}.get(fd.get("inputs_equal"),
                                                                              "inputs not compared")
-    head = "first divergence: "
-    where = f" (layer {fd.get('layer')}, position {fd.get('position')})"
-    name = _shortened(str(fd.get("boundary")), width, len(head) + cell_len(where) + 1)
-    return [("", Text(head, style="bold") + Text(name + where)),
-            (", ", Text(f"max |Δ| {fmt_num(fd.get('max_abs_diff'))}")), (", ", Text(how))]
+    first = positions.first_text(rows)                      # empty for a version 1 result: not recorded
+    head, layer = "first divergence: ", f" (layer {fd.get('layer')}){'' if first else ':'}"
+    name = _shortened(str(fd.get("boundary")), width, len(head) + cell_len(layer) + 1)
+    # the rest is prose in phrases that never break inside ("position 22 (response token 6),"): it fills lines
+    phrases = ["starts at", *_phrases(first)] if first else []
+    largest = positions.worst_text(rows, fmt_num)
+    if largest:
+        size, where = largest.split(" at ", 1)
+        phrases += [size, "at " + _phrases(where)[0], *_phrases(where)[1:]]
+    else:
+        phrases.append(f"max |Δ| {fmt_num(fd.get('max_abs_diff'))};")
+    return [("", Text(head, style="bold") + Text(name + layer)), *((" ", Text(p)) for p in phrases + [how])]
+
+
+def _phrases(row_text: str) -> list[str]:
+    """'position 22 (response token 6), sequence 1' -> ['position 22 (response token 6),', 'sequence 1;']."""
+    parts = row_text.split(", ")
+    return [part + ("," if i < len(parts) - 1 else ";") for i, part in enumerate(parts)]
 
 
 def clip(text: str, width: int, lines: int = 2) -> str:
@@ -408,7 +425,7 @@ def _causes_table(result: dict, width: int) -> tuple[Table, list[Text]]:
 def _share_lines(result: dict, width: int) -> list[str]:
     """What the share column means and what it sums to, wrapped at ``width`` (none for older results)."""
     shown = cause_groups(result)[:MAX_GROUPS]
-    text = shares.note(result, negative=any(shares.is_negative(g.get("share")) for g in shown))
+    text = shares.note(result, negative=any(shares.is_negative(g.get("share")) for g in shown), detail=False)
     return textwrap.wrap(text, max(20, width), break_on_hyphens=False) if text else []
 
 

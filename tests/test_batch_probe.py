@@ -26,10 +26,13 @@ def test_probe_detects_batch_dependence_and_consistent_mode_removes_it(qwen3: Pa
 
     engine = pool.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path), "float32"))
     with batch_dependent(engine.model.get_submodule("model.layers.1.mlp.down_proj")) as ran:
-        planted = logdiff.scan(qwen3, batch_sizes=SIZES, **common)["batch_invariance"]
+        result = logdiff.scan(qwen3, batch_sizes=SIZES, **common)
+    planted, prompts = result["batch_invariance"], result["sequences"]["prompt_lens"]
     assert {1, 8} <= set(ran), "the scan did not run through the planted module"
     assert planted["invariant"] is False
     assert all(c["bitwise_equal_fraction"] < 1.0 for c in planted["comparisons"])
+    for c in planted["comparisons"]:  # the worst token: absolute position and response index (one convention)
+        assert c["worst"]["position"] == prompts[c["worst"]["sequence"]] + c["worst"]["response_index"]
 
     fixed = logdiff.scan(qwen3, batch_sizes=SIZES, consistent=True, **common)["batch_invariance"]
     assert fixed["invariant"] is True

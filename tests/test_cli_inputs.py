@@ -123,7 +123,7 @@ def test_scan_writes_json(qwen3: Path, tmp_path: Path) -> None:
     code, out = invoke("scan", qwen3, "--infer", "hf", "--json", tmp_path / "r.json", *FAST)
     assert code == 0, out
     result = json.loads((tmp_path / "r.json").read_text())
-    assert result["schema_version"] == 1 and result["verdict"] == "consistent"
+    assert result["schema_version"] == 2 and result["verdict"] == "consistent"
 
 
 def test_explain_and_report_refuse_a_missing_or_invalid_result(tmp_path: Path) -> None:

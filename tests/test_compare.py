@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from logdiff.comparison import metrics as compare
+from logdiff.records.sequences import Sequence
 
 
 def test_identical_paths_are_all_zero() -> None:
@@ -50,7 +51,8 @@ def test_argmax_flips_and_worst_position() -> None:
     m = compare.token_metrics(train, infer, [np.array([1, 2]), np.array([3, 4, 5])], [np.array([1, 2]), np.array([3, 9, 5])])
     assert m["argmax_flip_fraction"] == pytest.approx(1 / 5)
     w = compare.worst(train, infer)
-    assert (w["sequence"], w["position"]) == (1, 1)
+    assert (w["sequence"], w["response_index"]) == (1, 1)
+    assert compare.at(w, [Sequence([1, 2, 3], [4, 5]), Sequence([6, 7], [8, 9, 10])])["position"] == 2 + 1
     pp = compare.per_position(train, infer)
     assert pp["abs_diff_max"] == pytest.approx([0.0, 0.7, 0.0])
     assert pp["abs_diff_mean"] == pytest.approx([0.0, 0.35, 0.0])

@@ -263,6 +263,39 @@ def test_both_sides_within_is_operator_path_without_a_rerun() -> None:
     assert c.conformance["train"]["error"] == 0.8 and "within" in " ".join(c.evidence)
 
 
+@pytest.mark.parametrize(("boundary", "kind", "own", "foreign"), [
+    ("model.layers.1.self_attn.rope_q", "rope", "logdiff.kernels.rope", ("silu", "act(gate)", "GEMM")),
+    ("model.layers.1.mlp.act_mul", "act", "logdiff.kernels.silu_and_mul", ("RoPE", "cos/sin", "GEMM")),
+    ("model.layers.1.mlp.down_proj", "linear", "logdiff.kernels.linear", ("RoPE", "silu", "norm")),
+    ("model.layers.1.input_layernorm", "norm", "logdiff.kernels.rms_norm", ("RoPE", "silu", "GEMM")),
+    ("model.embed_tokens", "embed", "embed_scale", ("RoPE", "silu", "GEMM")),
+])  # fmt: skip
+def test_an_operator_path_cause_carries_its_own_ops_fix(boundary: str, kind: str, own: str, foreign: tuple) -> None:
+    """Issue 52: the RoPE cause's fix talked about silu*up. Each op's fix names its own kernel and no other
+    family's step (an unfused norm: its sum of squares, not a GEMM)."""
+    from logdiff.diagnosis.classify import classify_op
+
+    c = classify_op(_op(Conformance({"train": INSIDE, "infer": INSIDE}), boundary=boundary, kind=kind), _contracts(),
+                    fused_add_norm=False)
+    assert c.class_ == "operator_path" and own in c.fix, c.fix
+    assert not any(word in c.fix for word in foreign), c.fix
+
+
+def test_every_ops_own_fix_names_only_kernels_of_its_family() -> None:
+    """The negative control over the whole table: a ``logdiff.kernels.X`` in an op's fix is X of that op's family
+    (the router's GEMM is the moe family's router kernel, logdiff.kernels.linear inside it)."""
+    import re
+
+    from logdiff.comparison.cause import FAMILY
+    from logdiff.diagnosis.fixes import OP_FIX
+
+    own = {"rms_norm": {"rms_norm"}, "rope": {"rope"}, "silu_and_mul": {"silu_and_mul"}, "log_softmax": {"log_softmax"},
+           "moe": {"linear", "moe_route", "moe_combine"}, None: set()}
+    for (kind, op_kind), text in OP_FIX.items():
+        named = set(re.findall(r"logdiff\.kernels\.(\w+)", text))
+        assert named <= own[FAMILY.get(op_kind)], (kind, op_kind, named)
+
+
 def test_one_side_outside_is_semantic_and_names_it_even_if_the_rerun_would_close_it() -> None:
     from logdiff.diagnosis.classify import classify_op
 

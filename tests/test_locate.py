@@ -49,7 +49,28 @@ def _check_first_divergence(r: dict) -> dict:
     assert all(o["local_max_abs_diff"] > 0 for o in r["introducing_ops"])
     order = r["divergence_table"]["boundaries"]
     assert order.index(first["boundary"]) == min(order.index(b) for b in intro)
+    _check_first_position(r)
     return first
+
+
+def _check_first_position(r: dict) -> None:
+    """The first divergence starts where its boundary first differs, not where it differs most: the table's
+    row (the largest difference over sequences per absolute position) is 0 before ``position`` and not at it;
+    ``worst`` is the row's largest cell, at or after it; both name their response index."""
+    first, table = r["first_divergence"], r["divergence_table"]
+    row = table["max_abs_diff"][table["boundaries"].index(first["boundary"])]
+    cells = dict(zip(table["positions"], row))
+    assert cells[first["position"]] > 0 and all(not v for p, v in cells.items() if p < first["position"])
+    worst = first["worst"]
+    largest = max(v for v in row if v is not None)  # the table holds float32 cells
+    assert worst["max_abs_diff"] == first["max_abs_diff"] == pytest.approx(largest, rel=1e-6)
+    assert cells[worst["position"]] == pytest.approx(largest, rel=1e-6) and worst["position"] >= first["position"]
+    prompt = r["sequences"]["prompt_lens"]
+    for at in (first, worst):
+        offset = at["position"] - prompt[at["sequence"]]
+        assert at["response_index"] == (offset if offset >= 0 else None)
+    summary = next(b for b in r["pairs"][0]["boundaries"] if b["boundary"] == first["boundary"])
+    assert (summary["first_sequence"], summary["first_position"]) == (first["sequence"], first["position"])
 
 
 def test_identical_path_reports_no_divergence(qwen3: Path, tmp_path: Path) -> None:
@@ -110,6 +131,10 @@ def test_eps_override_is_localized_to_the_first_rmsnorm(qwen3: Path) -> None:
 def test_vllm_ops_depth(qwen3: Path) -> None:
     r = _scan(qwen3, infer=["vllm"], depth="ops")
     first = _check_first_divergence(r)
+    if first["boundary"].endswith((".rope_q", ".rope_k")):
+        # the demo's first divergence (issue 52): RoPE turns position 0 by nothing, so it starts at position 1;
+        # before, the position named was where the difference is largest (22 on the demo scan)
+        assert first["position"] == 1 and first["sequence"] == 0, first
     assert [p["infer"] for p in r["pairs"]] == ["vllm", "vllm-prefill"]
     assert r["pairs"][1]["first_divergence"]["inputs_equal"] is True
     # the training path's ops are replayed on the primary path's inputs only (the pair the diagnosis reads)

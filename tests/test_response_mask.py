@@ -60,7 +60,7 @@ def test_an_outlier_on_a_masked_token_moves_nothing() -> None:
 
     clean, dirty = everything(infer, masks), everything(planted, masks)
     assert same(clean[0], dirty[0]) and clean[1:] == dirty[1:]
-    assert clean[3]["position"] != p or clean[3]["sequence"] != s
+    assert clean[3]["response_index"] != p or clean[3]["sequence"] != s
 
     # negative control: the same outlier on a scored token moves the metrics and is the worst token
     unmasked = [list(m) for m in masks]
@@ -69,7 +69,7 @@ def test_an_outlier_on_a_masked_token_moves_nothing() -> None:
     assert moved[0]["abs_diff_max"] == pytest.approx(40.0) and base[0]["abs_diff_max"] < 4.0
     assert moved[0]["k3_kl"] > 1e3 * base[0]["k3_kl"] and moved[0]["chi2_seq"] > base[0]["chi2_seq"]
     assert moved[1]["abs_diff_max"][p] == pytest.approx(40.0)
-    assert (moved[3]["sequence"], moved[3]["position"]) == (s, p)
+    assert (moved[3]["sequence"], moved[3]["response_index"]) == (s, p)
 
 
 def test_masked_positions_leave_per_position_and_worst() -> None:
@@ -79,7 +79,7 @@ def test_masked_positions_leave_per_position_and_worst() -> None:
     pp = compare.per_position(train, infer, masks)
     assert pp["abs_diff_max"] == pytest.approx([0.0, 0.2, 0.5])
     assert pp["abs_diff_mean"] == pytest.approx([0.0, 0.2, 0.5])  # position 1: only sequence 1 scores it
-    assert (compare.worst(train, infer, masks)["sequence"], compare.worst(train, infer, masks)["position"]) == (0, 2)
+    assert (compare.worst(train, infer, masks)["sequence"], compare.worst(train, infer, masks)["response_index"]) == (0, 2)
     assert sum(compare.histogram(train, infer, masks)["counts"]) == 4
 
 
@@ -124,7 +124,8 @@ def test_scan_scores_only_unmasked_tokens(qwen3: Path, tmp_path: Path) -> None:
     for a, b in zip(clean["pairs"], dirty["pairs"]):
         assert a["metrics"]["num_tokens"] == sum(mask) + 5
         assert same(a["metrics"], b["metrics"]) and a["per_position"] == b["per_position"]
-        assert a["worst"] == b["worst"] and not (a["worst"]["sequence"] == 0 and mask[a["worst"]["position"]] == 0)
+        assert a["worst"] == b["worst"] and not (a["worst"]["sequence"] == 0 and mask[a["worst"]["response_index"]] == 0)
+        assert a["worst"]["position"] == len(rows[a["worst"]["sequence"]]["prompt_ids"]) + a["worst"]["response_index"]
     assert dirty["pairs"][1]["metrics"]["abs_diff_max"] < 40 and dirty["settings"]["is_threshold"] == 1.5
     dump_json(dirty, tmp_path / "result.json")
     assert validate_result(json.loads((tmp_path / "result.json").read_text())) == []

@@ -77,7 +77,7 @@ def test_to_dict_is_the_documented_json() -> None:
     r.conclude()
     d = r.to_dict()
     assert list(d)[: len(ALWAYS)] == ALWAYS
-    assert d["logprobs"] is d["pairs"][0]["metrics"] and d["schema_version"] == 1
+    assert d["logprobs"] is d["pairs"][0]["metrics"] and d["schema_version"] == 2
     assert "boundaries" in d["pairs"][0] and "boundaries" not in d["pairs"][1]  # only located pairs carry them
     assert d["paths"][1] == {"name": "vllm", "role": "infer", "mode": "decode", "engine": "vllm",
                              "version": "0.32.0", "settings": {}}  # fmt: skip

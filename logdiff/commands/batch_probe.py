@@ -36,14 +36,14 @@ def probe(engine: Engine, seqs: list[TokenSequence], sizes: tuple[int, ...]) -> 
         for path, logprobs in runs[size].items():
             ref = runs[reference][path]
             m = compare.token_metrics(ref, logprobs)
-            w = compare.worst(ref, logprobs)
+            w = compare.at(compare.worst(ref, logprobs), seqs)
             comparisons.append({
                 "path": path,
                 "batch_size": size,
                 "abs_diff_max": m["abs_diff_max"],
                 "abs_diff_mean": m["abs_diff_mean"],
                 "bitwise_equal_fraction": m["bitwise_equal_fraction"],
-                "worst": {"sequence": w["sequence"], "position": w["position"]},
+                "worst": {k: w[k] for k in ("sequence", "position", "response_index")},
             })  # fmt: skip
     return {
         "engine": engine.name,

@@ -519,7 +519,12 @@ def explain(result: dict[str, Any]) -> list[str]:
     ]
     fd = result.get("first_divergence")
     if isinstance(fd, dict):
-        lines.append(f"first divergence: {fd.get('boundary')} (layer {fd.get('layer')}, position {fd.get('position')})")
+        from logdiff.reports import positions
+
+        rows = positions.first_divergence(result)
+        where = "; ".join(x for x in (f"layer {fd.get('layer')}", positions.first_text(rows),
+                                        positions.worst_text(rows, fmt)) if x)
+        lines.append(f"first divergence: {fd.get('boundary')} ({where})")
     cause = top_cause(result)
     if cause is not None:
         fix = f"; fix: {cause.get('fix')}" if cause.get("fix") else ""

@@ -8,9 +8,13 @@ the training path's op makes on the inference path's own inputs (``local``).
 * **First divergence**: the first boundary in *semantic execution order*
   (the architecture's correspondence map; the observed order for architectures
   without one) whose outputs are not bitwise equal (or differ by more than
-  ``tolerance`` when one is given). Its input boundaries come with their own
-  differences as evidence: ``inputs_equal`` is true when every input was
-  bitwise equal (within the tolerance).
+  ``tolerance`` when one is given), and where it starts: the smallest absolute
+  position at which any sequence differs there, and the first sequence that
+  differs at that position. Where its difference is largest is ``worst``, apart.
+  Every row is named the same way: sequence, absolute position, and the
+  response index where the position holds a response token. Its input
+  boundaries come with their own differences as evidence: ``inputs_equal`` is
+  true when every input was bitwise equal (within the tolerance).
 * **Introducing ops**: every boundary whose op computes differently from the
   other path's op on the same inputs. Where teacher-forced replay ran, that is
   a nonzero local error (``method: replay``); where it could not (vLLM's side
@@ -123,8 +127,7 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
         first = {
             "boundary": name,
             "layer": _layer(pair, name),
-            "position": int(s.worst_position) if s.worst_position is not None else 0,
-            "sequence": s.worst_sequence,
+            **_first_row(pair, s, tolerance),
             "max_abs_diff": s.max_abs_diff,
             "max_ulp": s.max_ulp,
             "bitwise_equal_fraction": s.bitwise_equal_fraction,
@@ -132,6 +135,7 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
             "input_max_abs_diff": worst,
             "inputs": _inputs(pair, name, order),
             "tolerance": tolerance,
+            "worst": {**_row(pair, s.worst_sequence, s.worst_position), "max_abs_diff": s.max_abs_diff},
             **({"sketched": True} if s.sketched else {}),  # compared by row sketches: max_abs_diff a lower bound
         }
         break
@@ -195,6 +199,32 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
     if pair.tracer_train is not None or pair.tracer_infer is not None:
         loc.op_trace = op_drilldown(pair, first)
     return loc
+
+
+def _row(pair: Any, sequence: int | None, position: int | None) -> dict[str, Any]:
+    """A row of the result in the one position convention: its sequence, its absolute position (prompt +
+    response) and, where the position holds a response token, its ``response_index`` (0: the first response
+    token; null in the prompt, or where the pair's sequences are not known)."""
+    seqs = getattr(pair, "seqs", None) or []
+    response_index = None
+    if sequence is not None and position is not None and 0 <= sequence < len(seqs):
+        prompt = len(seqs[sequence].prompt_ids)
+        response_index = position - prompt if position >= prompt else None
+    return {"sequence": sequence, "position": position, "response_index": response_index}
+
+
+def _first_row(pair: Any, s: Any, tolerance: float) -> dict[str, Any]:
+    """Where boundary summary ``s`` first diverges: the smallest absolute position at which any sequence
+    differs, and the first (smallest) sequence that differs there. Under a tolerance, the smallest position
+    whose largest difference exceeds it (``per_position``); which sequence it is there is not tracked (null)."""
+    if tolerance > 0 and not s.nonfinite:
+        over = np.flatnonzero(np.nan_to_num(s.per_position, nan=0.0) > tolerance)
+        if len(over):
+            return _row(pair, None, int(over[0]))
+    if s.first_position is not None:
+        return _row(pair, s.first_sequence, s.first_position)
+    # unreachable for a summary that diverged (its unequal rows set first_position); kept for safety
+    return _row(pair, s.worst_sequence, s.worst_position if s.worst_position is not None else 0)
 
 
 def first_nonfinite(pair: Any, order: list[str]) -> dict[str, Any] | None:
@@ -330,11 +360,9 @@ def op_drilldown(pair: Any, first: dict[str, Any] | None, limit: int = 64) -> di
 
 
 def _is_response(pair: Any, first: dict[str, Any]) -> bool:
-    seqs = getattr(pair, "seqs", None)
-    if not seqs:
+    if not getattr(pair, "seqs", None):
         return True
-    s = seqs[first["sequence"]]
-    return first["position"] >= len(s.prompt_ids)
+    return first.get("response_index") is not None
 
 
 def localize(pairs: list[Any], probes: Any, progress: Any, tables: dict[str, Any]) -> Any:

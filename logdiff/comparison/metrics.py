@@ -283,15 +283,25 @@ def histogram(train: list[np.ndarray], infer: list[np.ndarray], masks: list[Any]
 
 
 def worst(train: list[np.ndarray], infer: list[np.ndarray], masks: list[Any] | None = None) -> dict[str, Any]:
-    """The scored token with the largest ``|Δ logprob|`` (the first NaN/inf one if any): sequence, response position."""
+    """The scored token with the largest ``|Δ logprob|`` (the first NaN/inf one if any): its sequence and
+    ``response_index`` (0: the first response token; ``at`` adds the absolute position)."""
     lp_t, m = padded(train, masks)
     lp_i, _ = padded(infer, masks)
     with np.errstate(invalid="ignore"):
         d = np.abs(lp_t - lp_i)
     d = np.where(m, np.where(np.isfinite(d), d, np.inf), -1.0)
     s, p = np.unravel_index(int(np.argmax(d)), d.shape)
-    return {"sequence": int(s), "position": int(p),
+    return {"sequence": int(s), "response_index": int(p),
             "train_logprob": float(train[s][p]), "infer_logprob": float(infer[s][p])}
+
+
+def at(token: dict[str, Any], seqs: list[Any]) -> dict[str, Any]:
+    """A ``worst`` token in the result's one position convention: sequence, absolute ``position`` (prompt +
+    response) and ``response_index``, then the rest of its fields."""
+    head = {"sequence": token["sequence"],
+            "position": len(seqs[token["sequence"]].prompt_ids) + token["response_index"],
+            "response_index": token["response_index"]}
+    return {**head, **{k: v for k, v in token.items() if k not in head}}
 
 
 def compare_pair(train: Any, infer: Any, seqs: list[Any], tok: Any, is_threshold: float) -> Any:
@@ -300,8 +310,8 @@ def compare_pair(train: Any, infer: Any, seqs: list[Any], tok: Any, is_threshold
     from logdiff.comparison.result import Pair
 
     masks = [s.response_mask for s in seqs]  # masked tokens were replayed; they are not scored
-    w = worst(train.logprobs, infer.logprobs, masks)
-    w["token_id"] = int(seqs[w["sequence"]].response_ids[w["position"]])
+    w = at(worst(train.logprobs, infer.logprobs, masks), seqs)
+    w["token_id"] = int(seqs[w["sequence"]].response_ids[w["response_index"]])
     w["token_text"] = tok.decode([w["token_id"]]) if tok is not None else None
     return Pair(
         train=train.path,

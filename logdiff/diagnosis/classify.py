@@ -45,6 +45,7 @@ from logdiff.diagnosis.contract_effect import (
     layer_differs,
     layer_view,
 )
+from logdiff.diagnosis.fixes import FIX, SEMANTIC_FIX, fix_text  # noqa: F401 - FIX is public here too
 from logdiff.diagnosis.preflight import difference_line, one_sided
 from logdiff.probes.contracts import WINDOW_KEYS
 
@@ -56,25 +57,6 @@ if TYPE_CHECKING:
 ROPE_KEYS = {"rope_theta", "rope_type", "rope_local_base_freq"}
 # Beyond this many units of the output dtype's spacing, a local error is not reordering noise.
 NOISE_ULPS = 64.0
-
-FIX = {
-    "reduction_order": "use one batch-invariant GEMM/reduction on both sides (logdiff.kernels.linear) "
-    "or pin the same kernel library and tiling in trainer and engine",
-    "online_softmax_block_size": "use one attention kernel with a fixed KV block size and fp32 online softmax "
-    "for prefill and decode on both sides (logdiff.kernels.attention; vLLM/SGLang batch-invariant attention "
-    "backends)",
-    "fused_vs_unfused": "compute the residual add and the norm the same way on both sides: fuse both or "
-    "neither, rounding the residual at the same point (logdiff.kernels.rms_norm with residual)",
-    "intermediate_precision": "align the precision of the op's internal steps on both sides (e.g. fp32 "
-    "cos/sin and rotation, fp32 silu*up rounded once: logdiff.kernels.rope / silu_and_mul)",
-    "collective_order": "sum the row-parallel partial results in one fixed order whatever the world size "
-    "(logdiff.kernels.collective.row_parallel_linear), or score at the same tensor-parallel size on both sides",
-}
-
-SEMANTIC_FIX = ("make the {side} side compute the function its contract names at this op: check its implementation "
-                "and the settings it really applies (attention implementation, soft cap, window, scale, eps, RoPE "
-                "table) against the other side's; no kernel change can close this gap")
-
 
 @dataclass
 class OpEvidence:
@@ -242,7 +224,7 @@ def classify_op(
         evidence.append("both sides are within their rounding bounds of the exact function: the same function, "
                         "computed in a different order or precision")  # fmt: skip
         kind = _path_kind(ev, fused_add_norm, evidence)
-        return _cause(ev, "operator_path", kind, evidence, FIX[kind])
+        return _cause(ev, "operator_path", kind, evidence, fix_text(kind, ev.kind))
     return _not_judged(ev, evidence, unverified)
 
 

@@ -51,6 +51,7 @@ def test_the_device_fold_is_the_host_fold(dtype: torch.dtype, other_dtype: torch
     h, d = host.to_dict(), device.to_dict()
     assert math.isclose(h.pop("mean_abs_diff"), d.pop("mean_abs_diff"), rel_tol=1e-12)
     assert h == d and host.nonfinite_at == device.nonfinite_at
+    assert h["first_position"] is not None and h["first_position"] != h["worst_position"]  # both were compared
     np.testing.assert_array_equal(host.per_position, device.per_position)  # NaN where never seen, on both
     assert h["nonfinite"] > 0 and h["max_abs_diff"] == math.inf  # the chunks did exercise the odd cases
 
@@ -65,3 +66,16 @@ def test_a_planted_difference_is_seen_and_identical_rows_are_equal_on_the_device
     differs = DiffSummary(4, on_device=True)
     differs.update(ref, planted, np.arange(4), np.arange(4))
     assert not differs.settle().equal and (differs.worst_sequence, differs.worst_position) == (2, 2)
+
+
+def test_the_device_path_names_the_first_unequal_row_in_position_order() -> None:
+    """Across chunks, the smallest position wins, then the smallest sequence, whatever the order they came in."""
+    host, device = DiffSummary(16), DiffSummary(16, on_device=True)
+    ref = torch.zeros(3, 4)
+    for rows, seq, pos in (([0], [4, 4, 5], [9, 2, 6]), ([1, 2], [7, 3, 1], [1, 3, 3]), ([], [0, 0, 0], [0, 1, 2])):
+        other = ref.clone()
+        other[rows, 0] = 1.0
+        for s in (host, device):
+            s.update(ref, other, np.array(seq), np.array(pos))
+    device.settle()
+    assert (device.first_sequence, device.first_position) == (host.first_sequence, host.first_position) == (1, 3)

@@ -112,3 +112,44 @@ def test_streamed_numbers_match_an_elementwise_count(dtypes: tuple[str, str]) ->
     assert s.elements - s.equal_elements == want["unequal"]
     assert s.max_abs_ref == want["max_abs_ref"]
     assert math.isclose(s.sum_abs_diff, want["sum_abs_diff"], rel_tol=1e-6)
+
+
+def test_the_first_unequal_row_is_the_smallest_position_then_the_smallest_sequence() -> None:
+    """Not the worst row, nor the first unequal row in time: a later chunk with an earlier position wins, and at
+    one position the smallest sequence does. Equal rows never count (negative control: an all-equal summary has
+    none)."""
+    s = DiffSummary(max_positions=16)
+    ref = torch.zeros(3, 2)
+    big = ref.clone()
+    big[0, 0] = 9.0  # the worst row, first in time: sequence 4, position 9
+    big[2, 1] = 0.5  # sequence 5, position 6
+    s.update(ref, big, seq=np.array([4, 4, 5]), pos=np.array([9, 2, 6]))
+    assert (s.first_sequence, s.first_position) == (5, 6) and (s.worst_sequence, s.worst_position) == (4, 9)
+    small = ref.clone()
+    small[1, 0] = small[2, 0] = 0.25  # position 3 in sequences 7 and 1: the smaller sequence is the first
+    s.update(ref, small, seq=np.array([7, 7, 1]), pos=np.array([1, 3, 3]))
+    assert (s.first_sequence, s.first_position) == (1, 3) and s.worst_position == 9
+    assert s.to_dict()["first_position"] == 3 and s.to_dict()["first_sequence"] == 1
+    later = ref.clone()
+    later[0, 1] = 1.0  # position 3 again, but a larger sequence: the first stays
+    s.update(ref, later, seq=np.array([2, 2, 2]), pos=np.array([3, 4, 5]))
+    assert (s.first_sequence, s.first_position) == (1, 3)
+    same = DiffSummary(4)
+    x = torch.tensor([[1.0, float("nan")], [-0.0, 2.0]])
+    same.update(x, torch.tensor([[1.0, float("nan")], [0.0, 2.0]]), np.array([0, 0]), np.array([0, 1]))
+    assert same.equal and same.first_position is None and same.first_sequence is None
+
+
+def test_row_sketches_name_the_first_unequal_row_too() -> None:
+    from logdiff.records.sketch import sketch
+
+    raw = torch.randn(4, 8).to(torch.bfloat16)
+    other = raw.clone()
+    other[3, 1] += 1  # sequence 0, position 5: the first in position order (bound possibly 0: still unequal)
+    other[0, 0] += 4  # sequence 2, position 7
+    seq, pos = np.array([2, 2, 0, 0]), np.array([7, 2, 6, 5])
+    s = DiffSummary(8, sketched=True)
+    cols = np.arange(8)
+    s.update_sketches(sketch(raw.view(torch.int16).numpy(), "bfloat16", cols),
+                      sketch(other.view(torch.int16).numpy(), "bfloat16", cols), seq, pos)
+    assert (s.first_sequence, s.first_position) == (0, 5)

@@ -205,8 +205,10 @@ def layered_result(sample: dict, layers: int) -> dict:
                        float(f"{err * (1 + (p % 7) / 7):.4g}") for p in positions])
     r["divergence_table"] = {"boundaries": names, "positions": positions, "max_abs_diff": values,
                              "metric": "max_abs_diff"}
-    r["first_divergence"] = {"boundary": "model.layers.0.self_attn.rope_q", "layer": 0, "position": 6,
-                             "max_abs_diff": 0.0156, "inputs_equal": True, "input_max_abs_diff": 0.0}
+    r["first_divergence"] = {"boundary": "model.layers.0.self_attn.rope_q", "layer": 0, "sequence": 0, "position": 6,
+                             "response_index": None, "max_abs_diff": 0.0156, "inputs_equal": True,
+                             "input_max_abs_diff": 0.0, "worst": {"sequence": 1, "position": 22, "response_index": 6,
+                                                                  "max_abs_diff": 0.0156}}
     causes, ops = [], []
     sites = {f: layers * sum(c[2] == f for c in LAYERED_CAUSES) for f in LAYERED_SHARES}
     for n in range(layers):
@@ -253,6 +255,13 @@ def layered(sample_json):
 def demo_result() -> dict:
     """A real demo-style scan (data/demo_scan_result.json), written before ``cause_groups`` existed."""
     return json.loads((DATA / "demo_scan_result.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture
+def demo_v2() -> dict:
+    """The demo scan as ``scripts/demo.sh`` runs it (``logdiff scan demo/qwen3``: HF against the CPU vLLM), schema
+    version 2, its pairs' per-boundary rows left out for size (data/demo_scan_v2.json)."""
+    return json.loads((DATA / "demo_scan_v2.json").read_text(encoding="utf-8"))
 
 
 @pytest.fixture

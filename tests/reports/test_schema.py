@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from logdiff.reports.schema import SCHEMA_VERSION, load_result, load_schema, validate_result
+from logdiff.reports.schema import READ_VERSIONS, SCHEMA_VERSION, load_result, load_schema, validate_result
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "result-schema.md"
 
@@ -17,7 +17,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "result-schema.md"
 def test_schema_is_a_valid_draft_2020_12_schema():
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.Draft202012Validator.check_schema(load_schema())
-    assert load_schema()["properties"]["schema_version"]["const"] == SCHEMA_VERSION
+    assert load_schema()["properties"]["schema_version"]["enum"] == list(READ_VERSIONS)
+    assert SCHEMA_VERSION == max(READ_VERSIONS)
 
 
 def test_sample_is_valid(sample_result):
@@ -53,7 +54,7 @@ _DELETE = object()
 BROKEN = [
     ("verdict", _DELETE, "'verdict' is a required property"),
     ("verdict", "probably_fine", "$.verdict"),
-    ("schema_version", 2, "$.schema_version"),
+    ("schema_version", 3, "$.schema_version"),
     ("created", "yesterday", "$.created"),
     ("dtype", "bf16", "$.dtype"),
     ("tool.name", "otherdiff", "$.tool.name"),

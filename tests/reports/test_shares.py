@@ -42,7 +42,9 @@ def test_terminal_says_what_shares_sum_to_and_what_negative_means(layered, width
     text = _render(layered(24), width)
     flat = _flat(text)
     assert "the shares sum to 100%, what all fixes together close" in flat
-    assert "interaction -106%" in flat
+    # what to do, in plain words (issue 52): every lever alone widens the layered result's gap
+    assert "Alone, each widens the mean or the max gap: apply the fixes together, not one at a time." in flat
+    assert "interaction" not in flat
     assert "A negative share: on average, fixing that cause widens the gap" in flat
 
 

@@ -28,7 +28,7 @@ from logdiff.reports.terminal import fit, middle, print_summary, verdict_line
 
 DATA = Path(__file__).with_name("data")
 WIDTHS = [80, 120]
-SAVED = ["sample_result", "demo_scan_result"]
+SAVED = ["sample_result", "demo_scan_result", "demo_scan_v2"]
 
 LONG_MODEL = ("/mnt/shared/checkpoints/实验-qwen3-moe-30b-a3b-bf16-with-a-very-long-experiment-name-2025-06-01/"
               "global_step_1200/actor/huggingface")
@@ -103,8 +103,19 @@ def test_saved_results_fit(name, width):
     assert f"logdiff: {result['verdict']}" in text
     assert f"max|Δlogprob| {fmt_num(lp['abs_diff_max'])}  mean {fmt_num(lp['abs_diff_mean'])}" in text
     # at 80 and at 120 the names fit whole: nothing is shortened, only moved to a line of its own
-    assert f"first divergence {fd['boundary']} @ position {fd['position']}" in text
-    assert f"first divergence: {fd['boundary']} (layer {fd['layer']}, position {fd['position']})" in text
+    if result["schema_version"] >= 2:   # where the boundary starts to differ, and apart where it differs most
+        worst = fd["worst"]
+        assert f"first divergence {fd['boundary']} @ position {fd['position']}" in text
+        assert (f"first divergence: {fd['boundary']} (layer {fd['layer']}) starts at position {fd['position']}, "
+                f"sequence {fd['sequence']}; largest |Δ| {fmt_num(worst['max_abs_diff'])} at position "
+                f"{worst['position']} (response token {worst['response_index']}), sequence {worst['sequence']}; "
+                "inputs bitwise equal") in " ".join(text.split())
+    else:                               # version 1 recorded only where it differs most: never shown as the first
+        assert f"first divergence {fd['boundary']}  " in text and "@ position" not in text
+        assert (f"first divergence: {fd['boundary']} (layer {fd['layer']}): largest |Δ| "
+                f"{fmt_num(fd['max_abs_diff'])} at position {fd['position']}, sequence {fd['sequence']};") \
+            in " ".join(text.split())
+        assert "starts at" not in text
     assert f"{len(result['causes'])} causes" in text
     assert "…" not in text.split("Causes:")[0]
     for path in result["paths"]:
@@ -221,4 +232,4 @@ def test_quiet_is_the_one_long_line_for_logs(name):
     text = render(result, 80, quiet=True)
     assert text.count("\n") == 1 and text.rstrip("\n") == verdict_line(result).plain
     assert overflowing(text, 80)                                                 # longer than 80: by design
-    assert f"first divergence {result['first_divergence']['boundary']} @ position" in text
+    assert f"first divergence {result['first_divergence']['boundary']}" in text

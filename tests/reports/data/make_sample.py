@@ -93,7 +93,8 @@ def pair_data(scale: float) -> dict:
     edges = [0.0] + [10.0 ** k for k in range(-8, 2)]
     counts = [int(((d >= lo) & (d < hi)).sum()) for lo, hi in zip(edges, edges[1:])]
     s, p = np.unravel_index(int(d.argmax()), d.shape)
-    worst = {"sequence": int(s), "position": int(p), "token_id": 812, "token_text": "def",
+    worst = {"sequence": int(s), "position": PROMPT + int(p), "response_index": int(p), "token_id": 812,
+             "token_text": "def",
              "train_logprob": float(lp_t[s, p]), "infer_logprob": float(lp_i[s, p])}
     return {"metrics": metrics,
             "per_position": {"abs_diff_mean": [float(f"{v:.4g}") for v in d.mean(0)],
@@ -125,6 +126,7 @@ def main() -> None:
     rows = table(names)
     first_row = next(i for i, row in enumerate(rows) if any(row))
     first_col = next(j for j, v in enumerate(rows[first_row]) if v)
+    worst_col = int(np.argmax(rows[first_row]))
     decode, prefill = pair_data(0.03), pair_data(0.012)
     contract = {"rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_scaling": None,
                 "rotary_style": "neox", "head_dim": 64, "num_attention_heads": 4,
@@ -146,7 +148,7 @@ def main() -> None:
     introducing.append({"boundary": "model.norm", "layer": None, "local_max_abs_diff": 7.8e-3,
                         "propagated_max_abs_diff": 0.061, "method": "replay", "inputs_equal": False})
     result = {
-        "schema_version": 1,
+        "schema_version": 2,
         "tool": {"name": "logdiff", "version": "0.1.0"},
         "created": "2026-11-29T14:03:12Z",
         "complete": True,
@@ -179,9 +181,13 @@ def main() -> None:
         "pairs": [{"train": "hf", "infer": "vllm", **decode},
                   {"train": "hf", "infer": "vllm-prefill", **prefill}],
         "logprobs": dict(decode["metrics"]),
-        "first_divergence": {"boundary": names[first_row], "layer": 0, "position": first_col,
-                             "max_abs_diff": rows[first_row][first_col], "inputs_equal": True,
-                             "input_max_abs_diff": 0.0},
+        "first_divergence": {"boundary": names[first_row], "layer": 0, "sequence": 0, "position": first_col,
+                             "response_index": first_col - PROMPT if first_col >= PROMPT else None,
+                             "max_abs_diff": max(rows[first_row]), "inputs_equal": True,
+                             "input_max_abs_diff": 0.0,
+                             "worst": {"sequence": 2, "position": worst_col,
+                                       "response_index": worst_col - PROMPT if worst_col >= PROMPT else None,
+                                       "max_abs_diff": max(rows[first_row])}},
         "introducing_ops": introducing,
         "causes": [
             {"boundary": "model.layers.0.input_layernorm", "class": "framework_difference",
@@ -191,7 +197,7 @@ def main() -> None:
                           "the difference remains with the reference RMSNorm kernel on both sides"],
              "fix": "Give the inference engine the training config's rms_norm_eps (1e-06): "
                     "remove the infer-side override (hf_overrides / --set infer.rms_norm_eps).",
-             "share": 0.75, "necessity": True},
+             "share": 0.75, "necessity": True, "differs": ["rms_norm_eps"]},
             {"boundary": "model.layers.0.self_attn.attn_core", "class": "operator_path",
              "kind": "attention_reduction_order",
              "evidence": ["inputs bitwise equal (replay); outputs differ by up to 3.9e-03 "
@@ -200,7 +206,7 @@ def main() -> None:
                           "the difference vanishes with the reference consistent attention kernel"],
              "fix": "Run both paths with a batch-invariant attention kernel "
                     "(logdiff scan --consistent, or logdiff.kernels.attention in your trainer).",
-             "share": 0.2, "necessity": True},
+             "share": 0.2, "necessity": True, "differs": []},
         ],
         "verdict": "mixed",
         "divergence_table": {"boundaries": names, "positions": list(range(PROMPT + RESPONSE)),
