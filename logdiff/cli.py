@@ -18,23 +18,39 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import typer
 from rich.console import Console
 
+from logdiff.commands.check import FAIL_ON_CLASSES
+from logdiff.commands.config import ATTRIBUTION_GAMES, DEPTHS
+from logdiff.commands.usage import LogdiffGroup
 from logdiff.errors import EXIT_ENGINE_UNAVAILABLE, EXIT_INTERNAL, LogdiffError
 from logdiff.probes.arch import demos as demo_archs  # names only: no torch
 from logdiff.sources import DEFAULT_INFER, DEFAULT_TRAIN
+from logdiff.sources.base import DTYPES
+from logdiff.sources.msprobe.config import LEVELS, SIDES
 
 app = typer.Typer(
     name="logdiff",
     help="Find where and why a trainer's logprobs and an inference engine's logprobs differ.",
+    cls=LogdiffGroup,  # a usage error is one line (logdiff/commands/usage.py)
+    rich_markup_mode=None,  # click's help: wrapped at word boundaries, never cut (logdiff/commands/usage.py)
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+# The options with a closed set of values are typed by it: --help lists the choices, and click refuses
+# any other value in one line, exit 2, before anything runs (docs/cli.md).
+Dtype = Literal[DTYPES]  # type: ignore[valid-type]
+Depth = Literal[DEPTHS]  # type: ignore[valid-type]
+Game = Literal[ATTRIBUTION_GAMES]  # type: ignore[valid-type]
+Side = Literal[SIDES]  # type: ignore[valid-type]
+Level = Literal[LEVELS]  # type: ignore[valid-type]
+DemoArch = Literal[tuple(demo_archs())]  # type: ignore[valid-type]
 
 
 def _stderr() -> Console:
@@ -103,8 +119,10 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 SCAN_DEPTH, CHECK_DEPTH = "modules", "logprobs"
 
 # Options shared by `scan` and `check`.
-ModelArg = typer.Argument(..., help="Local HF model directory (config, tokenizer; weights unless CKPT is given).")
-CkptArg = typer.Argument(None, help="Weights both paths load: HF dir, .safetensors/.pt state dict, or DCP dir.")
+ModelArg = typer.Argument(..., metavar="MODEL",
+                          help="Local HF model directory (config, tokenizer; weights unless CKPT is given).")
+CkptArg = typer.Argument(None, metavar="CKPT",
+                         help="Weights both paths load: HF dir, .safetensors/.pt state dict, or DCP dir.")
 
 
 def _build_config(**kw: Any) -> Any:
@@ -156,30 +174,37 @@ def _say(console: Console, text: str, **kwargs: Any) -> None:
     console.print(safe_text(text), markup=False, highlight=False, soft_wrap=True, **kwargs)
 
 
-@app.command()
+@app.command(short_help="Where and why a training and an inference path differ.")
 @handle_errors
 def scan(
     model: Path = ModelArg,
     ckpt: Optional[Path] = CkptArg,
-    train: str = typer.Option(DEFAULT_TRAIN, help="Training path engine."),
-    infer: Optional[list[str]] = typer.Option(None, help="Inference path engine(s): vllm, hf-decode, hf. Repeatable."),
-    dtype: str = typer.Option("bfloat16", help="bfloat16, float16 or float32."),
+    train: str = typer.Option(DEFAULT_TRAIN, metavar="ENGINE", help="Training path engine: hf (or a registered "
+                              "one, docs/engines.md)."),
+    infer: list[str] = typer.Option(
+        [DEFAULT_INFER], metavar="ENGINE", help="Inference path engine: vllm, hf-decode, hf, vllm-ascend (or a "
+        "registered one). Repeatable: each one given is a path.",
+    ),  # fmt: skip
+    dtype: Dtype = typer.Option("bfloat16", help="The dtype both paths compute in."),
     device: str = typer.Option(
-        "auto", help="Where the HF paths compute: auto (the accelerator torch sees, else cpu), cpu, cuda, cuda:1, "
-        "npu. vLLM computes on its own platform's device.",
+        "auto", "--device", metavar="DEVICE", help="Where the HF paths compute: auto (the accelerator torch sees, "
+        "else cpu), cpu, cuda, cuda:1, npu. vLLM computes on its own platform's device.",
     ),  # fmt: skip
     sequences: Optional[Path] = typer.Option(
-        None, help="Token ids to replay: JSONL of prompt_ids, response_ids[, rollout_logprobs, response_mask], "
-        "or a verl/OpenRLHF rollout dump (.jsonl, .parquet, .pt; docs/rollout-dumps.md).",
+        None, metavar="FILE", help="Token ids to replay: JSONL of prompt_ids, response_ids[, rollout_logprobs, "
+        "response_mask], or a verl/OpenRLHF rollout dump (.jsonl, .parquet, .pt; docs/rollout-dumps.md).",
     ),  # fmt: skip
-    prompts: Optional[Path] = typer.Option(None, help="Text prompts (one per line) or JSONL with prompt/messages."),
-    num_sequences: int = typer.Option(8, help="Probe set: number of sequences."),
-    prompt_len: int = typer.Option(16, help="Probe set: prompt length in tokens."),
-    response_len: int = typer.Option(32, help="Tokens sampled per response."),
-    seed: int = typer.Option(0, help="Seed for the probe prompts and sampling."),
-    infer_ckpt: Optional[Path] = typer.Option(None, help="Different weights for the inference side (weight-sync bugs)."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help="train.KEY=VALUE or infer.KEY=VALUE. Repeatable."),
-    depth: Optional[str] = typer.Option(
+    prompts: Optional[Path] = typer.Option(None, metavar="FILE",
+                                           help="Text prompts (one per line) or JSONL with prompt/messages."),
+    num_sequences: int = typer.Option(8, metavar="N", help="Probe set: number of sequences."),
+    prompt_len: int = typer.Option(16, metavar="P", help="Probe set: prompt length in tokens."),
+    response_len: int = typer.Option(32, metavar="R", help="Tokens sampled per response."),
+    seed: int = typer.Option(0, metavar="S", help="Seed for the probe prompts and sampling."),
+    infer_ckpt: Optional[Path] = typer.Option(None, metavar="PATH",
+                                              help="Different weights for the inference side (weight-sync bugs)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", metavar="SIDE.KEY=VALUE",
+                                             help="train.KEY=VALUE or infer.KEY=VALUE. Repeatable."),
+    depth: Optional[Depth] = typer.Option(
         None, help="logprobs (the quick screen), modules (hooks, first divergence, causes, attribution) or ops "
         "(plus an aten-op trace). Default: modules for scan, logprobs for check.",
     ),  # fmt: skip
@@ -189,8 +214,8 @@ def scan(
         "linear, rms_norm, rope, attention, silu_and_mul, moe, log_softmax.",
     ),  # fmt: skip
     attribute: bool = typer.Option(True, help="At --depth modules|ops, measure each cause's share (--attribution)."),
-    attribution: str = typer.Option(
-        "patched", metavar="GAME", help="How the shares are measured: patched (one training forward per set of "
+    attribution: Game = typer.Option(
+        "patched", help="How the shares are measured: patched (one training forward per set of "
         "levers, its ops moved to the error the inference side's recorded ops introduced; one rescan confirms; "
         "falls back to rescan where the records cannot) or rescan (end-to-end rescans of every set).",
     ),  # fmt: skip
@@ -199,10 +224,10 @@ def scan(
         "inference path's inputs (default: the primary path's only; each more path costs one training forward).",
     ),  # fmt: skip
     window: str = typer.Option(
-        "all", metavar="LAYERS", help="At --depth modules|ops, keep whole rows of the first LAYERS decoder layers "
+        "all", metavar="all|LAYERS", help="At --depth modules|ops, keep whole rows of the first LAYERS decoder layers "
         "only (and of the embeddings, final norm and logits); compare the others by row sketches (bitwise equality "
         "per row, differences as lower bounds, no replay), fetching what the diagnosis needs there in a second "
-        "pass. Default all: every boundary whole.",
+        "pass. all: every boundary whole.",
     ),  # fmt: skip
     batch_compositions: Optional[str] = typer.Option(
         None, metavar="SIZES", help="Batch-invariance probe: score the sequences on the inference engine in "
@@ -216,10 +241,11 @@ def scan(
     ),
     is_threshold: float = typer.Option(
         2.0, metavar="T", help="T of the rollout_is_* metrics (IS weights truncated to at most T) and the ratio "
-        "bounds [1/T, T] of the k1 rollout_rs_* ones (verl's rollout_is_threshold; default 2.0).",
+        "bounds [1/T, T] of the k1 rollout_rs_* ones (verl's rollout_is_threshold).",
     ),  # fmt: skip
-    out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),
+    out: Optional[Path] = typer.Option(None, metavar="DIR", help="Write DIR/result.json, DIR/report.html and, "
+                                       "at --depth modules|ops, the divergence table."),
+    json_path: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write result.json as FILE."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
 ) -> None:
     """Replay the same tokens through a training and an inference path: where and why their logprobs differ.
@@ -264,21 +290,24 @@ def _with_scan_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-@app.command()
+@app.command(short_help="A scan as a CI gate: exit 1 when a gate fails.")
 @handle_errors
 @_with_scan_options
 def check(
-    max_abs_diff: Optional[float] = typer.Option(None, min=0.0, help="Fail above this max |Δ logprob| (any pair)."),
-    max_mean_diff: Optional[float] = typer.Option(None, min=0.0, help="Fail above this mean |Δ logprob| (any pair)."),
-    max_kl: Optional[float] = typer.Option(None, min=0.0, help="Fail above this k3 KL estimate (any pair)."),
+    max_abs_diff: Optional[float] = typer.Option(None, min=0.0, metavar="X",
+                                                 help="Fail above this max |Δ logprob| (any pair)."),
+    max_mean_diff: Optional[float] = typer.Option(None, min=0.0, metavar="X",
+                                                  help="Fail above this mean |Δ logprob| (any pair)."),
+    max_kl: Optional[float] = typer.Option(None, min=0.0, metavar="X",
+                                           help="Fail above this k3 KL estimate (any pair)."),
     max_clip_fraction: Optional[float] = typer.Option(
-        None, min=0.0, max=1.0, help="Fail above this fraction of tokens with |ratio - 1| > 0.2 (any pair)."
+        None, min=0.0, max=1.0, metavar="X",
+        help="Fail above this fraction of tokens with |ratio - 1| > 0.2 (any pair).",
     ),
     fail_on: Optional[list[str]] = typer.Option(
         None, "--fail-on", metavar="CLASS",
-        help="Fail when the verdict or a cause is this class: framework_difference, operator_path, not_judged, "
-        "divergent. "
-        "Repeatable or comma-separated.",
+        help=f"Fail when the verdict or a cause is this class: {', '.join(FAIL_ON_CLASSES)}. Repeatable or "
+        "comma-separated.",
     ),  # fmt: skip
     baseline: Optional[Path] = typer.Option(
         None, metavar="FILE", help="Compare with this baseline JSON; '{hw}' in the path becomes the hardware key."
@@ -289,7 +318,7 @@ def check(
         "only 0. Default: the baseline's own, else 0.1,1e-6.",
     ),  # fmt: skip
     update_baseline: bool = typer.Option(False, help="Write (or refresh) --baseline from this run."),
-    junit: Optional[Path] = typer.Option(None, metavar="PATH", help="Write JUnit XML: one test case per gate."),
+    junit: Optional[Path] = typer.Option(None, metavar="FILE", help="Write JUnit XML: one test case per gate."),
     github: Optional[bool] = typer.Option(
         None, "--github/--no-github",
         help="Print GitHub Actions annotations and append to $GITHUB_STEP_SUMMARY (default: when GITHUB_ACTIONS=true).",
@@ -433,24 +462,27 @@ def _load_valid_result(path: Path) -> dict[str, Any]:
     return result
 
 
-@app.command("compare")
+@app.command("compare", short_help="Compare two capture bundles (or msprobe dumps) offline.")
 @handle_errors
 def compare_bundles(
     train_bundle: Path = typer.Argument(
-        ..., help="The training side's capture bundle (logdiff.capture, role train), or an msprobe tensor dump "
-        "directory (docs/msprobe.md; needs --model), or a statistics dump (a statistics-only comparison).",
+        ..., metavar="TRAIN_BUNDLE", help="The training side's capture bundle (logdiff.capture, role train), or an "
+        "msprobe tensor dump directory (docs/msprobe.md; needs --model), or a statistics dump (a statistics-only "
+        "comparison).",
     ),
     infer_bundle: Path = typer.Argument(
-        ..., help="The inference side's capture bundle (LOGDIFF_CAPTURE in vLLM, or logdiff.capture, role infer), or "
-        "an msprobe tensor dump directory."
+        ..., metavar="INFER_BUNDLE", help="The inference side's capture bundle (LOGDIFF_CAPTURE in vLLM, or "
+        "logdiff.capture, role infer), or an msprobe tensor dump directory."
     ),
     model: Optional[Path] = typer.Option(
-        None, help="The HF model directory both sides ran: with its weights each op that introduces error is "
-        "measured against its exact function (the conformance check). An msprobe dump needs its config.json.",
+        None, "--model", metavar="MODEL", help="The HF model directory both sides ran: with its weights each op "
+        "that introduces error is measured against its exact function (the conformance check). An msprobe dump needs "
+        "its config.json.",
     ),  # fmt: skip
     is_threshold: float = typer.Option(2.0, metavar="T", help="T of the rollout_is_* and k1 rollout_rs_* metrics."),
-    out: Optional[Path] = typer.Option(None, help="Write DIR/result.json and DIR/report.html."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write result.json here."),
+    out: Optional[Path] = typer.Option(None, metavar="DIR", help="Write DIR/result.json, DIR/report.html and "
+                                       "the divergence table."),
+    json_path: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write result.json as FILE."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
     tp: Optional[int] = typer.Option(None, "--tp", metavar="N", help="The tensor-parallel size of an msprobe dump "
                                      "with several ranks per step (docs/msprobe.md); same as --parallel tp=N."),
@@ -498,16 +530,18 @@ def compare_bundles(
     print_summary(result, Console(), quiet=quiet)
 
 
-@app.command("msprobe-config")
+@app.command("msprobe-config", short_help="Write the msprobe config for a dump logdiff can read.")
 @handle_errors
 def msprobe_config(
-    path: Path = typer.Argument(..., help="The msprobe config JSON file to write."),
-    side: str = typer.Option(..., help="hf (transformers, the training side) or vllm (in-process, enforce_eager)."),
-    dump_path: Path = typer.Option(..., help="The directory msprobe writes the dump into."),
-    layers: Optional[str] = typer.Option(None, help="Decoder layers to dump, e.g. 0,3 (default: every layer)."),
-    steps: Optional[str] = typer.Option(None, help="msprobe steps to dump, e.g. 0,1 (default: every step)."),
-    level: str = typer.Option("L0", help="L0 (module boundaries) or mix (HF only: also the tensor ops inside "
-                              "modules, which hold HF's RoPE)."),
+    path: Path = typer.Argument(..., metavar="PATH", help="The msprobe config JSON file to write."),
+    side: Side = typer.Option(..., help="hf (transformers, the training side) or vllm (in-process, enforce_eager)."),
+    dump_path: Path = typer.Option(..., metavar="DIR", help="The directory msprobe writes the dump into."),
+    layers: Optional[str] = typer.Option(None, metavar="N[,N...]",
+                                         help="Decoder layers to dump, e.g. 0,3 (default: every layer)."),
+    steps: Optional[str] = typer.Option(None, metavar="N[,N...]",
+                                        help="msprobe steps to dump, e.g. 0,1 (default: every step)."),
+    level: Level = typer.Option("L0", help="L0 (module boundaries) or mix (HF only: also the tensor ops inside "
+                                "modules, which hold HF's RoPE)."),
     statistics: bool = typer.Option(False, "--statistics", help="Task statistics (summary_mode md5) instead of "
                                     "tensor: a same-or-not gate, no rows to align."),
 ) -> None:
@@ -524,11 +558,14 @@ def msprobe_config(
     _say(Console(), usage(side, str(path)))
 
 
-@app.command()
+@app.command(short_help="Render report.html from a saved result.json.")
 @handle_errors
 def report(
-    result_json: Path = typer.Argument(..., help="A result.json written by scan or check."),
-    out: Optional[Path] = typer.Option(None, help="Where to write the HTML (default: report.html beside RESULT)."),
+    result_json: Path = typer.Argument(..., metavar="RESULT", help="A result.json written by scan, check or "
+                                       "compare."),
+    out: Optional[Path] = typer.Option(None, metavar="DIR", help="Write DIR/report.html (default: report.html "
+                                       "beside RESULT). An --out ending in .html is read as --html (deprecated)."),
+    html: Optional[Path] = typer.Option(None, metavar="FILE", help="Write the HTML as FILE."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
 ) -> None:
     """Render report.html (and the terminal summary) from a saved result.json."""
@@ -536,18 +573,18 @@ def report(
     from logdiff.reports import print_summary, render_html
 
     result = _load_valid_result(result_json)
-    path = out or result_json.parent / "report.html"
-    what = "--out" if out is not None else None  # else beside RESULT, named by no option
-    outputs.probe_file(path, what)
+    path, what, note = outputs.report_target(result_json, out, html)
+    if note:
+        _say(_stderr(), f"logdiff: note: {note}")
     outputs.write_text(path, render_html(result), what)
     print_summary(result, Console(), quiet=quiet)
     _say(_stderr(), f"wrote {path}")
 
 
-@app.command()
+@app.command(short_help="Explain a result: what diverged, why, what to do next.")
 @handle_errors
 def explain(
-    result_json: Path = typer.Argument(..., help="A result.json written by scan or check."),
+    result_json: Path = typer.Argument(..., metavar="RESULT", help="A result.json written by scan, check or compare."),
     evidence: bool = typer.Option(False, "--evidence", help="Show every evidence line of each cause group, not only "
                                   "the ones that decided its class."),
 ) -> None:
@@ -557,7 +594,7 @@ def explain(
     sys.stdout.write(account(_load_valid_result(result_json), evidence=evidence))
 
 
-@app.command()
+@app.command(short_help="List or self-test the reference consistent kernels.")
 @handle_errors
 def kernels(
     self_test: bool = typer.Option(False, "--self-test", help="Check each kernel's invariance and fp64 agreement."),
@@ -591,22 +628,22 @@ def kernels(
         raise typer.Exit(1)
 
 
-@app.command("demo-model")
+@app.command("demo-model", short_help="Build a small trained demo model.")
 @handle_errors
 def demo_model(
-    path: Path = typer.Argument(..., help="Directory to create."),
-    arch: str = typer.Option("qwen3", help=f"One of {', '.join(demo_archs())} (docs/architectures.md)."),
-    seed: int = typer.Option(0, help="Seed for the weights and the training order."),
-    train_seconds: float = typer.Option(90.0, help="Training budget in seconds (peaked distributions)."),
-    max_steps: Optional[int] = typer.Option(None, help="Stop after this many steps (reproducible builds)."),
+    path: Path = typer.Argument(..., metavar="PATH", help="Directory to create."),
+    arch: DemoArch = typer.Option("qwen3", "--arch", metavar="ARCH", help=f"One of {', '.join(demo_archs())} "
+                                  "(docs/architectures.md)."),
+    seed: int = typer.Option(0, metavar="S", help="Seed for the weights and the training order."),
+    train_seconds: float = typer.Option(90.0, metavar="SECONDS",
+                                        help="Training budget in seconds (peaked distributions)."),
+    max_steps: Optional[int] = typer.Option(None, metavar="N",
+                                            help="Stop after this many steps (reproducible builds)."),
 ) -> None:
     """Build a small trained demo model (and tokenizer) from a transformers config."""
     from logdiff.commands import outputs
-    from logdiff.demo import SUPPORTED_DEMO_ARCHS, build_demo_model
-    from logdiff.errors import InputError
+    from logdiff.demo import build_demo_model
 
-    if arch not in SUPPORTED_DEMO_ARCHS:
-        raise InputError(f"unknown --arch {arch!r}; choose one of {', '.join(SUPPORTED_DEMO_ARCHS)}")
     created = outputs.probe_demo_target(path)  # before the training, not after it
     console = _stderr()
     with outputs.removed_on_failure(created), console.status(f"building {arch} demo model") as status, \
@@ -618,10 +655,10 @@ def demo_model(
     Console().print(f"wrote {built}")
 
 
-@app.command()
+@app.command(short_help="Versions, engines, the device and the vLLM platform.")
 @handle_errors
 def doctor() -> None:
-    """Versions, available engines, the device and the vLLM platform."""
+    """Versions, the engines installed and not, the device and the vLLM platform."""
     from logdiff.commands.doctor import collect, render
 
     render(collect(), Console())

@@ -324,7 +324,8 @@ def _context_fields(result: dict, width: int | None = None) -> list[Field]:
     fields: list[Field] = [("", Text("model ", style="dim") + Text(model) + Text(dtype))]
     room = None if width is None else width - len(INDENT)
     for i, p in enumerate(p for p in result.get("paths") or [] if isinstance(p, dict)):
-        how = f" ({p.get('engine')} {p.get('version') or '?'}, {p.get('mode')})"
+        engine = " ".join(str(x) for x in (p.get("engine"), p.get("version")) if x)  # a bundle may hold no version
+        how = f" ({engine or '?'}, {p.get('mode')})"
         name = _shortened(str(p.get("name")), room, cell_len(how) + 1)          # 1: the ',' ending a line
         fields.append((" · " if i == 0 else ", ", Text(name + how)))
     return fields

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install everything, build the bundled demo model, and scan HF (training) against vLLM (inference).
+# Install logdiff (not the test tools), build the bundled demo model, and scan HF (training) against vLLM (inference).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh

@@ -4,7 +4,7 @@
 # Prints one line per check, "PASS|FAIL <check>: <key number>", and exits 1 if any check failed.
 # Expected output and what each line means: docs/portability.md, section "GPU check".
 #
-#   bash scripts/gpu-check.sh            # installs the CUDA extra first (LOGDIFF_EXTRA=vllm scripts/install.sh)
+#   bash scripts/gpu-check.sh            # installs the CUDA extra first (LOGDIFF_EXTRA=vllm scripts/install.sh --dev)
 #   SKIP_INSTALL=1 bash scripts/gpu-check.sh   # reuse .venv as it is (an offline machine)
 #
 # Checks (each under its own timeout, logs in $LOGDIR):
@@ -39,7 +39,7 @@ EOF
 }
 
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
-  LOGDIFF_EXTRA=vllm bash scripts/install.sh >"$LOGDIR/install.log" 2>&1 \
+  LOGDIFF_EXTRA=vllm bash scripts/install.sh --dev >"$LOGDIR/install.log" 2>&1 \
     || { echo "FAIL install: see $LOGDIR/install.log"; exit 1; }
 fi
 "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \

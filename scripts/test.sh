@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# Run the test suite with the project's virtualenv (create it first with scripts/install.sh).
+# Run the test suite with the project's virtualenv. Create it first with scripts/install.sh; this adds the
+# test tools (install.sh --dev, which only checks once they are installed), then runs pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  echo "test.sh: no .venv here: run 'bash scripts/install.sh' first, then this again" >&2
+  exit 2
+fi
+bash scripts/install.sh --dev || exit $?
 .venv/bin/python -m pytest -q "$@"
 rc=$?
 if [ "$rc" = 5 ]; then

@@ -190,7 +190,7 @@ def test_the_cli_flag_reaches_the_scan(qwen3: Path, tmp_path: Path) -> None:
     fast = ["scan", str(qwen3), "--infer", "hf-decode", "--num-sequences", "2", "--prompt-len", "8",
             "--response-len", "6", "--quiet"]
     bad = CliRunner().invoke(app, [*fast, "--attribution", "guess"])
-    assert bad.exit_code == 2 and "--attribution must be one of rescan, patched" in bad.output
+    assert bad.exit_code == 2 and "'--attribution': 'guess' is not one of 'rescan', 'patched'" in bad.output
     res = CliRunner().invoke(app, [*fast, "--attribution", "patched", "--json", str(tmp_path / "r.json")])
     assert res.exit_code == 0, res.output
     a = json.loads((tmp_path / "r.json").read_text()).get("attribution")

@@ -76,6 +76,28 @@ def test_conformance_runs_with_the_model(bundles) -> None:
     assert any("conformance not checked" in w for w in without["warnings"])
 
 
+def test_the_sides_are_labelled_train_and_infer_with_their_engines(bundles) -> None:
+    """Two HF bundles: the paths are named by role (not both "hf"), each with the engine and version its bundle
+    recorded, in result.json and in the terminal summary (issue 52: it said "hf (hf ?, forward)" twice)."""
+    import io
+    from importlib.metadata import version
+
+    from rich.console import Console
+
+    from logdiff.reports import print_summary
+
+    result = _compare(bundles["train"], bundles["stale"])
+    transformers = version("transformers")
+    assert [(p["name"], p["role"], p["engine"], p["version"]) for p in result["paths"]] == [
+        ("train", "train", "hf", transformers), ("infer", "infer", "hf", transformers)]
+    assert (result["pairs"][0]["train"], result["pairs"][0]["infer"]) == ("train", "infer")
+    console = Console(record=True, no_color=True, width=160, file=io.StringIO())
+    print_summary(result, console)
+    text = console.export_text()
+    assert f"train (hf {transformers}, forward), infer (hf {transformers}, forward)" in text, text
+    assert "train vs infer" in text and "hf (hf" not in text and " ?," not in text
+
+
 def test_unmatched_sequences_are_left_out_and_said(bundles) -> None:
     result = _compare(bundles["train"], bundles["stale"])
     assert result["sequences"]["count"] == 3

@@ -300,7 +300,7 @@ def test_report_and_explain_render_a_statistics_result(dumps, config_only, tmp_p
     code, out, _ = _compare(dumps["statistics"] / "step0", dumps["statistics"] / "step1", config_only,
                             tmp_path / "out" / "result.json", "--out", str(tmp_path / "out"))
     assert code == 0, out
-    res = runner.invoke(app, ["report", str(tmp_path / "out" / "result.json"), "--out", str(tmp_path / "r.html")])
+    res = runner.invoke(app, ["report", str(tmp_path / "out" / "result.json"), "--html", str(tmp_path / "r.html")])
     assert res.exit_code == 0, res.output
     html = (tmp_path / "r.html").read_text()
     assert "statistics only" in html and "first differing module" in html and PLANT.replace(".", ".<wbr>") in html

@@ -192,14 +192,14 @@ def test_report_to_paths_that_cannot_take_a_file(saved: Path, tmp_path: Path) ->
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     cases = {
-        tmp_path: f"cannot write {tmp_path} (--out): is a directory, expected a file path",
-        a_file / "report.html": f"cannot write {a_file}/report.html (--out): {a_file} exists and is not a directory",
-        a_file / "sub" / "report.html": f"cannot write {a_file}/sub/report.html (--out): cannot create the directory",
-        Path("/proc/logdiff-x/report.html"): "cannot write /proc/logdiff-x/report.html (--out): cannot create the "
+        tmp_path: f"cannot write {tmp_path} (--html): is a directory, expected a file path",
+        a_file / "report.html": f"cannot write {a_file}/report.html (--html): {a_file} exists and is not a directory",
+        a_file / "sub" / "report.html": f"cannot write {a_file}/sub/report.html (--html): cannot create the directory",
+        Path("/proc/logdiff-x/report.html"): "cannot write /proc/logdiff-x/report.html (--html): cannot create the "
                                              "directory /proc/logdiff-x (No such file or directory)",
     }  # fmt: skip
     for target, message in cases.items():
-        rc, stdout, stderr = invoke_cli("report", saved, "--out", target)
+        rc, stdout, stderr = invoke_cli("report", saved, "--html", target)
         assert the_error(rc, stderr).startswith(f"logdiff: error: {message}"), stderr
         assert stdout == ""
     assert a_file.read_text() == "x" and listing(saved.parent) == ["result.json"]
@@ -215,8 +215,8 @@ def test_report_where_even_root_may_not_write(saved: Path) -> None:
         os.close(fd)
         os.unlink("/sys/.logdiff-probe")
         pytest.skip("/sys is writable here")
-    rc, _, stderr = invoke_cli("report", saved, "--out", "/sys/logdiff-report.html")
-    assert the_error(rc, stderr) == f"logdiff: error: cannot write /sys/logdiff-report.html (--out): {reason}"
+    rc, _, stderr = invoke_cli("report", saved, "--html", "/sys/logdiff-report.html")
+    assert the_error(rc, stderr) == f"logdiff: error: cannot write /sys/logdiff-report.html (--html): {reason}"
 
 
 def test_report_negative_control(saved: Path, tmp_path: Path) -> None:
@@ -226,8 +226,28 @@ def test_report_negative_control(saved: Path, tmp_path: Path) -> None:
     assert (saved.parent / "report.html").read_text().lstrip().lower().startswith("<!doctype html")
     assert oct((saved.parent / "report.html").stat().st_mode & 0o777) != oct(0o600)  # the umask's, not mkstemp's
     nested = tmp_path / "new" / "deeper" / "page.html"  # a missing parent that can be created
-    rc, _, _ = invoke_cli("report", saved, "--out", nested)
+    rc, _, _ = invoke_cli("report", saved, "--html", nested)
     assert rc == 0 and nested.is_file() and listing(nested.parent) == ["page.html"]
+
+
+def test_report_out_is_a_directory_and_an_old_html_out_still_works(saved: Path, tmp_path: Path) -> None:
+    """``--out DIR`` is a directory, as for every command (DIR/report.html); ``--out X.html``, its old meaning,
+    still writes the file, with a note to use ``--html``; both at once, or a file as DIR, is one line."""
+    rc, stdout, stderr = invoke_cli("report", saved, "--out", tmp_path / "dir" / "sub", "-q")
+    assert rc == 0 and stderr.strip() == f"wrote {tmp_path / 'dir' / 'sub' / 'report.html'}"
+    assert listing(tmp_path / "dir") == ["sub", "sub/report.html"]
+    rc, _, stderr = invoke_cli("report", saved, "--out", tmp_path / "old.html", "-q")
+    lines = stderr.strip().splitlines()
+    assert rc == 0 and (tmp_path / "old.html").is_file() and len(lines) == 2, stderr
+    assert lines[0].startswith("logdiff: note: report --out ")
+    assert lines[0].endswith(f"use --html {tmp_path / 'old.html'}")
+    rc, _, stderr = invoke_cli("report", saved, "--out", tmp_path / "d2", "--html", tmp_path / "x.html")
+    assert rc == 2 and stderr.strip() == "logdiff: error: report: give --out DIR or --html FILE, not both"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    rc, _, stderr = invoke_cli("report", saved, "--out", a_file)
+    assert the_error(rc, stderr) == f"logdiff: error: cannot write {a_file} (--out): exists and is not a directory"
+    assert not (tmp_path / "d2").exists() and not (tmp_path / "x.html").exists() and a_file.read_text() == "x"
 
 
 # --- scan --out DIR: several files that belong together ------------------------------------------
@@ -497,12 +517,12 @@ def test_real_full_disk_and_read_only_file_system(small_tmpfs: Path, fake_scan: 
     assert the_error(rc, stderr) == f"logdiff: error: cannot write {out / 'report.html'}: No space left on device"
     # the report is ~90 KB: nothing truncated, no temporary, and the --out directory the run created is gone
     assert listing(small_tmpfs) == []
-    rc, _, stderr = invoke_cli("report", SAMPLE, "--out", small_tmpfs / "report.html")
+    rc, _, stderr = invoke_cli("report", SAMPLE, "--html", small_tmpfs / "report.html")
     assert "No space left on device" in the_error(rc, stderr) and listing(small_tmpfs) == []
     subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
-    rc, _, stderr = invoke_cli("report", SAMPLE, "--out", small_tmpfs / "report.html")
+    rc, _, stderr = invoke_cli("report", SAMPLE, "--html", small_tmpfs / "report.html")
     assert the_error(rc, stderr) == (
-        f"logdiff: error: cannot write {small_tmpfs / 'report.html'} (--out): Read-only file system"
+        f"logdiff: error: cannot write {small_tmpfs / 'report.html'} (--html): Read-only file system"
     )
     # negative control: the same scan into a directory with room
     rc, _, _ = invoke_cli("scan", small_tmpfs / "model", *SCAN, "--out", small_tmpfs.parent / "roomy")
@@ -512,7 +532,7 @@ def test_real_full_disk_and_read_only_file_system(small_tmpfs: Path, fake_scan: 
 def test_the_error_line_is_inert(saved: Path, tmp_path: Path) -> None:
     hostile = tmp_path / "evil\n::error::x\x1b[2J"
     hostile.write_text("a file, not a directory")
-    rc, _, stderr = invoke_cli("report", saved, "--out", hostile / "report.html")
+    rc, _, stderr = invoke_cli("report", saved, "--html", hostile / "report.html")
     line = the_error(rc, stderr)  # one line: the newline in the path is escaped, and so is ESC
     assert "\x1b" not in stderr and "evil\\n::error::x\\x1b[2J" in line
 

@@ -94,7 +94,14 @@ class BundleSide:
 
     @property
     def name(self) -> str:
-        return str(self.meta.get("engine") or self.role)
+        """The side's path name: its role, ``train`` or ``infer``. Both bundles may come from one engine (two HF
+        captures), so the engine that recorded a side is what ``info()`` reports, never its name."""
+        return self.role
+
+    @property
+    def engine_name(self) -> str:
+        """The engine that recorded the bundle (``meta["engine"]``: hf, vllm, megatron; msprobe's the one it read)."""
+        return str(self.meta.get("engine") or "unknown")
 
     @property
     def fuses_add_norm(self) -> bool:
@@ -134,7 +141,7 @@ class BundleSide:
 
     def info(self) -> dict[str, Any]:
         layout = {"ranks": self.bundle.world_size, "tensor_parallel_size": self.tp_size}
-        return {"engine": self.name, "version": self.meta.get("version"),
+        return {"engine": self.engine_name, "version": self.meta.get("version"),
                 "settings": {**layout, "bundle": str(self.meta.get("joined_from") or self.bundle.root)}}
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from logdiff.diagnosis.settings import ATTRIBUTION_GAMES, KERNEL_FAMILIES  # noqa: F401 - the scan checks its options against them
 from logdiff.errors import InputError
 from logdiff.sources import DEFAULT_INFER, DEFAULT_TRAIN
+from logdiff.sources.base import DTYPES
 
 DEPTHS = ("logprobs", "modules", "ops")
 
@@ -66,8 +67,8 @@ class ScanConfig:
     is_threshold: float = 2.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise InputError(f"--dtype must be bfloat16, float16 or float32, not {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.depth not in DEPTHS:
             raise InputError(f"--depth must be one of {', '.join(DEPTHS)}, not {self.depth!r}")
         if self.sequences is not None and self.prompts is not None:

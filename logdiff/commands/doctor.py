@@ -1,6 +1,9 @@
 """``logdiff doctor``: what this machine can run, without loading any model.
 
-Python, torch, the device and the CPU kernels here, then each registered
+Python, torch, the device and the CPU kernels here; then the engines, in two
+rows: those installed here and those logdiff knows but whose packages are
+missing (an engine is installed when every package its ``Engine.versions``
+names is: installed metadata only, nothing imported). Then each installed
 engine's own report (``Engine.doctor``): its package versions, the platform it
 would run on (for vLLM the attention backend its platform selects) and the
 deterministic settings its consistent mode depends on (``VLLM_BATCH_INVARIANT``,
@@ -19,7 +22,7 @@ from logdiff import isa
 
 
 def collect() -> dict[str, Any]:
-    """Versions, device, CPU kernels, then each registered engine's own report (``Engine.doctor``)."""
+    """Versions, device, CPU kernels, the engines installed and not, then each installed engine's own report."""
     import torch
 
     from logdiff.sources.base import package_version
@@ -33,14 +36,38 @@ def collect() -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "cpu_threads": torch.get_num_threads(),
         **cpu_kernels(torch),
-        "engines": engine_names(),
     }
-    for name in engine_names():
+    installed, missing = engine_status(engine_names())
+    info["engines installed"] = installed or "none"
+    info["engines not installed"] = [f"{name} (needs {', '.join(pkgs)}{'; ' + hint if hint else ''})"
+                                     for name, (pkgs, hint) in missing.items()] or "none"
+    for name in installed:
         try:
             info.update(get_engine(name).doctor())
         except Exception as e:  # noqa: BLE001 - report, don't fail
             info[f"engine {name}"] = f"no report ({type(e).__name__}: {e})"
     return info
+
+
+def engine_status(names: list[str]) -> tuple[list[str], dict[str, tuple[list[str], str | None]]]:
+    """The engines among ``names`` whose packages are all installed, and each other one with the packages it
+    lacks and its ``install_hint``."""
+    from logdiff.sources.registry import get_engine
+
+    installed: list[str] = []
+    missing: dict[str, tuple[list[str], str | None]] = {}
+    for name in names:
+        try:
+            engine = get_engine(name)
+            lacks = [pkg for pkg, version in engine.versions().items() if version is None]
+            hint = engine.install_hint
+        except Exception as e:  # noqa: BLE001 - an engine that cannot say is reported as such, never fatal
+            lacks, hint = [f"its versions unknown: {type(e).__name__}"], None
+        if lacks:
+            missing[name] = (lacks, hint)
+        else:
+            installed.append(name)
+    return installed, missing
 
 
 def cpu_kernels(torch: Any) -> dict[str, Any]:

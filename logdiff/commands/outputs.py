@@ -16,7 +16,7 @@
   deleted. A failure or an interrupt before the end puts the earlier files back
   and removes the new ones, so the directory holds one run's set, never a new
   result.json beside an older report.html, and never fewer files than before.
-* ``write_text`` does the same for one file (JUnit XML, a baseline, ``report --out``):
+* ``write_text`` does the same for one file (JUnit XML, a baseline, ``report``'s HTML):
   a rename over the target, atomic on one file system.
 
 Every OSError while probing or writing (a full disk, no permission, a read-only
@@ -116,6 +116,39 @@ def probe_file(path: Path, what: str | None) -> None:
     if path.exists() and not path.is_file():
         raise OutputError(path, "exists and is not a regular file", what)
     _probe_dir(path.parent, what, path)
+
+
+#: what ``--out`` meant for ``report`` before it named a directory, as for every command: a file, told by its suffix
+OLD_REPORT_OUT = (".html", ".htm")
+
+
+def report_target(result_json: Path, out: Path | None, html: Path | None) -> tuple[Path, str | None, str | None]:
+    """Where ``report`` writes the HTML, the option that named it (None: beside RESULT) and a deprecation note.
+
+    ``--out DIR`` is a directory for every command (DIR/report.html here), ``--html FILE`` the file. An ``--out``
+    ending in .html keeps its old meaning, a file, with a note saying to use ``--html``. Probed here, before
+    anything is rendered.
+    """
+    from logdiff.errors import InputError
+
+    if out is not None and html is not None:
+        raise InputError("report: give --out DIR or --html FILE, not both")
+    note = None
+    if html is not None:
+        path, what = Path(html), "--html"
+    elif out is not None and Path(out).suffix.lower() in OLD_REPORT_OUT:
+        path, what = Path(out), "--out"
+        note = (f"report --out {out}: --out FILE.html is deprecated (--out names a directory for every command); "
+                f"use --html {out}")
+    elif out is not None:
+        out = Path(out)
+        if out.exists() and not out.is_dir():
+            raise OutputError(out, "exists and is not a directory", "--out")
+        path, what = out / "report.html", "--out"
+    else:
+        path, what = Path(result_json).parent / "report.html", None  # beside RESULT, named by no option
+    probe_file(path, what)
+    return path, what, note
 
 
 def probe_demo_target(path: Path) -> list[Path]:

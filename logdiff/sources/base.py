@@ -128,6 +128,8 @@ class Engine(ABC):
     serves_rollouts: ClassVar[bool] = False
     #: ``consistent(fixed_order_rows=True)`` sums row-parallel products in the fixed order of a tensor-parallel side
     fixed_order_rows: ClassVar[bool] = False
+    #: how to install what ``versions()`` finds missing (``logdiff doctor`` shows it beside an engine not installed)
+    install_hint: ClassVar[str | None] = None
 
     @classmethod
     def versions(cls) -> dict[str, str | None]:

@@ -80,3 +80,11 @@ def test_no_color_env_is_honoured_by_a_default_console(sample_result, monkeypatc
     console = Console(file=buf, force_terminal=True, width=140)
     print_summary(sample_result, console)
     assert not COLOUR_SGR.search(buf.getvalue())
+
+
+def test_a_path_without_a_version_shows_its_engine_alone(sample_result):
+    """A bundle may record no engine version (an msprobe dump): "(hf, forward)", not "(hf ?, forward)"."""
+    sample_result["paths"][0]["version"] = None
+    text = _record(sample_result)
+    assert "hf (hf, forward)" in text and " ?," not in text
+    assert "vllm (vllm 0.32.0, decode)" in text  # negative control: a version that is there is shown

@@ -76,6 +76,7 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
     """
     from logdiff.probes.capture import Capture
     from logdiff.records.sketch import Window
+    from logdiff.sources.base import package_version
     from logdiff.version import __version__
 
     try:
@@ -85,7 +86,7 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
 
     layout = layout if layout is not None else layout_of_model(model)
     config = model.config
-    meta: dict[str, Any] = {"logdiff": __version__, "engine": "hf",
+    meta: dict[str, Any] = {"logdiff": __version__, "engine": "hf", "version": package_version("transformers"),
                             "architecture": (getattr(config, "architectures", None) or [type(model).__name__])[0],
                             "model_type": getattr(config, "model_type", None),
                             "config": json.loads(config.to_json_string())}

@@ -82,6 +82,7 @@ class MegatronCapture:
                  fingerprints: bool = True, window: int | str | None = 2):
         from logdiff.records.bundle_writer import BundleWriter
         from logdiff.records.sketch import Window
+        from logdiff.sources.base import package_version
         from logdiff.sources.megatron.placements import layout_of_megatron
         from logdiff.version import __version__
 
@@ -100,6 +101,7 @@ class MegatronCapture:
         self.geo = Geometry.of(cfg, self.tp)
         self.vocab = int(self.hf.get("vocab_size") or 0) or None
         meta: dict[str, Any] = {"logdiff": __version__, "engine": "megatron",
+                                "version": package_version("megatron-core", "megatron_core"),
                                 "architecture": (self.hf.get("architectures") or ["?"])[0],
                                 "model_type": self.hf.get("model_type"), "config": self.hf,
                                 "megatron": {"tp": self.tp, "sequence_parallel": self.sp,

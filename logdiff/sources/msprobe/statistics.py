@@ -267,12 +267,10 @@ def result(train: Path, infer: Path, model: Path | None, config: dict[str, Any] 
 
     section, warnings, info = compare(train, infer, config)
     dtype = info["train"]["dtype"] or info["infer"]["dtype"]
-    paths = [{"name": f"{info[role]['engine']}-msprobe-{info[role]['task']}", "role": role,
+    paths = [{"name": role, "role": role,  # named by role, as every comparison of two records (compare.py)
               "engine": info[role]["engine"], "mode": "recorded", "version": None,
               "settings": {"dump": str(p), "task": info[role]["task"]}}
              for role, p in (("train", train), ("infer", infer))]
-    if paths[0]["name"] == paths[1]["name"]:
-        paths[1]["name"] += "-infer"
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "logdiff", "version": metadata.version("logdiff")},

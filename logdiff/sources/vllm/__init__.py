@@ -91,6 +91,7 @@ class VLLMEngine(Engine):
     capabilities = frozenset({"sample", "contract", "consistent", "capture"})
     tap_mapping = TAPS
     serves_rollouts = True
+    install_hint = INSTALL_HINT
     options = frozenset(
         {"temperature", "top_k", "top_p", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "logprobs_mode",
          "enable_prefix_caching", "tensor_parallel_size"}

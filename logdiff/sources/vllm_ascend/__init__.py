@@ -47,6 +47,7 @@ class VLLMAscendEngine(VLLMEngine):
     """vLLM decode and prefill paths on an Ascend NPU (the ``vllm`` engine on vllm-ascend's platform)."""
 
     name = "vllm-ascend"
+    install_hint = NPU_HINT
 
     @classmethod
     def versions(cls) -> dict[str, str | None]:
