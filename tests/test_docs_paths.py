@@ -3,8 +3,9 @@
 A reader of README.md, SKILL.md or docs/*.md has the repository and nothing else, so a
 `../shared/notes/...` path names a file they do not have. A Markdown link that starts with `../` is
 resolved from the file that holds it and must stay inside the repository; a `../` path named in prose
-(read from the repository root, as the docs name paths) always leaves it; every relative Markdown link must name a file that exists. Each rule has a
-planted violation that it must catch.
+(read from the repository root, as the docs name paths) always leaves it. Every relative Markdown link
+must name a file that exists, and one of its headings where it names an anchor. Each rule has a planted
+violation that it must catch.
 """
 
 from __future__ import annotations
@@ -39,16 +40,31 @@ def paths_leaving_the_repository(doc: Path, text: str) -> list[str]:
     return leaving
 
 
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(markdown: str) -> set[str]:
+    return {_slug(line.lstrip("#")) for line in markdown.splitlines() if line.startswith("#")}
+
+
 def broken_relative_links(doc: Path, text: str) -> list[str]:
-    """Every relative Markdown link in `text` whose file does not exist (anchors are not checked)."""
+    """Every relative Markdown link in `text` whose file does not exist, or whose `#anchor` is no heading of
+    the Markdown file it names (this one for a bare `#anchor`)."""
     broken = []
     for m in _LINK.finditer(text):
         target = m.group(1)
-        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith("#"):
-            continue                                         # https:, mailto:, an anchor in this file
-        file = target.split("#", 1)[0]
-        if file and not (doc.parent / file).exists():
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE):
+            continue                                         # https:, mailto:
+        file, _, anchor = target.partition("#")
+        path = doc.parent / file if file else doc
+        if not path.exists():
             broken.append(target)
+        elif anchor and path.suffix == ".md":
+            markdown = text if path == doc else path.read_text(encoding="utf-8")
+            if anchor not in _anchors(markdown):
+                broken.append(target)
     return broken
 
 
@@ -78,5 +94,8 @@ def test_planted_paths_outside_the_repository_are_caught() -> None:
 
 def test_planted_broken_links_are_caught() -> None:
     doc = ROOT / "docs" / "cli.md"
-    text = "[a](missing.md) [b](ci.md#gates) [c](https://example.com/x) [d](#depth) ![e](img/nope.png)"
+    text = "# Depth\n[a](missing.md) [b](ci.md#gates) [c](https://example.com/x) [d](#depth) ![e](img/nope.png)"
     assert broken_relative_links(doc, text) == ["missing.md", "img/nope.png"]
+    # an anchor that is no heading there, in another file or in this one
+    assert broken_relative_links(doc, "# Depth\n[a](ci.md#no-such-gate) [b](#window) [c](glossary.md#lever)") == [
+        "ci.md#no-such-gate", "#window"]
