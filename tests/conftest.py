@@ -12,11 +12,15 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
+import json
 import os
+import re
+import shlex
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,8 +58,8 @@ def _code_of(path: Path) -> bytes:
     return ast.dump(tree).encode()
 
 
-def _cache_key(arch: str) -> str:
-    """Changes whenever the demo builder's code or the numeric stack changes.
+def _cache_key(arch: str, steps: int = TEST_TRAIN_STEPS) -> str:
+    """Changes whenever the demo builder's code, the step count or the numeric stack changes.
 
     Training runs the CPU's own kernels, so a model built under ISA emulation is
     kept apart, unless ``LOGDIFF_TEST_MODELS_NATIVE=1`` asks to reuse this
@@ -66,7 +70,7 @@ def _cache_key(arch: str) -> str:
 
     built_as = "" if os.environ.get("LOGDIFF_TEST_MODELS_NATIVE") else (emulated_isa() or "")
     suffix = f"|built-as-{built_as}" if built_as else ""
-    h = hashlib.sha256(f"{arch}|{TEST_TRAIN_STEPS}|{torch.__version__}|{transformers.__version__}{suffix}".encode())
+    h = hashlib.sha256(f"{arch}|{steps}|{torch.__version__}|{transformers.__version__}{suffix}".encode())
     for f in sorted((Path(__file__).parents[1] / "logdiff" / "demo").glob("*.py")):
         h.update(_code_of(f))
     from logdiff.probes.arch import demo  # the architecture's own demo settings live with its adapter
@@ -79,26 +83,85 @@ def _cache_key(arch: str) -> str:
 def demo_model() -> Callable[[str], Path]:
     """``demo_model("qwen3")`` -> a trained bf16 demo model directory.
 
-    Building trains for ``TEST_TRAIN_STEPS`` seeded steps (deterministic), so the
-    result is cached on disk under a key of the builder's source and the torch and
-    transformers versions (``LOGDIFF_TEST_MODELS``, default ~/.cache/logdiff/test-models):
-    a fresh machine builds each model once, later sessions reuse it.
+    Building trains for ``TEST_TRAIN_STEPS`` seeded steps (deterministic; ``demo_model(arch,
+    steps)`` for another count, as scripts/demo.sh's), so the result is cached on disk under a
+    key of the builder's source, the step count and the torch and transformers versions
+    (``LOGDIFF_TEST_MODELS``, default ~/.cache/logdiff/test-models): a fresh machine builds each
+    model once, later sessions reuse it.
     """
     from logdiff.demo import build_demo_model
 
     root = Path(os.environ.get("LOGDIFF_TEST_MODELS", Path.home() / ".cache" / "logdiff" / "test-models"))
 
-    def get(arch: str = "qwen3") -> Path:
-        path = root / _cache_key(arch)
+    def get(arch: str = "qwen3", steps: int = TEST_TRAIN_STEPS) -> Path:
+        path = root / _cache_key(arch, steps)
         if not (path / "config.json").is_file():
             root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{arch}-", dir=root))
-            build_demo_model(tmp, arch, seed=0, max_steps=TEST_TRAIN_STEPS)
+            build_demo_model(tmp, arch, seed=0, max_steps=steps)
             shutil.rmtree(path, ignore_errors=True)
             tmp.rename(path)
         return path
 
     return get
+
+
+DEMO_SCRIPT = Path(__file__).parents[1] / "scripts" / "demo.sh"
+
+
+def demo_script() -> tuple[dict[str, Any], list[str]]:
+    """What scripts/demo.sh runs: its demo-model build (``arch``, ``steps``) and its scan's options.
+
+    Read from the script itself, so that the demo a test reproduces is the one a user runs; an
+    option this reader does not know fails the test that asked, rather than reproducing another demo.
+    """
+    commands = {}
+    for line in DEMO_SCRIPT.read_text().splitlines():
+        m = re.search(r"logdiff (demo-model|scan) (.*?)\s*(?:#.*)?$", line)
+        if m and not line.lstrip().startswith("#"):
+            commands[m.group(1)] = shlex.split(m.group(2))
+    if set(commands) != {"demo-model", "scan"}:
+        pytest.fail(f"{DEMO_SCRIPT} should run `logdiff demo-model` and `logdiff scan`; found {sorted(commands)}")
+    path, *options = commands["demo-model"]
+    build = {"arch": "qwen3", "steps": None}
+    while options:
+        flag, value, *options = options
+        if flag == "--arch":
+            build["arch"] = value
+        elif flag == "--max-steps":
+            build["steps"] = int(value)
+        else:
+            pytest.fail(f"scripts/demo.sh builds the demo model with {flag}, which tests/conftest.py does not reproduce")
+    if build["steps"] is None:
+        pytest.fail("scripts/demo.sh builds the demo model by wall time: only a --max-steps build is reproducible")
+    model, *scan = commands["scan"]
+    if model != path:
+        pytest.fail(f"scripts/demo.sh scans {model}, not the model it builds ({path})")
+    if "--out" in scan:
+        i = scan.index("--out")
+        del scan[i:i + 2]
+    return build, scan
+
+
+@pytest.fixture(scope="session")
+def demo_scan(demo_model: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The result.json of the demo scripts/demo.sh runs: its model, built as it builds it (cached like
+    every demo model), scanned with its options through the CLI, once per session.
+
+    The demo is a full diagnosis of 8 sequences against the CPU vLLM: about a minute and a half on
+    2 busy cores, plus 280 training steps the first time a machine builds its model. Tests that
+    check what the demo prints (tests/test_readme.py) share it; it is the session's only scan of it.
+    """
+    from typer.testing import CliRunner
+
+    from logdiff.cli import app
+
+    build, options = demo_script()
+    model = demo_model(build["arch"], build["steps"])
+    out = tmp_path_factory.mktemp("demo-scan")
+    res = CliRunner().invoke(app, ["scan", str(model), *options, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return json.loads((out / "result.json").read_text())
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The report of a real scan (demo Qwen3, HF against vLLM, --depth modules) in headless Chromium.
 
 The model directory's name carries markup, so the page must show it as inert text.
-The screenshot lands in $LOGDIFF_SCREENSHOT_DIR (README's picture comes from here).
+The screenshot lands in $LOGDIFF_SCREENSHOT_DIR. (The README's pictures, docs/img/report.png and
+report-heatmap.png, are of the demo's own report, demo/scan/report.html, taken the same way: 1,360 px wide.)
 """
 
 from __future__ import annotations
