@@ -7,7 +7,6 @@ architecture, the split sizes of packed projections and the shapes the compariso
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
