@@ -341,7 +341,7 @@ def check(
     config_keys = {f.name for f in dataclasses.fields(ScanConfig)} | {"set_", "batch_compositions"}
     classes = gating.parse_fail_on(fail_on or [])
     # a --fail-on class other than `divergent` reads the classified causes: only modules depth has them
-    classify = any(c in ("operator_path", "framework_difference", "not_judged") for c in classes)
+    classify = any(c in ("operator_path", "framework_difference", "not_judged", "unexplained") for c in classes)
     scan_options["depth"] = scan_options.get("depth") or (SCAN_DEPTH if classify else CHECK_DEPTH)
     cfg = _build_config(**{k: v for k, v in scan_options.items() if k in config_keys})
     quiet = bool(scan_options.get("quiet"))

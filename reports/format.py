@@ -214,6 +214,7 @@ VERDICT_TEXT = {
     "operator_path": "operator path: same contract, different kernels",
     "framework_difference": "framework difference: the paths compute different things",
     "mixed": "mixed: operator-path and framework differences",
+    "unexplained": "unexplained: part of the gap enters after the last compared boundary, no cause identifies it",
 }
 
 

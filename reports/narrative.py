@@ -25,6 +25,9 @@ VERDICT_LINE = {
     "operator_path": "The paths compute the same function; they differ only in how kernels do the arithmetic.",
     "framework_difference": "The paths compute different functions: a setting, a weight or a semantic differs.",
     "mixed": "Both kinds of cause are present: a real semantic difference and kernel-level arithmetic differences.",
+    "unexplained": "Part of the gap enters after the last compared boundary (the sampler, a logits processor, "
+    "anything between the head and the returned logprobs), beyond what the ops before it can explain, and no cause "
+    "identifies it (see closure).",
 }
 
 
@@ -122,6 +125,12 @@ def _next(result: dict[str, Any]) -> list[str]:
     if v == "divergent":
         return ["Next: rerun with --depth modules to localize and classify the divergence."]
     steps = []
+    if v == "unexplained":
+        closure = result.get("closure") or {}
+        steps.append(f"find what one side applies after {closure.get('enters_after') or 'the last compared boundary'} "
+                     "and the other does not (a logits processor, the sampler's processed logprobs, a transform of "
+                     f"the returned logprobs): it moves the logprobs by up to {closure.get('unexplained_max', 0):.3g} "
+                     "beyond what every op before it can; no kernel fix closes that")
     if v in ("framework_difference", "mixed"):
         steps.append("fix the framework differences first (they change the function, not just its rounding)")
     if v in ("operator_path", "mixed"):

@@ -50,7 +50,8 @@ from .format import (KEY_METRICS, METRICS, cost_text, current_names, fmt_fractio
                      safe_text, terminal_safe)
 
 VERDICT_STYLE = {"consistent": "bold green", "divergent": "bold yellow", "operator_path": "bold blue",
-                 "framework_difference": "bold red", "mixed": "bold magenta"}
+                 "framework_difference": "bold red", "mixed": "bold magenta",
+                 "unexplained": "bold red"}
 CLASS_STYLE = {"operator_path": "blue", "framework_difference": "red", "not_judged": "yellow"}
 MAX_GROUPS = 8
 WIDE = 120  # from this many columns on, the causes table has a fix column and the metrics their verl names

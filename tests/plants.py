@@ -97,3 +97,17 @@ def stale_checkpoint(model: Path, out_dir: Path, name: str, change: Callable[[to
     save_file(sd, str(ckpt))
     return ckpt
 
+
+
+def assert_closes(result: dict) -> None:
+    """A plant before the logits is within what the ops up to the logits can explain: the closure figure is 1
+    (every token's |Δ logprob| inside its bound), nothing enters after the boundary, and the verdict is not
+    ``unexplained`` (docs/causes.md, *Closure*)."""
+    c = result["closure"]
+    assert c is not None and c["closure"] == 1.0, c
+    if c["gap_max"] == 0.0:  # equal logprobs (a control on a machine whose stock paths agree): nothing to bound
+        return
+    assert c["boundary"] in ("logits", "model.norm") and c["tokens_bounded"] == c["tokens"] > 0, c
+    assert c["beyond_tokens"] == 0 and c["unexplained"] == 0.0 and c["enters_after"] is None, c
+    assert c["gap_max"] <= c["bound_max"] + 1e-4, c
+    assert result["verdict"] != "unexplained"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plants import split_k
+from plants import assert_closes, split_k
 
 import logdiff
 from logdiff.sources import base, checkpoint, pool
@@ -126,6 +126,7 @@ def test_hf_vs_hf_decode_is_operator_path_in_attention(qwen3: Path, stock_varies
     assert r["first_divergence"]["boundary"] == "model.layers.0.self_attn.attn_core"
     assert r["first_divergence"]["inputs_equal"] is True
     assert r["verdict"] == "operator_path"
+    assert_closes(r)
     assert {(c["class"], c["kind"]) for c in r["causes"]} == {("operator_path", "online_softmax_block_size")}
     assert all(_within(c) for c in r["causes"])
     # The attention reference kernel alone closes the whole gap: its shares sum to 1, every cause necessary.
@@ -147,6 +148,7 @@ def test_hf_vs_vllm_is_operator_path_and_vanishes_under_consistent(demo_model: C
     model = demo_model(arch)
     r = logdiff.scan(model, infer=["vllm"], **SMALL)
     assert r["causes"] and r["verdict"] == "operator_path", [(c["boundary"], c["class"]) for c in r["causes"]]
+    assert_closes(r)  # the stock kernels' gap is within what the ops up to the logits explain
     # each cause judged locally: both sides within their bounds (MoE blocks, with no exact function here,
     # by the reference rerun instead, which the evidence says)
     for c in r["causes"]:
@@ -166,6 +168,7 @@ def test_planted_reduction_order_change_is_operator_path(qwen3: Path) -> None:
     c = cause_at(r, target)
     assert (c["class"], c["kind"]) == ("operator_path", "reduction_order")
     assert _within(c)  # split-K with rounded partials is the same function: within the GEMM's bound
+    assert_closes(r)
 
 
 # --- controls -------------------------------------------------------------------------------
@@ -175,6 +178,7 @@ def test_identical_paths_are_consistent(qwen3: Path) -> None:
     r = logdiff.scan(qwen3, infer=["hf"], **SMALL)
     assert r["verdict"] == "consistent"
     assert r["causes"] == [] and r["first_divergence"] is None and r["introducing_ops"] == []
+    assert r["closure"]["closure"] == 1.0 and r["closure"]["gap_max"] == 0.0  # nothing to explain
 
 
 def test_every_operator_path_cause_vanishes_under_consistent(qwen3: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from hf_bundles import capture_hf as _capture
+from plants import assert_closes
 
 IDS = [[5, 17, 3, 9, 42, 7, 11, 2, 8, 1], [8, 1, 30, 4, 6, 19, 23, 13, 3, 3], [8, 1, 30, 4, 9, 9, 9, 9]]
 PLANTED = "model.layers.1.post_attention_layernorm"
@@ -48,6 +49,7 @@ def _compare(train: Path, infer: Path, **kw):
 def test_the_same_weights_in_another_batching_are_bitwise_consistent(bundles) -> None:
     result = _compare(bundles["train"], bundles["infer"])
     assert result["verdict"] == "consistent" and result["causes"] == []
+    assert result["closure"]["closure"] == 1.0 and result["closure"]["gap_max"] == 0.0
     assert result["sequences"]["count"] == 3 and result["logprobs"]["abs_diff_max"] == 0.0
     # every token after the first is scored (a capture of whole sequences names no prompt)
     assert result["logprobs"]["num_tokens"] == sum(len(ids) - 1 for ids in IDS)
@@ -61,6 +63,7 @@ def test_a_stale_weight_is_found_at_its_op(bundles) -> None:
     assert (cause["class"], cause["kind"]) == ("framework_difference", "weights")
     assert f"weight differs: {PLANTED}.weight" in " ".join(cause["evidence"])
     assert any("live engines" in w for w in result["warnings"])
+    assert_closes(result)  # offline too: a plant before the logits closes at 1
 
 
 def test_conformance_runs_with_the_model(bundles) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import logdiff
-from plants import stale_checkpoint
+from plants import assert_closes, stale_checkpoint
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules", "attribute": False}
 
@@ -51,6 +51,7 @@ def test_stale_experts_put_the_inference_side_outside_its_bound(
     assert conf["infer"]["error"] > conf["infer"]["bound"], conf
     assert conf["train"]["error"] <= conf["train"]["bound"], conf
     assert conf["train"]["function"].startswith("moe(")
+    assert_closes(r)
 
 
 def test_a_one_sided_scaling_factor_is_a_routing_difference_each_side_within_its_own(
@@ -66,6 +67,7 @@ def test_a_one_sided_scaling_factor_is_a_routing_difference_each_side_within_its
         conf = c["conformance"]
         assert all(conf[s]["error"] <= conf[s]["bound"] for s in ("train", "infer")), conf
         assert "scaled by 2," in conf["infer"]["function"] and "scaled by 2," not in conf["train"]["function"]
+    assert_closes(r)
 
 
 def test_a_one_sided_scoring_function_is_a_routing_difference(demo_model: Callable[[str], Path]) -> None:
@@ -75,6 +77,7 @@ def test_a_one_sided_scoring_function_is_a_routing_difference(demo_model: Callab
     c = _blamed(r, next(c["boundary"] for c in r["causes"] if "scoring_func" in c["differs"]))
     assert c["kind"] == "moe_routing" and c["op_kind"] in ("router", "moe")
     assert r["verdict"] in ("framework_difference", "mixed")
+    assert_closes(r)
 
 
 def test_stale_checkpoint_helper_changes_the_named_tensor(demo_model: Callable[[str], Path], tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ import logdiff
 from logdiff.commands.config import ScanConfig
 from logdiff.commands.scan import engine_spec
 from logdiff.sources import checkpoint, pool
+from plants import assert_closes
 
 SMALL = {"num_sequences": 2, "prompt_len": 12, "response_len": 12, "depth": "modules", "attribute": False}
 EAGER = {"attn_implementation": "eager"}  # HF's eager attention applies soft caps (sdpa drops them)
@@ -154,6 +155,8 @@ def test_a_feature_one_side_ignores_is_a_semantic_framework_difference(
     train, infer = cause["conformance"]["train"], cause["conformance"]["infer"]
     assert train["error"] > train["bound"] and infer["error"] <= infer["bound"], cause["conformance"]
     assert r["verdict"] in ("framework_difference", "mixed")
+    assert_closes(control)  # the plants act before the logits: within what the ops up to them explain
+    assert_closes(r)
 
 
 def test_the_cause_names_the_inference_side_when_it_is_the_one_that_ignores(models: Callable[..., Path]) -> None:
@@ -164,6 +167,7 @@ def test_the_cause_names_the_inference_side_when_it_is_the_one_that_ignores(mode
     assert (cause["class"], cause["kind"], cause["paths"]) == ("framework_difference", "semantic", ["hf-decode"])
     assert cause["conformance"]["infer"]["error"] > cause["conformance"]["infer"]["bound"]
     assert cause["conformance"]["train"]["error"] <= cause["conformance"]["train"]["bound"]
+    assert_closes(r)
 
 
 def test_hf_sdpa_dropping_the_soft_cap_is_read_from_the_effective_contract(models: Callable[..., Path]) -> None:

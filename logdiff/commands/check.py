@@ -45,8 +45,9 @@ THRESHOLD_METRICS = {
     "max_kl": "k3_kl",
     "max_clip_fraction": "ratio_outside_band_0.2",
 }
-#: Values ``--fail-on`` accepts: cause classes, and the unclassified ``divergent`` verdict.
-FAIL_ON_CLASSES = ("framework_difference", "operator_path", "not_judged", "divergent")
+#: Values ``--fail-on`` accepts: cause classes, the unclassified ``divergent`` verdict, and the ``unexplained``
+#: verdict (a part of the gap that enters after the last compared boundary and no cause identifies).
+FAIL_ON_CLASSES = ("framework_difference", "operator_path", "not_judged", "divergent", "unexplained")
 #: Metrics a baseline records per pair, each with its exact "consistent" value.
 #: A baseline at that value (0 difference, every token bitwise equal) tolerates no change.
 #: ``kl_k3`` is the deprecated name of ``k3_kl`` (same value), kept so that recorded baselines still apply.
@@ -322,7 +323,7 @@ def load_baseline(path: Path, hardware: str | None = None) -> dict[str, Any]:
     return data
 
 
-VERDICTS = ("consistent", "divergent", "operator_path", "framework_difference", "mixed")
+VERDICTS = ("consistent", "divergent", "operator_path", "framework_difference", "mixed", "unexplained")
 
 
 def _finite(value: Any) -> bool:

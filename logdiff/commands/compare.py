@@ -198,6 +198,7 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
              tables: dict[str, Any] | None, live: Any) -> ScanResult:
     from logdiff.comparison.locate import localize
     from logdiff.comparison.pairing import match_sequences, sketched
+    from logdiff.diagnosis.closure import close
     from logdiff.diagnosis.nonfinite import add_non_finite
     from logdiff.probes.session import CONFORMANCE_SEQUENCES, ProbeSession
 
@@ -282,6 +283,7 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
     finally:
         session.close()
     result.warn(NEEDS_ENGINES)
+    close(result, train.module())  # the closure of the gap (logdiff/diagnosis/closure.py)
     result.conclude()
     result.timings, result.peak_rss_bytes = progress.close(), peak_rss_bytes()
     result.scratch_bytes = session.scratch_bytes

@@ -348,10 +348,23 @@ def scan(cfg: ScanConfig, progress: Progress = silent, tables: dict[str, Any] | 
     finally:
         if run.probes is not None:
             run.probes.close()
+    _close(result, run)
     result.conclude()
     result.timings, result.peak_rss_bytes = progress.close(), peak_rss_bytes()
     result.scratch_bytes = run.probes.scratch_bytes if run.probes is not None else None
     return result
+
+
+def _close(result: ScanResult, run: PathRun) -> None:
+    """The closure of the gap (logdiff/diagnosis/closure.py), with the training model's head for the final-norm
+    bound where the logits were not compared."""
+    from logdiff.diagnosis.closure import close
+
+    try:
+        module = run.train_engine.module()
+    except (NotImplementedError, AttributeError):  # an engine without an in-process model
+        module = None
+    close(result, module)
 
 
 def _diagnose(result: ScanResult, run: PathRun, cfg: ScanConfig, progress: Progress) -> None:

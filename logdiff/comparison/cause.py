@@ -88,11 +88,15 @@ def framework_cause(
                  differs=list(differs or []))  # fmt: skip
 
 
-def verdict(causes: list[Cause], consistent: bool) -> str:
+def verdict(causes: list[Cause], consistent: bool, unexplained: bool = False) -> str:
     """The overall verdict from the classified causes: ``not_judged`` causes decide nothing (only
-    ``not_judged`` causes: ``divergent``, the cause not classified)."""
+    ``not_judged`` causes: ``divergent``, the cause not classified). ``unexplained``: part of the gap enters
+    after the last compared boundary and no cause identifies it (``diagnosis/closure.py``); that part is no
+    operator path's, whatever the causes before it are, so it decides the verdict."""
     if consistent:
         return "consistent"
+    if unexplained:
+        return "unexplained"
     classes = {c.class_ for c in causes} - {"not_judged"}
     if not classes:
         return "divergent"

@@ -320,4 +320,5 @@ def compare_pair(train: Any, infer: Any, seqs: list[Any], tok: Any, is_threshold
         per_position=per_position(train.logprobs, infer.logprobs, masks),
         histogram=histogram(train.logprobs, infer.logprobs, masks),
         worst=w,
+        tokens=(train.logprobs, infer.logprobs, masks),
     )

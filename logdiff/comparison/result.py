@@ -83,6 +83,8 @@ class Pair:
     first_divergence: Json | None = None
     introducing_ops: list[Json] | None = None
     boundaries: list[Json] | None = None
+    #: (train logprobs, infer logprobs, response masks) per sequence, for the closure (never serialized)
+    tokens: Any = field(default=None, repr=False, compare=False)
 
     @property
     def bitwise_equal(self) -> bool:
@@ -137,6 +139,7 @@ class ScanResult:
     attribution: Json | None = None
     batch_invariance: Json | None = None
     rollout_replay: Json | None = None
+    closure: Json | None = None  # what the causes account for of the gap (logdiff/diagnosis/closure.py)
     classified: bool = False  # whether diagnosis ran (``--depth modules|ops``)
     verdict: str = "divergent"
     cause_groups: list[Json] = field(default_factory=list)
@@ -167,12 +170,16 @@ class ScanResult:
 
         Without causes the verdict is ``consistent`` when the logprobs are bitwise
         equal (the primary pair once diagnosed, every pair otherwise) and
-        ``divergent`` when not; with causes it is their class (or ``mixed``).
+        ``divergent`` when not; with causes it is their class (or ``mixed``);
+        ``unexplained`` wherever the closure found a part of the gap that enters
+        after the last compared boundary and no cause identifies.
         """
         from logdiff.reports.groups import group_causes
 
         pairs = [self.primary] if self.classified else self.pairs
-        self.verdict = verdict(self.causes, consistent=not self.causes and all(p.bitwise_equal for p in pairs))
+        unexplained = bool((self.closure or {}).get("unexplained_max"))
+        self.verdict = verdict(self.causes, consistent=not self.causes and all(p.bitwise_equal for p in pairs),
+                               unexplained=unexplained)
         self.cause_groups = group_causes([c.to_dict() for c in self.causes])
 
     def to_dict(self) -> Json:
@@ -198,6 +205,7 @@ class ScanResult:
             "introducing_ops": self.located.introducing_ops,
             "causes": [c.to_dict() for c in self.causes],
             "verdict": self.verdict,
+            "closure": self.closure,
             "non_finite": self.non_finite,
             "divergence_table": self.located.divergence_table,
             "contracts": self.contracts,

@@ -11,5 +11,8 @@ builds on, never ``logdiff.comparison.result``:
 * ``classify``: per introducing op, the class and kind from contracts and conformance;
 * ``attribute``: Shapley shares of the gap over the cause families;
 * ``sampling``, ``routing``: the sampling-semantics and MoE-routing findings;
-* ``diagnose``: the steps in order, on a measured scan.
+* ``diagnose``: the steps in order, on a measured scan;
+* ``closure``: how much of the gap the causes can account for, what enters after the last compared
+  boundary, and whether it is identified (else the ``unexplained`` verdict); run last, by ``scan`` and
+  ``compare`` alike.
 """
