@@ -389,3 +389,26 @@ def opened() -> Iterator[list[str]]:
     sys.addaudithook(hook)
     yield seen
     active[0] = False
+
+
+def test_a_model_whose_weights_link_out_of_its_directory_is_refused_before_loading(copy, qwen3: Path,
+                                                                                     tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in qwen3.glob("*.json"):
+        shutil.copy(f, model / f.name)
+    for f in qwen3.glob("*.safetensors"):
+        (model / f.name).symlink_to(f.resolve())  # the weights live elsewhere: a link out of --model
+    _refused(*copy, tmp_path, "model.safetensors", "leads outside the model directory (--model)",
+             extra=("--model", model))
+
+
+def test_a_sequences_file_that_is_a_fifo_is_one_line(qwen3: Path, tmp_path: Path) -> None:
+    import os
+
+    os.mkfifo(tmp_path / "rollouts.jsonl")  # nobody writes it: reading it would block for ever
+    code, out = _cli("scan", qwen3, "--sequences", tmp_path / "rollouts.jsonl", "--depth", "logprobs",
+                     "--infer", "hf")
+    lines = [line for line in out.strip().splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, out
+    assert "rollouts.jsonl: expected a regular file, found a FIFO" in lines[0], lines[0]

@@ -394,6 +394,8 @@ def _training_engine(model: Path | None, bundle: Bundle, live: Any = None) -> An
     if live is not None:
         name = str(getattr(live.config, "_name_or_path", "") or "live model")
         return get_engine(DEFAULT_TRAIN)(EngineSpec(name, _dtype(bundle), (), (), 0, False, "cpu"), live)
-    if not (Path(model) / "config.json").is_file():
+    from logdiff.records.untrusted import model_files
+
+    if Path(model) / "config.json" not in model_files(model):  # every file a loader reads: inside, regular
         raise InputError(f"--model {model}: not a model directory (no config.json)")
     return get_engine(DEFAULT_TRAIN)(EngineSpec(str(model), _dtype(bundle), (), (), 0, False, "cpu"))

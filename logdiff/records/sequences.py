@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from logdiff.errors import InputError
+from logdiff.records.untrusted import regular_file
 
 
 @dataclass
@@ -101,9 +102,7 @@ def _response_mask(value: Any, n: int, where: str) -> list[int]:
 
 def load_jsonl(path: Path) -> list[Sequence]:
     """Read ``{"prompt_ids": [...], "response_ids": [...], "rollout_logprobs": [...], "response_mask": [...]}``."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"sequences file not found: {path}")
+    path = regular_file(path, "sequences file")
     seqs: list[Sequence] = []
     for lineno, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -135,9 +134,7 @@ def load_jsonl(path: Path) -> list[Sequence]:
 
 def load_text_prompts(path: Path, model_dir: Path, trust_remote_code: bool = False) -> list[Sequence]:
     """Tokenize prompts (plain text lines, or JSONL with ``prompt`` or chat ``messages``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"prompts file not found: {path}")
+    path = regular_file(path, "prompts file")
     try:
         from transformers import AutoTokenizer
 

@@ -181,6 +181,30 @@ class InputRoot:
         return data
 
 
+def regular_file(path: str | Path, what: str) -> Path:
+    """A single input file the user named (``--sequences``, ``--prompts``): it must exist and be a regular file
+    (a FIFO would block the read, a directory or device is no such file); one line naming it otherwise."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise InputError(f"{what} not found: {path} ({e.strerror or type(e).__name__})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{what} {path}: expected a regular file, found {_kind(st.st_mode)}")
+    return path
+
+
+def model_files(model: str | Path, what: str = "model directory (--model)") -> list[Path]:
+    """The files a model directory given to ``compare`` holds that a loader reads (config, weights, tokenizer:
+    ``*.json``, ``*.safetensors``, ``*.bin``, ``*.pt``, ``*.model``, ``*.txt``), each checked to lie inside it
+    and be a regular file before anything loads."""
+    root = InputRoot(model, what)
+    found = []
+    for pattern in ("*.json", "*.safetensors", "*.bin", "*.pt", "*.model", "*.txt"):
+        found += root.glob(pattern)
+    return found
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 

@@ -34,6 +34,7 @@ from typing import Any
 
 from logdiff.errors import InputError
 from logdiff.records.sequences import Sequence, _int_list, _logprobs, _response_mask, load_jsonl
+from logdiff.records.untrusted import regular_file
 
 #: layout name -> the columns that identify it (the first layout whose columns are all present wins)
 LAYOUTS = {
@@ -50,9 +51,7 @@ SUFFIXES = (".jsonl", ".parquet", ".pt")
 
 def load(path: Path) -> tuple[list[Sequence], str]:
     """The sequences in ``path`` and the name of the layout they were read from."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"sequences file not found: {path}")
+    path = regular_file(path, "sequences file")
     if path.suffix not in SUFFIXES:
         raise InputError(f"{path}: unknown sequences file type {path.suffix!r}; expected one of {', '.join(SUFFIXES)}")
     if path.suffix == ".jsonl" and _first_line_keys(path) >= set(LAYOUTS["logdiff"]):
