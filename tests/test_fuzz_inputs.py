@@ -34,7 +34,7 @@ from hf_bundles import capture_hf
 IDS = [[5, 17, 3, 9, 42, 7, 11, 2], [8, 1, 30, 4, 6, 19, 23, 13]]
 DUMPS = Path(__file__).parent / "data" / "msprobe"
 EARLIER = {"result.json": b'{"from": "an earlier run"}', "report.html": b"<p>an earlier report</p>"}
-CASES = {"bundle-json": 150, "bundle-files": 150, "msprobe": 60}
+CASES = {"bundle-json": 150, "bundle-files": 150, "msprobe": 40}
 TIMEOUT = 120.0
 
 

@@ -134,7 +134,9 @@ def diagnose(
         reference = reference_rerun(cfg, rescanner, families, found.warnings)
     progress(f"classifying {len(ops)} ops that introduce error", phase="classify")
     causes = []
-    paths = {"train": pair.train, "infer": pair.infer}
+    # evidence names each side by its path, and a path named by its role (compare's) by its engine: infer (vllm)
+    engines = {p.name: p.engine for p in result.paths if p.name in ("train", "infer")}
+    paths = {"train": engines.get(pair.train, pair.train), "infer": engines.get(pair.infer, pair.infer)}
     for op in ops:
         rel = op.get("local_rel")
         vanished = reference(op["boundary"]) if reference is not None and op in undecided else None
