@@ -8,8 +8,8 @@ a copy that went wrong or a hand that edited it. Whatever it says, reading it mu
 - block or read a device: only regular files are opened (a FIFO, a socket or a device is refused before
   ``open``, so nothing waits on a pipe nobody writes);
 - allocate what is not there: a count a file states (``world_size``, ranks, steps, rows, a safetensors
-  header's length and offsets) is checked against what is on disk before it sizes anything (``count``,
-  ``safetensors_header``);
+  header's length and offsets) is checked against what is on disk before it sizes anything
+  (``safetensors_header``; ``bundle_input.check_ranks`` for the ranks);
 - print a wall: a message names at most a few items and how many more (``brief``).
 
 Each refusal is an ``InputError`` (exit 2) naming the file the user can look at. The rules are the same for
@@ -53,16 +53,6 @@ def brief(items: Iterable[Any], total: int | None = None, limit: int = BRIEF) ->
     total = seen if total is None else total
     more = total - len(shown)
     return ", ".join(shown) + (f" and {more:,} more" if more > 0 else "")
-
-
-def count(value: Any, what: str, where: object, *, at_most: int | None = None, at_least: int = 0) -> int:
-    """``value`` as a count a file states: an integer (not a bool) in ``[at_least, at_most]``, else one line."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InputError(f"{where}: {what} {_short(value)} is not an integer")
-    if value < at_least or (at_most is not None and value > at_most):
-        bound = f"from {at_least:,} to {at_most:,}" if at_most is not None else f"at least {at_least:,}"
-        raise InputError(f"{where}: {what} {value:,} is out of range ({bound}: what is on disk)")
-    return value
 
 
 def _short(value: Any, limit: int = 60) -> str:
