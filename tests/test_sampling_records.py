@@ -9,6 +9,7 @@ the demo model's HF forward scores the same tokens at the trainer's temperature,
   with its share of the gap; the engine's returned logprobs are reproduced from its recorded logits;
 * top-k, min-p and a repetition penalty at temperature 0.7, the trainer at 0.7: each of the three named with
   its value, and the temperature, applied on both sides, is not (the negative control);
+* a frequency penalty and a logit bias (what TRL's ``generation_kwargs`` forwards): recorded and named;
 * the same temperature alone on both sides: no sampling cause;
 * a trainer bundle that declares nothing: one warning naming the missing record, and no sampling cause.
 
@@ -89,6 +90,7 @@ def runs(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dic
         ("top_p", {"temperature": 1.0, "top_p": 0.8}, 1.0, True),
         ("three", {"temperature": 0.7, "top_k": 20, "min_p": 0.1, "repetition_penalty": 1.3}, 0.7, True),
         ("same", {"temperature": 0.7}, 0.7, True),
+        ("kwargs", {"temperature": 1.0, "frequency_penalty": 0.5, "logit_bias": {100: 3.0}}, 1.0, True),
         ("undeclared", {"temperature": 0.7, "top_p": 0.8}, 0.7, False),
     ):
         ids = _rollout(engine, root / name / "infer", **sampler)
@@ -138,6 +140,19 @@ def test_each_one_sided_step_is_named_and_the_shared_temperature_is_not(runs: di
     named = {s["setting"]: s["infer"] for s in c["sampling"]["infer"]["settings"]}
     assert named == pytest.approx({"repetition_penalty": 1.3, "min_p": 0.1, "top_k": 20}), named
     assert "temperature" not in c["differs"] and all(s["share"] >= 0 for s in c["sampling"]["infer"]["settings"])
+
+
+@pytest.mark.vllm
+def test_a_users_generation_kwargs_are_named_too(runs: dict[str, dict[str, Any]]) -> None:
+    """What TRL's ``generation_kwargs`` forwards (a frequency penalty, a logit bias) is recorded and named."""
+    record = runs["kwargs"]["infer"].meta["sequences"][0]["sampling"]
+    assert record["logit_bias"] == [[100, 3.0]] and record["frequency_penalty"] == 0.5
+    (c,) = _sampling_causes(runs["kwargs"]["result"])
+    found = c["sampling"]["infer"]
+    assert found["reproduced"]["infer"]["reproduced"], found["reproduced"]
+    named = {s["setting"]: s["infer"] for s in found["settings"]}
+    assert named.get("logit_bias") == [[100, 3.0]] or named.get("frequency_penalty") == 0.5, named
+    assert "generation_kwargs" in c["fix"] and set(c["differs"]) <= {"logit_bias", "frequency_penalty"}
 
 
 @pytest.mark.vllm

@@ -150,6 +150,9 @@ def diagnose(tb: Any, ib: Any, matching: Any, seqs: list[Any], train_lp: list[np
     if not tokens:
         found.warnings.append("sampling checks not run: no scored token has an infer logits row in the bundle")
         return found
+    if infer_rows.full:
+        found.warnings.append(f"sampling checks: the first {len(tokens)} scored tokens only (each logits row is a "
+                              f"vocabulary wide; at most {MAX_VALUES:,} values a record are kept)")
     return _judge(found, applied, per_seq, seqs, tokens, train_lp, infer_lp, infer_rows, train_rows)
 
 
@@ -186,7 +189,9 @@ def _judge(found: Findings, applied: dict[str, Any], per_seq: dict[int, dict[str
         recorded = [infer_rows.rows["log_softmax"].get((c, n - 1)) for c, n in members]
         if returned and all(r is not None for r in recorded):  # the kept set, where the engine's rows show it
             replayed = processing.process(z, returned, prompts, outputs)
-            same = [np.array_equal(np.isfinite(r), np.isfinite(q)) for r, q in zip(recorded, replayed)]
+            # as many tokens kept: bf16 logits tie often, and which of two equal tokens top-k/top-p keeps at its
+            # boundary is the sort's choice (the kept mass, and every kept token's logprob, are the same)
+            same = [int(np.isfinite(r).sum()) == int(np.isfinite(q).sum()) for r, q in zip(recorded, replayed)]
             kept[0], kept[1] = kept[0] + sum(same), kept[1] + len(same)
         if train_rows is not None and all((c, n - 1) in train_rows.rows["logits"] for c, n in members):
             zt = np.stack([train_rows.rows["logits"][(c, n - 1)] for c, n in members])
@@ -221,7 +226,7 @@ def _judge(found: Findings, applied: dict[str, Any], per_seq: dict[int, dict[str
                 f"{_pct(s['share'])} of the measured |Δ logprob|" for s in settings_out]  # fmt: skip
     evidence.append(f"the infer logprobs are the sampler's processed logprobs, recomputed from its recorded logits "
                     f"under its recorded settings to within {miss.max():.3g}"
-                    + (f" (kept token sets equal at {kept[0]} of {kept[1]} rows)" if kept[1] else "")
+                    + (f" (as many tokens kept at {kept[0]} of {kept[1]} rows)" if kept[1] else "")
                     + "; the trainer applied " + _listed(active(applied)))
     evidence.append(f"together the sampling steps account for {_pct(share(np.abs(e)))} of the measured gap over "
                     f"{len(d)} tokens; the rest ({_pct(share(np.abs(d - e)))}) is the two sides' logits under the "
