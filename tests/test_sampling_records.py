@@ -194,3 +194,84 @@ def test_replay_matches_the_samplers_definitions() -> None:
     start, end, each = processing.contributions(z, np.argmax(z, -1), {}, {"top_p": 0.5, "temperature": 2.0},
                                                 [[]] * 4, [[]] * 4)
     assert list(each) == ["temperature", "top_p"] and np.allclose(sum(each.values()), end - start)
+
+
+# --- the judgement on synthetic records, without an engine ------------------------------------------
+
+
+def _synthetic(infer: dict[str, Any], applied: dict[str, Any], returned: Any, seed: int = 0) -> Any:
+    """``_judge`` over 4 sequences of 6 response tokens on random logits rows: the engine returns ``returned(z,
+    prompts, outputs)``'s logprobs, the trainer ``applied``'s of slightly perturbed logits (kernel noise)."""
+    from logdiff.comparison.cause import Findings
+    from logdiff.diagnosis import processing, sampling_records
+    from logdiff.records.sequences import Sequence
+
+    rng = np.random.default_rng(seed)
+    vocab, prompt, n = 400, 5, 6
+    seqs = [Sequence(list(rng.integers(0, vocab, prompt)), list(rng.integers(0, vocab, n))) for _ in range(4)]
+    sink = sampling_records.RowSink([prompt] * 4, [prompt + n] * 4)
+    train_lp, infer_lp = [], []
+    for c, s in enumerate(seqs):
+        z = rng.normal(0, 3, (n, vocab)).astype(np.float32)
+        ids = s.ids
+        prompts, outputs = [s.prompt_ids] * n, [ids[prompt:prompt + j] for j in range(n)]
+        tok = np.asarray(s.response_ids)
+        got = returned(z, prompts, outputs)[np.arange(n), tok]
+        tok_ok = np.isfinite(got)  # a token the processing dropped is one the engine never sampled: resample it
+        z[~tok_ok, tok[~tok_ok]] = z[~tok_ok].max(-1) + 1
+        infer_lp.append(returned(z, prompts, outputs)[np.arange(n), tok])
+        noisy = z + rng.normal(0, 1e-3, z.shape).astype(np.float32)
+        train_lp.append(processing.process(noisy, applied, prompts, outputs)[np.arange(n), tok])
+        for j in range(n):
+            sink.rows["logits"][(c, prompt + j - 1)] = z[j]
+        s.response_mask = [1] * n
+    tokens = [(c, prompt + j) for c in range(4) for j in range(n)]
+    return sampling_records._judge(Findings(), applied, {c: infer for c in range(4)}, seqs, tokens, train_lp,
+                                   infer_lp, sink, None)
+
+
+def test_a_one_sided_top_p_is_named_and_kernel_noise_is_not() -> None:
+    from logdiff.diagnosis import processing
+
+    infer = {"temperature": 0.7, "top_p": 0.8, "logprobs_mode": "processed_logprobs"}
+    found = _synthetic(infer, {"temperature": 0.7}, lambda z, p, o: processing.process(z, infer, p, o))
+    (c,) = found.causes
+    (s,) = c.sampling["infer"]["settings"]
+    assert (c.kind, s["setting"], s["infer"], s["train"]) == ("sampling_semantics", "top_p", 0.8, "off")
+    assert c.share > 0.9 and c.sampling["infer"]["reproduced"]["infer"]["reproduced"] and not found.warnings
+    # the negative control: the same processing on both sides leaves kernel noise only
+    same = {"temperature": 0.7, "logprobs_mode": "processed_logprobs"}
+    found = _synthetic(same, {"temperature": 0.7}, lambda z, p, o: processing.process(z, same, p, o))
+    assert found.causes == [] and found.warnings == []
+
+
+def test_raw_logprobs_under_other_settings_and_an_unrecorded_step_are_warnings() -> None:
+    from logdiff.diagnosis import processing
+
+    raw = {"temperature": 1.0, "top_p": 0.8, "logprobs_mode": "raw_logprobs"}
+    found = _synthetic(raw, {}, lambda z, p, o: processing.process(z, {}, p, o))
+    assert found.causes == [] and len(found.warnings) == 1 and "returned raw logprobs" in found.warnings[0]
+    # a logit bias the records do not name (a user's logits processor): not reproduced, said once
+    recorded = {"temperature": 1.0, "logprobs_mode": "processed_logprobs"}
+    found = _synthetic(recorded, {}, lambda z, p, o: processing.process(z, {"logit_bias": [[1, 5.0]]}, p, o))
+    assert found.causes == [] and len(found.warnings) == 1 and "not reproduced" in found.warnings[0], found.warnings
+
+
+def test_applied_processing_is_declared_once_and_checked(qwen3: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from logdiff.records.bundle import Bundle
+    from logdiff.records.processing import trainer_applied
+    from logdiff.sources.hf.capture import capture
+
+    model = AutoModelForCausalLM.from_pretrained(str(qwen3)).eval()
+    with torch.no_grad(), capture(model, tmp_path / "b", role="train") as cap:
+        with pytest.raises(ValueError, match="unknown setting"):
+            cap.applied_processing(temprature=0.7)
+        with pytest.raises(ValueError, match="top_p"):
+            cap.applied_processing(top_p=2.0)
+        cap.applied_processing(temperature=1)
+        cap.applied_processing(temperature=0.7, top_k=20)  # the last declaration holds
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert trainer_applied(Bundle(tmp_path / "b")) == {"temperature": 0.7, "top_k": 20}
