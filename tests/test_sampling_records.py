@@ -251,6 +251,12 @@ def test_raw_logprobs_under_other_settings_and_an_unrecorded_step_are_warnings()
     raw = {"temperature": 1.0, "top_p": 0.8, "logprobs_mode": "raw_logprobs"}
     found = _synthetic(raw, {}, lambda z, p, o: processing.process(z, {}, p, o))
     assert found.causes == [] and len(found.warnings) == 1 and "returned raw logprobs" in found.warnings[0]
+    # the trainer divides by the sampling temperature, the engine returns raw logprobs: the trainer's step is named
+    raw_t = {"temperature": 0.7, "logprobs_mode": "raw_logprobs"}
+    found = _synthetic(raw_t, {"temperature": 0.7}, lambda z, p, o: processing.process(z, {}, p, o))
+    (c,) = found.causes
+    assert c.differs == ["temperature"] and c.sampling["infer"]["settings"][0]["train"] == 0.7, c.sampling
+    assert "the trainer only" in c.fix and "logprobs_mode=processed_logprobs" in c.fix and not found.warnings
     # a logit bias the records do not name (a user's logits processor): not reproduced, said once
     recorded = {"temperature": 1.0, "logprobs_mode": "processed_logprobs"}
     found = _synthetic(recorded, {}, lambda z, p, o: processing.process(z, {"logit_bias": [[1, 5.0]]}, p, o))

@@ -222,19 +222,8 @@ def _judge(found: Findings, applied: dict[str, Any], per_seq: dict[int, dict[str
         return found
     settings_out = [{"setting": k, "train": values[k][0], "infer": values[k][1], "share": share(v)}
                     for k, v in moving.items()]
-    evidence = [f"{LABEL[s['setting']]} = {s['infer']!r} on the infer side, {s['train']!r} on the train side: "
-                f"{_pct(s['share'])} of the measured |Δ logprob|" for s in settings_out]  # fmt: skip
-    evidence.append(f"the infer logprobs are the sampler's processed logprobs, recomputed from its recorded logits "
-                    f"under its recorded settings to within {miss.max():.3g}"
-                    + (f" (as many tokens kept at {kept[0]} of {kept[1]} rows)" if kept[1] else "")
-                    + "; the trainer applied " + _listed(active(applied)))
-    evidence.append(f"together the sampling steps account for {_pct(share(np.abs(e)))} of the measured gap over "
-                    f"{len(d)} tokens; the rest ({_pct(share(np.abs(d - e)))}) is the two sides' logits under the "
-                    "same processing")
-    fixes = [f"{LABEL[k]}: " + FIXES.get(k, OTHER_FIX) for k in moving]
-    fix = "sample with the trainer's processing, " + "; ".join(fixes) + "; " + CORRECTION
-    cause = framework_cause("log_softmax", "log_softmax", "sampling_semantics", evidence, fix, list(moving))
-    cause.paths, cause.share = ["infer"], share(np.abs(e))
+    raw = any(not _returned(per_seq[c]) for c, _ in tokens)
+    cause = _cause(settings_out, active(applied), raw, reproduced, kept, (share(np.abs(e)), share(np.abs(d - e))), len(d))
     cause.sampling = {"infer": {"kind": "sampling_semantics", "source": "records", "positions": len(d),
                                 "temperature": None, "truncation": None, "settings": settings_out,
                                 "reproduced": reproduced,
@@ -242,6 +231,39 @@ def _judge(found: Findings, applied: dict[str, Any], per_seq: dict[int, dict[str
                                                   "explained": float(np.abs(d - e).mean())}}}  # fmt: skip
     found.causes.append(cause)
     return found
+
+
+def _cause(settings: list[dict[str, Any]], applied: dict[str, Any], raw: bool, reproduced: dict[str, Any],
+           kept: list[int], shares: tuple[float | None, float | None], tokens: int) -> Any:
+    """The ``sampling_semantics`` cause of the steps in ``settings`` (each applied on one side only, or with another
+    value), with its evidence and each framework's fix."""
+    evidence = [f"{LABEL[s['setting']]} = {s['infer']!r} on the infer side, {s['train']!r} on the train side: "
+                f"{_pct(s['share'])} of the measured |Δ logprob|" for s in settings]  # fmt: skip
+    miss = reproduced["infer"]["max_abs_diff"]
+    what = ("raw logprobs (logprobs_mode raw_logprobs: none of its sampler's steps)" if raw else
+            "the sampler's processed logprobs")
+    evidence.append(f"the infer logprobs are {what}, recomputed from its recorded logits under its recorded "
+                    f"settings to within {miss:.3g}" + (f" (as many tokens kept at {kept[0]} of {kept[1]} rows)"
+                                                        if kept[1] else "")
+                    + "; the trainer applied " + _listed(applied))  # fmt: skip
+    evidence.append(f"together the sampling steps account for {_pct(shares[0])} of the measured gap over {tokens} "
+                    f"tokens; the rest ({_pct(shares[1])}) is the two sides' logits under the same processing")
+    fixes = []
+    for s in settings:
+        label, framework = LABEL[s["setting"]], FIXES.get(s["setting"], OTHER_FIX)
+        if s["train"] == "off":  # the engine only: sample without it, as the trainer scores
+            fixes.append(f"{label} (the engine only): sample without it, {framework}")
+        elif s["infer"] == "off" or raw:  # the trainer only: its logprobs are of another distribution
+            fixes.append(f"{label} (the trainer only): have the engine report processed logprobs at the same setting "
+                         "(vLLM logprobs_mode=processed_logprobs: TRL sets it; verl rollout.logprobs_mode; OpenRLHF "
+                         f"with --algo.advantage.is_correction_enable), or drop it in the trainer; {framework}")
+        else:
+            fixes.append(f"{label}: one value on both sides, {framework}")
+    fix = "; ".join(fixes) + "; " + CORRECTION
+    cause = framework_cause("log_softmax", "log_softmax", "sampling_semantics", evidence, fix,
+                            [s["setting"] for s in settings])
+    cause.paths, cause.share = ["infer"], shares[0]
+    return cause
 
 
 def _listed(steps: dict[str, Any]) -> str:
