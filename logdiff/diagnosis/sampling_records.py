@@ -222,6 +222,7 @@ def _judge(found: Findings, applied: dict[str, Any], per_seq: dict[int, dict[str
         return found
     settings_out = [{"setting": k, "train": values[k][0], "infer": values[k][1], "share": share(v)}
                     for k, v in moving.items()]
+    settings_out.sort(key=lambda x: -(x["share"] or 0.0))  # the largest first: the one a report shows
     raw = any(not _returned(per_seq[c]) for c, _ in tokens)
     cause = _cause(settings_out, active(applied), raw, reproduced, kept, (share(np.abs(e)), share(np.abs(d - e))), len(d))
     cause.sampling = {"infer": {"kind": "sampling_semantics", "source": "records", "positions": len(d),
