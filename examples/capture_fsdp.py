@@ -84,7 +84,9 @@ def main() -> None:
         started = time.perf_counter()
         capture = contextlib.nullcontext() if args.no_capture else logdiff.capture(
             model, args.out, role="train", window=args.window, wait=False)
-        with capture, torch.no_grad():
+        with capture as cap, torch.no_grad():
+            if cap is not None:  # what this scoring does to the logits: nothing (log_softmax at T = 1)
+                cap.applied_processing(temperature=1.0)
             for start in range(0, len(seqs), args.batch):
                 batch = seqs[start : start + args.batch]
                 width = max(len(s) for s in batch)

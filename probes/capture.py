@@ -155,6 +155,28 @@ class Capture:
         """Block until the bundle is written (where the block did not wait); raise what writing failed with."""
         self.writer.wait()
 
+    def applied_processing(self, **settings: Any) -> None:
+        """Declare what the trainer did to its logits before its log-softmax, for every step of this capture
+        (``meta["applied_processing"]``): ``temperature=`` (TRL and verl divide the logits by the rollout's), and
+        any other step of a sampler it applies (``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ...: the
+        keys of ``logdiff/records/processing.py``). ``logdiff compare`` checks the rollout's recorded sampling
+        against it: a step the engine applied and the trainer did not is a ``sampling_semantics`` cause. Call it
+        again to replace the declaration; unknown keys or invalid values raise ``ValueError``."""
+        from logdiff.errors import InputError
+        from logdiff.records.processing import SETTINGS, clean
+
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(f"applied_processing: unknown setting(s) {', '.join(unknown)} (known: "
+                             f"{', '.join(SETTINGS)})")
+        try:
+            record = clean({k: (float(v) if isinstance(v, int) and not isinstance(v, bool) and k in
+                                ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                                 "presence_penalty") else v) for k, v in settings.items()}, "applied_processing")
+        except InputError as e:
+            raise ValueError(str(e)) from None
+        self.writer.meta_update({"applied_processing": record})
+
     def logprobs(self, logits: Any) -> Any:
         """The trainer's ``log_softmax`` (``log_softmax=``; float32 ``torch.log_softmax`` by default) of the model's
         last logits ``[..., V]``, recorded as the ``log_softmax`` boundary (route the trainer's through it). The

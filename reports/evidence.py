@@ -79,7 +79,8 @@ def how_sure(result: dict[str, Any]) -> list[str]:
               f"contract names, on that side's own inputs): {len(checked)}{split}"),
              f"  - a contract or weight difference read from the loaded engines: {len(counted['contract'])}",
              f"  - rerunning both engines with the reference kernels: {len(counted['rerun'])}"]
-    more = {"sampling": "a sampler fitted to the logprobs", "values": "NaN/inf found in the values",
+    more = {"sampling": "a sampler fitted to the logprobs, or the samplers' recorded settings replayed on the "
+                        "recorded logits (logdiff compare)", "values": "NaN/inf found in the values",
             "not_judged": "not judged (no exact function measured them and nothing they read differs)"}
     lines += [f"  - {words}: {len(counted[k])}" for k, words in more.items() if counted[k]]
     return lines

@@ -125,6 +125,9 @@ def test_multiprocess_engine_captures_prompts_and_responses(tp1: tuple[Path, lis
     assert [s["ids"] for s in meta["sequences"]] == [r["prompt_ids"] + r["response_ids"] for r in rollouts]
     assert [s["prompt_len"] for s in meta["sequences"]] == [PROMPT_LEN] * PROMPTS
     assert meta["warnings"] == [] and meta["architecture"] == "Qwen3ForCausalLM" and "contract" in meta
+    # what the sampler applied to each request, read in the engine core's worker process (records/processing.py)
+    assert [(s["sampling"]["temperature"], s["sampling"]["max_tokens"], s["sampling"]["logprobs_mode"])
+            for s in meta["sequences"]] == [(1.0, MAX_TOKENS, "raw_logprobs")] * PROMPTS
     # every boundary the adapter knows, in every step (the prefill and each decode step)
     cmap = adapter_for(meta["architecture"]).correspondence(meta["config"])
     boundaries = {b.name for b in cmap.boundaries}

@@ -26,8 +26,10 @@ by name (``registry.get_engine``), never an engine module:
    (``nonfinite.py``: the ``non_finite`` block and cause, the first boundary holding it and on which side).
 
 What needs the live engines is said in the result's warnings rather than
-guessed: the reference-kernel rerun, attribution, the sampling-semantics and
-routing checks. The conformance check (each side against the exact function)
+guessed: the reference-kernel rerun, attribution and the routing checks. The
+sampling checks run from the bundles' records (``diagnosis/sampling_records.py``:
+the engine's per-request sampling settings and logits rows, the trainer's declared
+processing); a record that is missing is one warning. The conformance check (each side against the exact function)
 needs the weights: ``--model MODEL`` loads them (transformers, on the CPU);
 without it, ops are classified by contract and the noise floor. Where a side
 summed an op across ranks (a row-parallel output) and the other did not sum
@@ -73,9 +75,10 @@ Progress = Callable[..., None]
 #: config keys that fix the model's shapes: bundles that differ on one recorded different models
 SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "intermediate_size", "head_dim")
-#: what an offline comparison cannot do, said in every result it writes
-NEEDS_ENGINES = ("the reference-kernel rerun, attribution and the sampling-semantics and routing checks need the "
-                 "live engines: run `logdiff scan` for them")
+#: what an offline comparison cannot do, said in every result it writes (the sampling checks run from the bundles'
+#: records: ``diagnosis/sampling_records.py``)
+NEEDS_ENGINES = ("the reference-kernel rerun, attribution and the routing checks need the live engines: run "
+                 "`logdiff scan` for them")
 
 
 @dataclass
@@ -223,12 +226,17 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
                            conformance_sequences=CONFORMANCE_SEQUENCES if engine is not None else 0)
     offsets = position_offsets(tb, ib, matching)  # where a side fed a sequence at shifted positions (RoPE's input)
     session.position_offsets = {side: {c: o[side] for c, o in offsets.items() if o.get(side)} for side in ("train", "infer")}
+    from logdiff.diagnosis.sampling_records import RowSink
+
+    lengths = [len(s) for s in seqs]
+    rows = {role: RowSink([len(s.prompt_ids) for s in seqs], lengths) for role in ("train", "infer")}
     try:
         scores, windows = {}, {"train": sketched(tb), "infer": sketched(ib)}
         for side, common in ((infer, matching.infer), (train, matching.train)):  # stored first, then compared
             progress(f"un-sharding and comparing the {side.role} bundle ({side.bundle.world_size} ranks)",
                      phase=f"feed:{side.role}")
             extra = (session.keep_rows(side.name),) if engine is not None and side is train else ()
+            extra = (*extra, rows[side.role])  # the rows the sampling checks replay (``sampling_records``)
             other = windows["infer" if side is train else "train"]
             scores[side.role], misaligned = feed_side(side.bundle, common, matching.ids, session, side.role,
                                                        side.name, extra, other - windows[side.role],
@@ -276,6 +284,12 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
             result.warn("the first bundle was captured as the inference side and the second as the training side: "
                         "logdiff compare takes TRAIN_BUNDLE first")
         _diagnose(result, cfg, train, infer, session, progress, model_rejected=bool(rejected))
+        if result.non_finite is None:
+            from logdiff.diagnosis import sampling_records
+
+            progress("replaying each side's recorded sampling processing", phase="sampling")
+            result.add(sampling_records.diagnose(tb, ib, matching, seqs, train_scores.logprobs,
+                                                 infer_scores.logprobs, rows["infer"], rows["train"]))
         differs = ((result.contracts or {}).get("weights") or {}).get("differs") or []
         if loaded is not None and differs:
             add_shard_evidence(result.causes, differs, [tb, ib], loaded.module().state_dict())

@@ -13,7 +13,8 @@ a copy that went wrong or a hand that edited it. Whatever it says, reading it mu
 - print a wall: a message names at most a few items and how many more (``brief``).
 
 Each refusal is an ``InputError`` (exit 2) naming the file the user can look at. The rules are the same for
-every reader (``records/bundle.py``, ``sources/msprobe/``, ``records/sequences.py``), so a new reader states
+every reader (``records/bundle.py``, ``sources/msprobe/``, ``records/sequences.py``, ``records/processing.py``
+for the sampling records a manifest holds), so a new reader states
 what it reads through this module and inherits them.
 """
 

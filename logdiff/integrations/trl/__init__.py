@@ -20,7 +20,9 @@ one bundle pair is written under ``DIR/step-{global_step:06d}/``:
   the "old" logprobs TRL's importance-sampling correction compares with vLLM's), under ``logdiff.capture``.
   TRL's fused log-prob head (``trl/kernels/chunked_logprob.py``) never calls ``lm_head``: its per-token
   logprobs are given to ``Capture.token_logprobs`` from the head's own output, so the bundle holds the
-  values TRL's loss used, and every module boundary of the decoder before it.
+  values TRL's loss used, and every module boundary of the decoder before it. Its metadata says what TRL
+  applied to the logits (``Capture.applied_processing``: the temperature, TRL's only step), against which
+  ``compare`` checks the rollout's recorded sampling settings (top-p, top-k, min-p, penalties).
 
 Then ``logdiff compare`` runs on the pair (``compare=True``, the default), with the trainer's live model
 for the conformance check (its weights are read, never run): ``result.json`` and
@@ -285,6 +287,9 @@ def trainer_capture(trainer: Any, out_dir: Path, window: int | str, failed: Any)
             failed(f"{out_dir}: a forward's token logprobs were not recorded ({type(e).__name__}: {e})", e)
 
     with capture(model, out_dir, role="train", window=window, wait=False) as cap:
+        # what TRL's scoring does to the logits: it divides them by GRPOConfig.temperature, and applies none of the
+        # top-k, top-p, min-p or penalties it forwards to vLLM (trl/trainer/grpo_trainer.py, TRL 1.16)
+        cap.applied_processing(temperature=float(getattr(trainer, "temperature", 1.0)))
         hook = model.register_forward_hook(record, with_kwargs=True)
         try:
             yield cap

@@ -30,7 +30,9 @@ engine or in-process.
   the weight fingerprints the vLLM engine reads (``contract.py``), the vLLM version
   and, per sequence, the request id, its prompt length and every id known of it (prompt and sampled output,
   from the runner's request state). The last sampled token of a request is never
-  fed, so it is only there, not in the row tables (``Bundle.sequences``).
+  fed, so it is only there, not in the row tables (``Bundle.sequences``). Each sequence's ``sampling``
+  holds the settings the sampler applied to its request, read from the sampler's input
+  (``sampler_records.py``; ``logdiff/records/processing.py``).
 
 **Weight syncs.** An RL loop loads the trainer's weights into the running engine through the
 model's ``load_weights`` (TRL: once per tensor; verl's ``_update_weights``;
@@ -144,6 +146,11 @@ def recording(runner: Any, out_dir: str | Path, window: Window | None = None,
             if method is not None:
                 patches.set(owner, name, _notifying(method, capture))
         patches.set(runner, "sample_tokens", _flushing(runner.sample_tokens, capture))
+        sampler = getattr(runner, "sampler", None)
+        if sampler is not None:  # what the sampler applied to each request (``sampler_records.py``)
+            from logdiff.sources.vllm.sampler_records import wrap_sampler
+
+            patches.set(sampler, "forward", wrap_sampler(sampler, runner, capture.sampled))
         yield capture
 
 
@@ -248,6 +255,7 @@ class _Sequence:
         self.request_id, self.state = request_id, state  # the runner's CachedRequestState, kept after it ends
         self.prompt_ids: list[int] = []
         self.response_ids: list[int] = []
+        self.sampling: dict[str, Any] | None = None  # what the sampler applied to it (``sampler_records.py``)
 
     def feed(self, positions: np.ndarray, tokens: np.ndarray) -> None:
         if len(positions) and int(positions.max()) >= len(self.prompt_ids):
@@ -259,10 +267,12 @@ class _Sequence:
         """Request id, prompt length and every id known of it: the prompt, then the sampled ids (the last one
         never fed); where the runner kept no state, the fed ids."""
         prompt = list(getattr(self.state, "prompt_token_ids", None) or [])
+        sampling = {} if self.sampling is None else {"sampling": self.sampling}
         if not prompt:
-            return {"request_id": self.request_id, "prompt_len": None, "ids": list(self.prompt_ids)}
+            return {"request_id": self.request_id, "prompt_len": None, "ids": list(self.prompt_ids), **sampling}
         out = [int(t) for t in getattr(self.state, "output_token_ids", []) if t >= 0]  # -1: async placeholders
-        return {"request_id": self.request_id, "prompt_len": len(prompt), "ids": [int(t) for t in prompt] + out}
+        return {"request_id": self.request_id, "prompt_len": len(prompt), "ids": [int(t) for t in prompt] + out,
+                **sampling}
 
 
 class _WorkerView:
@@ -324,6 +334,18 @@ class VllmCapture(Capture):
         for key in ("fingerprints", "fingerprints_error"):
             meta.pop(key, None)
         self.writer.meta_update({**hashed, "weight_versions": self._versions})
+
+    def sampled(self, request_id: str | None, read: Any) -> None:
+        """The sampler is about to sample for ``request_id``: its settings (``read()``, called once per request, in
+        a recorded step only) become its sequence's ``sampling`` record; ``request_id`` None: ``read`` is the error
+        that reading the batch raised (a warning)."""
+        if request_id is None:
+            self._warn(f"the sampler's settings could not be read ({type(read).__name__}: {read})")
+            return
+        index = self._seq_of.get(request_id)
+        if self._closed or self._step_names is None or index is None or self.sequences[index].sampling is not None:
+            return
+        self.sequences[index].sampling = read()
 
     def flush(self) -> None:
         """Write the step recorded so far (vLLM has sampled from it) and the manifest; a step that cannot be
