@@ -1,118 +1,25 @@
-"""The ``logdiff`` command line.
+"""The ``scan`` and ``check`` commands: the live runs, which share every one of scan's options.
 
-Only this module knows about terminals, exit codes and files on disk. Every
-command imports torch, transformers and vLLM lazily, inside its body, so that
-``logdiff --help`` stays instant. Errors the user can fix print one line and
-exit with the code documented in docs/cli.md (2 an input, 3 an engine, 4 an
-output that cannot be written: every file goes through ``logdiff.commands.outputs``);
-anything else is an internal error (exit 101), with the traceback only under
-``LOGDIFF_DEBUG=1``.
+``scan`` builds a ``ScanConfig`` from its options and runs the scan (``_run_scan``, the one
+place both commands start it, so a test can replace the run); ``check`` takes all of scan's
+options (``_with_scan_options``) plus its gates, runs the same scan and reports each gate
+(``logdiff.commands.check`` evaluates them; this module only parses, prints and exits).
+Registered on the shared app (``cli_app``); ``logdiff/cli.py`` imports this module first.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
-import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 
 from logdiff.commands.check import FAIL_ON_CLASSES
-from logdiff.commands.config import ATTRIBUTION_GAMES, DEPTHS
-from logdiff.commands.usage import LogdiffGroup
-from logdiff.errors import EXIT_ENGINE_UNAVAILABLE, EXIT_INTERNAL, LogdiffError
-from logdiff.probes.arch import demos as demo_archs  # names only: no torch
+from logdiff.commands.cli_app import Depth, Dtype, Game, app, handle_errors, say, stderr_console, with_progress
 from logdiff.sources import DEFAULT_INFER, DEFAULT_TRAIN
-from logdiff.sources.base import DTYPES
-from logdiff.sources.msprobe.config import LEVELS, SIDES
-
-app = typer.Typer(
-    name="logdiff",
-    help="Find where and why a trainer's logprobs and an inference engine's logprobs differ.",
-    cls=LogdiffGroup,  # a usage error is one line (logdiff/commands/usage.py)
-    rich_markup_mode=None,  # click's help: wrapped at word boundaries, never cut (logdiff/commands/usage.py)
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-# The options with a closed set of values are typed by it: --help lists the choices, and click refuses
-# any other value in one line, exit 2, before anything runs (docs/cli.md).
-Dtype = Literal[DTYPES]  # type: ignore[valid-type]
-Depth = Literal[DEPTHS]  # type: ignore[valid-type]
-Game = Literal[ATTRIBUTION_GAMES]  # type: ignore[valid-type]
-Side = Literal[SIDES]  # type: ignore[valid-type]
-Level = Literal[LEVELS]  # type: ignore[valid-type]
-DemoArch = Literal[tuple(demo_archs())]  # type: ignore[valid-type]
-
-
-def _stderr() -> Console:
-    return Console(stderr=True)
-
-
-#: the packages a command may need that ``pip install logdiff`` does not bring (torch's build depends on the machine:
-#: a CPU wheel, a CUDA one or torch_npu; so it stays an extra), and what each is for
-OPTIONAL_PACKAGES = {"torch": "PyTorch (replays and exact functions run in it)", "transformers": "transformers",
-                     "vllm": "vLLM", "pyarrow": "pyarrow (parquet tables and rollout dumps)"}
-INSTALL_HINT = "pip install 'logdiff[cpu]' (CPU) or 'logdiff[vllm]' (CUDA), or scripts/install.sh (docs/cli.md)"
-
-
-def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn exceptions into a one-line message and the documented exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            with warnings.catch_warnings():
-                if not os.environ.get("LOGDIFF_DEBUG"):
-                    warnings.simplefilter("ignore")  # engines' deprecation chatter is not ours to show
-                if os.environ.get("LOGDIFF_EMULATE_ISA"):  # run as a smaller CPU (logdiff/isa.py)
-                    from logdiff.isa import apply_emulation
-
-                    apply_emulation()
-                return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort, SystemExit):
-            raise
-        except LogdiffError as e:
-            from rich.text import Text
-
-            from logdiff.reports.format import safe_text
-
-            line = Text("logdiff: error: ", style="bold red") + Text(safe_text(e))  # one inert line
-            _stderr().print(line, highlight=False, soft_wrap=True)
-            raise typer.Exit(e.exit_code) from None
-        except KeyboardInterrupt:
-            _stderr().print("logdiff: interrupted")
-            raise typer.Exit(130) from None
-        except Exception as e:  # noqa: BLE001 - the last line of defence
-            missing = (e.name or "").split(".")[0] if isinstance(e, ModuleNotFoundError) else ""
-            if missing in OPTIONAL_PACKAGES:  # a light machine: one line, exit 3, what to install
-                _stderr().print(f"logdiff: error: {fn.__name__.replace('_', '-')} needs {OPTIONAL_PACKAGES[missing]}, "
-                                f"which is not installed here: {INSTALL_HINT}", highlight=False, markup=False,
-                                soft_wrap=True)
-                raise typer.Exit(EXIT_ENGINE_UNAVAILABLE) from None
-            if os.environ.get("LOGDIFF_DEBUG"):
-                traceback.print_exc()
-            from logdiff.reports.format import safe_text
-
-            msg = safe_text(f"{type(e).__name__}: {e}".splitlines()[0] if str(e).strip() else type(e).__name__)
-            _stderr().print(
-                f"logdiff: internal error: {msg} (set LOGDIFF_DEBUG=1 for the traceback)",
-                highlight=False,
-                markup=False,
-                soft_wrap=True,
-            )
-            raise typer.Exit(EXIT_INTERNAL) from None
-
-    return wrapper
-
 
 # `scan` answers where and why by default; `check` gates CI on the logprobs alone unless a gate needs the
 # causes (--fail-on operator_path|framework_difference) or --depth says otherwise (docs/ci.md).
@@ -152,26 +59,7 @@ def _run_scan(cfg: Any, quiet: bool, tables: Optional[dict[str, Any]] = None) ->
     """Run the scan, with a progress row per phase on stderr unless quiet or stderr is not a terminal."""
     from logdiff.commands.scan import scan as run
 
-    return _with_progress(lambda progress: run(cfg, progress=progress, tables=tables), quiet)
-
-
-def _with_progress(run: Callable[[Any], Any], quiet: bool) -> dict[str, Any]:
-    """``run(progress)``'s result as a dict, with a progress row per phase on stderr when it is a terminal."""
-    from logdiff.phases import Phases, silent
-    from logdiff.reports import PhaseProgress
-
-    console = _stderr()
-    if quiet or not console.is_terminal:
-        return run(silent).to_dict()
-    with PhaseProgress(console) as shown:
-        return run(Phases(shown)).to_dict()
-
-
-def _say(console: Console, text: str, **kwargs: Any) -> None:
-    """Print one line built from result data: control characters escaped, never read as markup."""
-    from logdiff.reports.format import safe_text
-
-    console.print(safe_text(text), markup=False, highlight=False, soft_wrap=True, **kwargs)
+    return with_progress(lambda progress: run(cfg, progress=progress, tables=tables), quiet)
 
 
 @app.command(short_help="Where and why a training and an inference path differ.")
@@ -358,7 +246,7 @@ def check(
     hardware = gating.current_hardware() if baseline is not None and "{hw}" in str(baseline) else None
     base_path = gating.resolve_baseline_path(baseline, hardware) if baseline is not None else None
     if hardware is not None:  # say which per-hardware baseline this machine reads (docs/portability.md)
-        _stderr().print(f"baseline for hardware key {hardware}: {base_path}", markup=False, highlight=False,
+        stderr_console().print(f"baseline for hardware key {hardware}: {base_path}", markup=False, highlight=False,
                         soft_wrap=True)
     old = None
     if base_path is not None:
@@ -395,13 +283,13 @@ def _refresh_baseline(result: dict[str, Any], old: Optional[dict[str, Any]], pat
     from logdiff.commands import check as gating
 
     if not all(g.passed for g in basics):
-        _say(console, f"baseline not written: {'; '.join(g.message for g in basics if not g.passed)}")
+        say(console, f"baseline not written: {'; '.join(g.message for g in basics if not g.passed)}")
         return
     keep = tol or (gating.baseline_tolerance(old) if old else gating.Tolerance())
     for line in gating.refresh_changes(result, old):
-        _say(console, f"baseline change: {line}")
+        say(console, f"baseline change: {line}")
     gating.write_baseline(path, gating.make_baseline(result, keep))
-    _say(console, f"{'refreshed' if old else 'wrote'} baseline {path} ({keep.describe()})")
+    say(console, f"{'refreshed' if old else 'wrote'} baseline {path} ({keep.describe()})")
 
 
 def _report_gates(
@@ -420,16 +308,16 @@ def _report_gates(
 
     failed = [g for g in gates if not g.passed]
     for g in gates:
-        _say(console, f"{'PASS' if g.passed else 'FAIL'} {g.message}")
+        say(console, f"{'PASS' if g.passed else 'FAIL'} {g.message}")
     for note in notes:
-        _say(console, f"note: {note}")
+        say(console, f"note: {note}")
     explanation = gating.explain(result)
     if failed:
-        _say(console, f"logdiff check: {len(failed)} of {len(gates)} gates failed", style="bold red")
+        say(console, f"logdiff check: {len(failed)} of {len(gates)} gates failed", style="bold red")
         for line in explanation:
-            _say(console, f"  {line}")
+            say(console, f"  {line}")
     else:
-        _say(console, f"logdiff check: all {len(gates)} gates passed", style="bold green")
+        say(console, f"logdiff check: all {len(gates)} gates passed", style="bold green")
     dicts = [g.as_dict() for g in gates]
     if junit is not None:
         props = {"verdict": result.get("verdict"), "model": result.get("model"), "dtype": result.get("dtype"),
@@ -442,232 +330,3 @@ def _report_gates(
         summary = os.environ.get("GITHUB_STEP_SUMMARY") or "$GITHUB_STEP_SUMMARY"
         with outputs.writing(Path(summary), "$GITHUB_STEP_SUMMARY"):  # appended to, so not atomic
             gh.append_step_summary(gh.step_summary(dicts, explanation + notes))
-
-
-def _load_valid_result(path: Path) -> dict[str, Any]:
-    """A saved result.json, or a one-line InputError saying why it is unusable."""
-    from logdiff.errors import InputError
-    from logdiff.reports import load_result, validate_result
-    from logdiff.reports.schema import structure_checked
-
-    try:
-        result = load_result(path)
-    except ValueError as e:
-        raise InputError(str(e)) from None
-    problems = validate_result(result)
-    if problems:
-        raise InputError(f"{path} is not a valid logdiff result: {problems[0]}")
-    if not structure_checked():
-        _say(_stderr(), "note: jsonschema is not installed, so only part of the result's structure was checked")
-    return result
-
-
-@app.command("compare", short_help="Compare two capture bundles (or msprobe dumps) offline.")
-@handle_errors
-def compare_bundles(
-    train_bundle: Path = typer.Argument(
-        ..., metavar="TRAIN_BUNDLE", help="The training side's capture bundle (logdiff.capture, role train), or an "
-        "msprobe tensor dump directory (docs/msprobe.md; needs --model), or a statistics dump (a statistics-only "
-        "comparison).",
-    ),
-    infer_bundle: Path = typer.Argument(
-        ..., metavar="INFER_BUNDLE", help="The inference side's capture bundle (LOGDIFF_CAPTURE in vLLM, or "
-        "logdiff.capture, role infer), or an msprobe tensor dump directory."
-    ),
-    model: Optional[Path] = typer.Option(
-        None, "--model", metavar="MODEL", help="The HF model directory both sides ran: with its weights each op "
-        "that introduces error is measured against its exact function (the conformance check). An msprobe dump needs "
-        "its config.json.",
-    ),  # fmt: skip
-    is_threshold: float = typer.Option(2.0, metavar="T", help="T of the rollout_is_* and k1 rollout_rs_* metrics."),
-    out: Optional[Path] = typer.Option(None, metavar="DIR", help="Write DIR/result.json, DIR/report.html and "
-                                       "the divergence table."),
-    json_path: Optional[Path] = typer.Option(None, "--json", metavar="FILE", help="Write result.json as FILE."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
-    tp: Optional[int] = typer.Option(None, "--tp", metavar="N", help="The tensor-parallel size of an msprobe dump "
-                                     "with several ranks per step (docs/msprobe.md); same as --parallel tp=N."),
-    parallel: Optional[str] = typer.Option(None, "--parallel", metavar="tp=N[,pp=M]", help="The parallel sizes of a "
-                                           "multi-rank msprobe dump (msprobe writes none); only tp is un-sharded yet."),
-) -> None:
-    """Compare two capture bundles offline, as scan compares its paths: un-shard, align by token ids, locate, classify.
-
-    No engine is imported; what needs the live engines (reference rerun, attribution) is named in the warnings.
-    """
-    from logdiff.commands import outputs
-    from logdiff.commands.compare import compare_bundles as run
-    from logdiff.errors import InputError
-    from logdiff.reports import print_summary
-
-    if isinstance(is_threshold, bool) or not 1.0 < is_threshold < float("inf"):
-        raise InputError(f"--is-threshold must be a finite number > 1 (bounds [1/T, T]), not {is_threshold!r}")
-    import tempfile
-
-    from logdiff.sources.msprobe.source import as_bundle, live_model, statistics_only, statistics_result
-
-    if statistics_only(train_bundle, infer_bundle):  # an msprobe statistics dump: no tensors (docs/msprobe.md)
-        from logdiff.comparison.environment import environment
-
-        if tp is not None or parallel is not None:
-            raise InputError("--tp/--parallel: a statistics-only comparison reads one rank per dump (docs/msprobe.md)")
-        result = statistics_result(train_bundle, infer_bundle, model, environment())
-        with outputs.prepared(out, json_path):
-            outputs.write_result(result, out, json_path)
-        print_summary(result, Console(), quiet=quiet)
-        return
-    tables: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="logdiff-msprobe-") as scratch:  # an msprobe dump's bundle, then gone
-        from logdiff.sources.msprobe.ranks import parse_parallel
-
-        sizes = parse_parallel(parallel, tp)
-        train, infer = (as_bundle(p, role, model, Path(scratch), sizes) for p, role in ((train_bundle, "train"),
-                                                                                (infer_bundle, "infer")))
-        with outputs.prepared(out, json_path):
-            weights = live_model(model, (train, infer), (train_bundle, infer_bundle))
-            result = _with_progress(
-                lambda progress: run(train, infer, model=weights, is_threshold=is_threshold, progress=progress,
-                                     tables=tables), quiet)  # fmt: skip
-            outputs.write_result(result, out, json_path, tables)
-    print_summary(result, Console(), quiet=quiet)
-
-
-@app.command("msprobe-config", short_help="Write the msprobe config for a dump logdiff can read.")
-@handle_errors
-def msprobe_config(
-    path: Path = typer.Argument(..., metavar="PATH", help="The msprobe config JSON file to write."),
-    side: Side = typer.Option(..., help="hf (transformers, the training side) or vllm (in-process, enforce_eager)."),
-    dump_path: Path = typer.Option(..., metavar="DIR", help="The directory msprobe writes the dump into."),
-    layers: Optional[str] = typer.Option(None, metavar="N[,N...]",
-                                         help="Decoder layers to dump, e.g. 0,3 (default: every layer)."),
-    steps: Optional[str] = typer.Option(None, metavar="N[,N...]",
-                                        help="msprobe steps to dump, e.g. 0,1 (default: every step)."),
-    level: Level = typer.Option("L0", help="L0 (module boundaries) or mix (HF only: also the tensor ops inside "
-                                "modules, which hold HF's RoPE)."),
-    statistics: bool = typer.Option(False, "--statistics", help="Task statistics (summary_mode md5) instead of "
-                                    "tensor: a same-or-not gate, no rows to align."),
-) -> None:
-    """Write the msprobe config logdiff needs for a usable dump (docs/msprobe.md)."""
-    import json
-
-    from logdiff.commands import outputs
-    from logdiff.sources.msprobe.config import msprobe_config as build
-    from logdiff.sources.msprobe.config import parse_ints, usage
-
-    config = build(side, str(dump_path), layers=parse_ints(layers, "--layers"), steps=parse_ints(steps, "--steps"),
-                   statistics=statistics, level=level)
-    outputs.write_text(path, json.dumps(config, indent=1) + "\n", "the config")
-    _say(Console(), usage(side, str(path)))
-
-
-@app.command(short_help="Render report.html from a saved result.json.")
-@handle_errors
-def report(
-    result_json: Path = typer.Argument(..., metavar="RESULT", help="A result.json written by scan, check or "
-                                       "compare."),
-    out: Optional[Path] = typer.Option(None, metavar="DIR", help="Write DIR/report.html (default: report.html "
-                                       "beside RESULT). An --out ending in .html is read as --html (deprecated)."),
-    html: Optional[Path] = typer.Option(None, metavar="FILE", help="Write the HTML as FILE."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the verdict line."),
-) -> None:
-    """Render report.html (and the terminal summary) from a saved result.json."""
-    from logdiff.commands import outputs
-    from logdiff.reports import print_summary, render_html
-
-    result = _load_valid_result(result_json)
-    path, what, note = outputs.report_target(result_json, out, html)
-    if note:
-        _say(_stderr(), f"logdiff: note: {note}")
-    outputs.write_text(path, render_html(result), what)
-    print_summary(result, Console(), quiet=quiet)
-    _say(_stderr(), f"wrote {path}")
-
-
-@app.command(short_help="Explain a result: what diverged, why, what to do next.")
-@handle_errors
-def explain(
-    result_json: Path = typer.Argument(..., metavar="RESULT", help="A result.json written by scan, check or compare."),
-    evidence: bool = typer.Option(False, "--evidence", help="Show every evidence line of each cause group, not only "
-                                  "the ones that decided its class."),
-) -> None:
-    """Explain a result in plain language: what diverged, why, how sure, what to do next."""
-    from logdiff.reports import explain as account
-
-    sys.stdout.write(account(_load_valid_result(result_json), evidence=evidence))
-
-
-@app.command(short_help="List or self-test the reference consistent kernels.")
-@handle_errors
-def kernels(
-    self_test: bool = typer.Option(False, "--self-test", help="Check each kernel's invariance and fp64 agreement."),
-) -> None:
-    """List the reference consistent kernels, or self-test them (exit 1 if one fails)."""
-    from rich.table import Table
-
-    from logdiff.kernels import KERNELS
-    from logdiff.kernels import self_test as run_self_test
-
-    console = Console()
-    if not self_test:
-        table = Table(title="logdiff consistent kernels")
-        for col in ("kernel", "what it computes", "precision policy"):
-            table.add_column(col)
-        for k in KERNELS:
-            table.add_row(k.name, k.description, k.precision)
-        console.print(table)
-        return
-    table = Table(title="consistent kernel self-test")
-    for col in ("kernel", "batch-invariant", "max rel. error vs fp64", "bound", "detail"):
-        table.add_column(col)
-    results = run_self_test()
-    for r in results:
-        table.add_row(
-            r.name, "yes" if r.invariant else "NO", f"{r.max_error:.2e}", f"{r.bound:.0e}", r.detail,
-            style=None if r.ok else "bold red",
-        )  # fmt: skip
-    console.print(table)
-    if not all(r.ok for r in results):
-        raise typer.Exit(1)
-
-
-@app.command("demo-model", short_help="Build a small trained demo model.")
-@handle_errors
-def demo_model(
-    path: Path = typer.Argument(..., metavar="PATH", help="Directory to create."),
-    arch: DemoArch = typer.Option("qwen3", "--arch", metavar="ARCH", help=f"One of {', '.join(demo_archs())} "
-                                  "(docs/architectures.md)."),
-    seed: int = typer.Option(0, metavar="S", help="Seed for the weights and the training order."),
-    train_seconds: float = typer.Option(90.0, metavar="SECONDS",
-                                        help="Training budget in seconds (peaked distributions)."),
-    max_steps: Optional[int] = typer.Option(None, metavar="N",
-                                            help="Stop after this many steps (reproducible builds)."),
-) -> None:
-    """Build a small trained demo model (and tokenizer) from a transformers config."""
-    from logdiff.commands import outputs
-    from logdiff.demo import build_demo_model
-
-    created = outputs.probe_demo_target(path)  # before the training, not after it
-    console = _stderr()
-    with outputs.removed_on_failure(created), console.status(f"building {arch} demo model") as status, \
-            outputs.writing_tree(path):
-        built = build_demo_model(
-            path, arch, seed=seed, train_seconds=train_seconds, max_steps=max_steps,
-            progress=lambda msg: status.update(msg),
-        )  # fmt: skip
-    Console().print(f"wrote {built}")
-
-
-@app.command(short_help="Versions, engines, the device and the vLLM platform.")
-@handle_errors
-def doctor() -> None:
-    """Versions, the engines installed and not, the device and the vLLM platform."""
-    from logdiff.commands.doctor import collect, render
-
-    render(collect(), Console())
-
-
-def main() -> None:
-    """Console-script entry point."""
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
