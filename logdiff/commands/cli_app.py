@@ -100,9 +100,9 @@ def handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as e:  # noqa: BLE001 - the last line of defence
             missing = (e.name or "").split(".")[0] if isinstance(e, ModuleNotFoundError) else ""
             if missing in OPTIONAL_PACKAGES:  # a light machine: one line, exit 3, what to install
-                stderr_console().print(f"logdiff: error: {fn.__name__.replace('_', '-')} needs {OPTIONAL_PACKAGES[missing]}, "
-                                f"which is not installed here: {INSTALL_HINT}", highlight=False, markup=False,
-                                soft_wrap=True)
+                command = fn.__name__.replace("_", "-")
+                stderr_console().print(f"logdiff: error: {command} needs {OPTIONAL_PACKAGES[missing]}, which is not "
+                                       f"installed here: {INSTALL_HINT}", highlight=False, markup=False, soft_wrap=True)
                 raise typer.Exit(EXIT_ENGINE_UNAVAILABLE) from None
             if os.environ.get("LOGDIFF_DEBUG"):
                 traceback.print_exc()

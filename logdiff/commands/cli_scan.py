@@ -220,8 +220,8 @@ def check(
     """
     import dataclasses
 
+    from logdiff.commands import baselines, outputs
     from logdiff.commands import check as gating
-    from logdiff.commands import outputs
     from logdiff.commands.config import ScanConfig
     from logdiff.errors import EXIT_GATE_FAILED, InputError
     from logdiff.reports import print_summary
@@ -243,14 +243,15 @@ def check(
             "check needs a gate: --max-abs-diff, --max-mean-diff, --max-kl, --max-clip-fraction, --fail-on "
             "or --baseline"
         )
-    hardware = gating.current_hardware() if baseline is not None and "{hw}" in str(baseline) else None
-    base_path = gating.resolve_baseline_path(baseline, hardware) if baseline is not None else None
+    hardware = baselines.current_hardware() if baseline is not None and "{hw}" in str(baseline) else None
+    base_path = baselines.resolve_baseline_path(baseline, hardware) if baseline is not None else None
     if hardware is not None:  # say which per-hardware baseline this machine reads (docs/portability.md)
         stderr_console().print(f"baseline for hardware key {hardware}: {base_path}", markup=False, highlight=False,
                         soft_wrap=True)
     old = None
     if base_path is not None:
-        old = gating.load_baseline(base_path, hardware) if not update_baseline else gating.try_load_baseline(base_path)
+        old = (baselines.load_baseline(base_path, hardware) if not update_baseline
+               else baselines.try_load_baseline(base_path))
     out, json_path = scan_options.get("out"), scan_options.get("json_path")
     tables: dict[str, Any] = {}
     with outputs.prepared(out, json_path, junit, base_path if update_baseline else None):
@@ -263,9 +264,9 @@ def check(
     gates = [gating.completeness_gate(result), gating.finite_gate(result), *gating.threshold_gates(result, thresholds)]
     gates += gating.fail_on_gates(result, classes)
     if base_path is not None and not update_baseline:
-        notes += gating.check_applicable(result, old, base_path)
-        gates += gating.baseline_gates(result, old, tol or gating.baseline_tolerance(old))
-        notes += [f"changed since the baseline: {c}" for c in gating.environment_changes(result, old)]
+        notes += baselines.check_applicable(result, old, base_path)
+        gates += baselines.baseline_gates(result, old, tol or baselines.baseline_tolerance(old))
+        notes += [f"changed since the baseline: {c}" for c in baselines.environment_changes(result, old)]
     asked = gating.asked_gates(result, thresholds, classes, None if update_baseline else old)
     gates += gating.coverage_gates(gates, asked)
     if update_baseline:
@@ -280,15 +281,16 @@ def check(
 def _refresh_baseline(result: dict[str, Any], old: Optional[dict[str, Any]], path: Path, tol: Any,
                       basics: list[Any], console: Console) -> None:  # fmt: skip
     """Write ``--update-baseline``'s file, unless the run is incomplete or not finite (a gate that can pass nothing)."""
+    from logdiff.commands import baselines
     from logdiff.commands import check as gating
 
     if not all(g.passed for g in basics):
         say(console, f"baseline not written: {'; '.join(g.message for g in basics if not g.passed)}")
         return
-    keep = tol or (gating.baseline_tolerance(old) if old else gating.Tolerance())
-    for line in gating.refresh_changes(result, old):
+    keep = tol or (baselines.baseline_tolerance(old) if old else gating.Tolerance())
+    for line in baselines.refresh_changes(result, old):
         say(console, f"baseline change: {line}")
-    gating.write_baseline(path, gating.make_baseline(result, keep))
+    baselines.write_baseline(path, baselines.make_baseline(result, keep))
     say(console, f"{'refreshed' if old else 'wrote'} baseline {path} ({keep.describe()})")
 
 
@@ -301,8 +303,8 @@ def _report_gates(
     Only the GitHub path emits workflow commands (``::error``), with their data escaped;
     every other line is printed with its control characters escaped.
     """
+    from logdiff.commands import baselines, outputs
     from logdiff.commands import check as gating
-    from logdiff.commands import outputs
     from logdiff.reports import github as gh
     from logdiff.reports.junit import junit_xml
 
@@ -321,7 +323,7 @@ def _report_gates(
     dicts = [g.as_dict() for g in gates]
     if junit is not None:
         props = {"verdict": result.get("verdict"), "model": result.get("model"), "dtype": result.get("dtype"),
-                 "hardware": gating.hardware_key(result.get("environment") or {}),
+                 "hardware": baselines.hardware_key(result.get("environment") or {}),
                  "baseline": baseline or "", "logdiff": (result.get("tool") or {}).get("version")}  # fmt: skip
         outputs.write_text(junit, junit_xml(dicts, properties=props), "--junit")
     if github:
