@@ -5,7 +5,7 @@ The pipeline, ``diagnose`` and ``attribute`` report what they do by calling
 and, in a counted phase, how far it is (``step=(k, n)``: rescan k of n).
 ``Phases`` is that callable: it times each phase (``timings``: phase name ->
 seconds, summed when a phase recurs) and passes every update to a listener,
-which is the CLI's rich progress display (logdiff/cli.py), or a plain
+which is the CLI's rich progress display (logdiff/commands/cli_app.py), or a plain
 ``msg -> None`` function (``Phases.of``). Nothing here knows about terminals.
 
 ``peak_rss_bytes`` reads the process's peak resident set size, for the scan's cost line and

@@ -16,7 +16,7 @@ __all__ = ["explain", "render_html", "print_summary", "validate_result", "load_r
            "PhaseProgress", "SCHEMA_VERSION"]
 
 _WHERE = {"explain": "narrative", "render_html": "html", "print_summary": "terminal",
-          "PhaseProgress": "terminal", "validate_result": "schema", "load_result": "schema",
+          "PhaseProgress": "progress", "validate_result": "schema", "load_result": "schema",
           "SCHEMA_VERSION": "schema"}
 
 

@@ -312,7 +312,8 @@ def test_consistent_hf_yarn_mla_forward_equals_decode(
     from logdiff.kernels.rope import yarn_attention_factor
     from transformers import AutoModelForCausalLM
 
-    from logdiff.sources.hf.consistent import consistent_hf, rope_params_of
+    from logdiff.sources.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent_rope import rope_params_of
 
     rope = YARN[arch]
     model = AutoModelForCausalLM.from_pretrained(_yarn_demo(demo_model, arch, tmp_path), dtype=torch.bfloat16).eval()

@@ -18,8 +18,8 @@ from logdiff.reports.format import safe_text
 from typer.testing import CliRunner
 
 from logdiff.cli import app
+from logdiff.commands import baselines, outputs
 from logdiff.commands import check as gating
-from logdiff.commands import outputs
 from logdiff.commands.config import ScanConfig
 from logdiff.errors import InputError
 from logdiff.records.sequences import load_jsonl, load_text_prompts
@@ -286,7 +286,7 @@ def test_valid_chat_messages_negative_control(qwen3: Path, tmp_path: Path) -> No
 
 
 def _baseline(tmp_path: Path) -> tuple[Path, dict]:
-    data = gating.make_baseline(json.loads(SAMPLE.read_text()), gating.Tolerance())
+    data = baselines.make_baseline(json.loads(SAMPLE.read_text()), gating.Tolerance())
     path = tmp_path / "b.json"
     path.write_text(json.dumps(data))
     return path, data
@@ -313,14 +313,14 @@ def test_malformed_baseline_exit_2_before_the_scan(tmp_path: Path, where: tuple,
 
 def test_valid_baseline_loads_negative_control(tmp_path: Path) -> None:
     path, data = _baseline(tmp_path)
-    assert gating.load_baseline(path) == data
+    assert baselines.load_baseline(path) == data
 
 
 def test_a_gate_never_silently_drops_out() -> None:
     result = json.loads(SAMPLE.read_text())
-    base = gating.make_baseline(result, gating.Tolerance())
+    base = baselines.make_baseline(result, gating.Tolerance())
     base["pairs"]["hf vs vllm"]["kl_k3"] = None  # (load_baseline refuses this; the gate must too)
-    gates = gating.baseline_gates(result, base, gating.Tolerance())
+    gates = baselines.baseline_gates(result, base, gating.Tolerance())
     assert any(g.name == "baseline kl_k3 (hf vs vllm)" and not g.passed for g in gates)
     asked = gating.asked_gates(result, {"max_kl": 0.1}, ["operator_path"], None)
     assert asked == {"--max-kl": len(result["pairs"]), "--fail-on": 1}

@@ -24,6 +24,7 @@ from logdiff.reports.junit import junit_xml
 from typer.testing import CliRunner
 
 from logdiff.cli import app
+from logdiff.commands import baselines
 from logdiff.commands import check as gating
 from logdiff.errors import InputError
 
@@ -89,10 +90,10 @@ def test_tolerance_is_relative_plus_absolute_and_exact_at_zero() -> None:
 
 
 def test_hardware_key() -> None:
-    assert gating.hardware_key({"device": "cpu", "machine": "x86_64"}) == "cpu-x86_64"
-    assert gating.hardware_key({"device": "cpu", "machine": "x86_64", "cpu_isa": "avx2"}) == "cpu-x86_64-avx2"
-    assert gating.hardware_key({"device": "cuda:NVIDIA H200", "machine": "x86_64"}) == "cuda-nvidia-h200"
-    assert gating.resolve_baseline_path(Path("b/{hw}/m.json"), "cpu-aarch64") == Path("b/cpu-aarch64/m.json")
+    assert baselines.hardware_key({"device": "cpu", "machine": "x86_64"}) == "cpu-x86_64"
+    assert baselines.hardware_key({"device": "cpu", "machine": "x86_64", "cpu_isa": "avx2"}) == "cpu-x86_64-avx2"
+    assert baselines.hardware_key({"device": "cuda:NVIDIA H200", "machine": "x86_64"}) == "cuda-nvidia-h200"
+    assert baselines.resolve_baseline_path(Path("b/{hw}/m.json"), "cpu-aarch64") == Path("b/cpu-aarch64/m.json")
 
 
 def test_fail_on_matches_the_verdict_and_cause_classes() -> None:
@@ -202,7 +203,7 @@ def test_thresholds_pass_and_fail_with_the_numbers(qwen3: Path, tmp_path: Path) 
     assert failure is not None and "> 1e-09" in failure.get("message", "")
     assert f"value: {gating.fmt(m['abs_diff_max'])}" in (failure.text or "") and "threshold: 1e-09" in failure.text
     assert cases["abs_diff_mean (hf vs hf-decode)"].find("failure") is None
-    assert suite.find("properties/property[@name='hardware']").get("value") == gating.current_hardware()
+    assert suite.find("properties/property[@name='hardware']").get("value") == baselines.current_hardware()
 
 
 def test_fail_on_any_divergence_class(qwen3: Path) -> None:
@@ -215,7 +216,7 @@ def test_fail_on_any_divergence_class(qwen3: Path) -> None:
 
 def test_baseline_create_compare_refresh_and_planted_regression(qwen3: Path, tmp_path: Path) -> None:
     template = tmp_path / "baselines" / "{hw}" / "decode.json"
-    path = gating.resolve_baseline_path(template)
+    path = baselines.resolve_baseline_path(template)
     code, out = invoke(qwen3, *DECODE, "--baseline", template)
     # A {hw} baseline names the hardware key it looked up, before the scan and in the error.
     assert code == 2 and f"no baseline for hardware key {path.parent.name} at" in last_error(out) and not path.exists()
@@ -224,7 +225,7 @@ def test_baseline_create_compare_refresh_and_planted_regression(qwen3: Path, tmp
     code, out = invoke(qwen3, *DECODE, "--baseline", template, "--update-baseline")
     assert code == 0 and f"wrote baseline {path}" in out, out
     base = json.loads(path.read_text())
-    assert base["format"] == gating.BASELINE_FORMAT and base["key"]["hardware"] == gating.current_hardware()
+    assert base["format"] == baselines.BASELINE_FORMAT and base["key"]["hardware"] == baselines.current_hardware()
     assert base["key"]["paths"] == {"train": "hf", "infer": ["hf-decode"]} and base["key"]["dtype"] == "bfloat16"
     recorded = base["pairs"]["hf vs hf-decode"]
     assert set(recorded) == set(gating.BASELINE_METRICS) and recorded["abs_diff_max"] > 0
@@ -247,7 +248,7 @@ def test_baseline_create_compare_refresh_and_planted_regression(qwen3: Path, tmp
     stale = json.loads(path.read_text())
     stale["pairs"]["hf vs hf-decode"]["abs_diff_max"] = recorded["abs_diff_max"] * 1.05
     path.write_text(json.dumps(stale))
-    assert all(g.passed for g in gating.baseline_gates(result, stale, gating.baseline_tolerance(stale)))
+    assert all(g.passed for g in baselines.baseline_gates(result, stale, baselines.baseline_tolerance(stale)))
     code, out = invoke(qwen3, *DECODE, "--baseline", template, "--tolerance", "0.01,0")
     assert code == 1 and "better by" in out and "--update-baseline" in out, out
 
@@ -342,7 +343,7 @@ def self_check_baseline(model: Path) -> Path:
     and skips, saying so; every later run on this machine compares against it,
     so a new machine is never skipped forever. Commit the record to share it.
     """
-    committed = gating.resolve_baseline_path(SELF_CHECK_BASELINE)
+    committed = baselines.resolve_baseline_path(SELF_CHECK_BASELINE)
     if committed.is_file():
         return committed
     hw = committed.parent.name

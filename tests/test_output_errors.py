@@ -3,7 +3,7 @@ no traceback, and nothing half-written left behind: no truncated file, no tempor
 result.json beside an older report.html.
 
 No engine loads here. ``logdiff report`` renders a saved result; ``scan`` and ``check`` run with
-``logdiff.cli._run_scan`` replaced by one that returns the saved sample result (and a divergence
+``logdiff.commands.cli_scan._run_scan`` replaced by one that returns the saved sample result (and a divergence
 table), so everything from the output probe to the last rename runs as in a real scan. This
 machine runs as root, where chmod cannot make a file unwritable, so the failures come from
 ``logdiff.commands.outputs``'s ``os`` calls made to fail (ENOSPC, EACCES, ...), from paths that fail for
@@ -27,7 +27,7 @@ import pytest
 from typer.testing import CliRunner
 
 from logdiff import cli
-from logdiff.commands import outputs
+from logdiff.commands import cli_scan, outputs
 from logdiff.errors import EXIT_OUTPUT, OutputError
 
 runner = CliRunner()
@@ -133,7 +133,7 @@ def fake_scan(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             tables["divergence_table"] = pd.DataFrame({"boundary": ["model.norm"] * 3, "max_abs": [0.0, 0.5, 1.0]})
         return sample()
 
-    monkeypatch.setattr(cli, "_run_scan", run)
+    monkeypatch.setattr(cli_scan, "_run_scan", run)
     return runs
 
 

@@ -1,4 +1,4 @@
-"""The progress callback that times phases (logdiff/phases.py) and its rich display (reports/terminal.py)."""
+"""The progress callback that times phases (logdiff/phases.py) and its rich display (reports/progress.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from logdiff.phases import Phases, peak_rss_bytes, silent
-from logdiff.reports.terminal import PhaseProgress
+from logdiff.reports.progress import PhaseProgress
 
 
 class Clock:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from logdiff import isa
-from logdiff.commands.check import hardware_key
+from logdiff.commands.baselines import hardware_key
 from logdiff.errors import InputError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -98,7 +98,7 @@ def drift(quoted: list[tuple[str, str]], rendered: list[tuple[str, str]]) -> lis
 
 
 def _machine() -> dict[str, str]:
-    from logdiff.commands.check import hardware_key
+    from logdiff.commands.baselines import hardware_key
     from logdiff.comparison.environment import environment
 
     env = environment()

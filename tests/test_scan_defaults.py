@@ -17,8 +17,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from logdiff import cli
 from logdiff.cli import app
+from logdiff.commands import cli_app
 
 FAST = ["--infer", "hf-decode", "--num-sequences", "2", "--prompt-len", "8", "--response-len", "6"]
 EPS = ["--set", "infer.rms_norm_eps=1e-3"]
@@ -63,7 +63,7 @@ def test_depth_logprobs_is_the_quick_screen_and_check_defaults_to_it(qwen3: Path
 @pytest.mark.parametrize("quiet", [False, True])
 def test_progress_rows_on_a_terminal_only_without_quiet(qwen3: Path, tmp_path: Path, monkeypatch, quiet) -> None:
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "_stderr", lambda: Console(file=buf, force_terminal=True, width=120))
+    monkeypatch.setattr(cli_app, "stderr_console", lambda: Console(file=buf, force_terminal=True, width=120))
     args = ["scan", str(qwen3), *FAST, "--depth", "logprobs", "--seed", "1"] + (["--quiet"] if quiet else [])
     _scan(args, tmp_path / "r.json")
     shown = buf.getvalue()

@@ -8,7 +8,8 @@ import pytest
 import torch
 from logdiff.kernels import RopeParams, rope_cos_sin
 
-from logdiff.sources.hf.consistent import consistent_hf, rope_params_of
+from logdiff.sources.hf.consistent import consistent_hf
+from logdiff.sources.hf.consistent_rope import rope_params_of
 
 # head_dim 16 (8 frequencies): with original context 64, wavelengths 6.3 (kept), 33 (interpolated), 169... (divided)
 ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -20,7 +20,8 @@ from logdiff.kernels import (
 )
 from logdiff.kernels.rope import inv_freq_matches, inv_freq_rtol, yarn_attention_factor, yarn_ramp_bounds
 
-from logdiff.sources.hf.consistent import consistent_hf, rope_params_of
+from logdiff.sources.hf.consistent import consistent_hf
+from logdiff.sources.hf.consistent_rope import rope_params_of
 
 # HF rope_parameters (and the HF config's max_position_embeddings: yarn's context after scaling) of each case
 CASES = {

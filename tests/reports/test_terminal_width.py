@@ -22,9 +22,10 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.text import Text
 
+from logdiff.reports.fitting import fit, middle
 from logdiff.reports.format import fmt_num
 from logdiff.reports.groups import group_causes
-from logdiff.reports.terminal import fit, middle, print_summary, verdict_line
+from logdiff.reports.terminal import print_summary, verdict_line
 
 DATA = Path(__file__).with_name("data")
 WIDTHS = [80, 120]

@@ -151,7 +151,7 @@ class HFEngine(Engine):
         return router_biases(self.model)
 
     def rope_params(self) -> dict[str | None, Any]:
-        from logdiff.sources.hf.consistent import rope_params_of
+        from logdiff.sources.hf.consistent_rope import rope_params_of
 
         rotary = next((m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
         try:
