@@ -15,7 +15,7 @@ yarn's ``mscale(factor, mscale_all_dim) ** 2`` where the config's RoPE is a
 yarn with ``mscale_all_dim`` (``softmax_scale`` writes the definition; both
 engines fold it into their own scale, which is what the contract reads).
 
-The op's boundary (``self_attn.latent_attn``, probes/arch/deepseek_v2.py) has
+The op's boundary (``self_attn.latent_attn``, probes/arch/mla.py) has
 four recorded inputs, each side's own: the query's no-position part
 (``q_proj.nope`` / ``q_b_proj.nope``), the RoPE'd query part (``rope_q``), the
 normed latent (``kv_a_layernorm``) and the RoPE'd shared key (``rope_k``). The
