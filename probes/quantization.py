@@ -34,6 +34,8 @@ SCHEMES = ("int8-w8a8", "fp8-block", "fp8-tensor")
 FP8_BLOCK = 128
 #: the largest finite float8_e4m3fn value (the FP8 scale's divisor)
 FP8_MAX = 448.0
+#: the contract keys of a side's quantization (``describe``; a vLLM engine adds ``quantized_linears`` per layer)
+QUANTIZATION_KEYS = ("quantization", "quantized_linears", "quantization_ignored", "kv_cache_quantization")
 #: the tensors a quantized linear stores beside its ``weight`` (folded into the weight's fingerprint)
 SCALE_LEAVES = ("weight_scale", "weight_zero_point", "input_scale", "input_zero_point", "azp_adj", "weight_scale_inv")
 
@@ -118,13 +120,15 @@ def describe(qcfg: dict[str, Any] | None) -> dict[str, Any]:
     line; ``quantization_ignored``: the layers left unquantized (``lm_head``); ``kv_cache_quantization``:
     the KV cache's scheme (``OFF``: the cache holds the compute dtype)."""
     if not qcfg:
-        return {"quantization": OFF, "quantization_ignored": OFF, "kv_cache_quantization": OFF}
+        return {"quantization": OFF, "quantized_linears": OFF, "quantization_ignored": OFF,
+                "kv_cache_quantization": OFF}
     groups = qcfg.get("config_groups") or {}
     lines = [describe_group(g) for _, g in sorted(groups.items())]
     name = scheme_name(qcfg) or str(qcfg.get("quant_method") or "quantized")
     kv = qcfg.get("kv_cache_scheme")
     return {
         "quantization": f"{name}: {' | '.join(lines)}" if lines else name,
+        "quantized_linears": "every Linear" if groups else OFF,
         "quantization_ignored": ",".join(str(x) for x in qcfg.get("ignore") or []) or OFF,
         "kv_cache_quantization": _side(kv) if kv else OFF,
     }

@@ -127,10 +127,11 @@ class VLLMEngine(Engine):
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(self.tensor_parallel_size))))
         if spec.overrides:
             kwargs["hf_overrides"] = hf_overrides(spec)
+        from logdiff.sources.vllm.quantized import fingerprint_quantized_at_load
         from logdiff.sources.vllm.weights import fingerprint_at_dispatch
 
         try:
-            with fingerprint_at_dispatch():  # the preflight's fingerprints, without identity GEMMs (weights.py)
+            with fingerprint_at_dispatch(), fingerprint_quantized_at_load():  # the preflight's fingerprints, without identity GEMMs (weights.py)
                 self.llm = vllm.LLM(
                     model=spec.model_dir,
                     skip_tokenizer_init=True,
