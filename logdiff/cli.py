@@ -676,7 +676,7 @@ def quantize(
 ) -> None:
     """Write a compressed-tensors checkpoint of MODEL that vLLM loads as a quantized rollout engine."""
     from logdiff.commands import outputs
-    from logdiff.sources.quantize import quantize_checkpoint
+    from logdiff.commands.quantize import quantize_checkpoint
 
     created = outputs.probe_demo_target(out)
     with outputs.removed_on_failure(created), _stderr().status(f"quantizing {model} ({scheme})"), \

@@ -4,7 +4,7 @@ A quantized rollout engine (an INT8 W8A8 or FP8 checkpoint in vLLM) computes wit
 other weights than the bf16 trainer: its own quantization of them. Three things
 need one shared description of the scheme, and this module is it:
 
-* **writing** (``logdiff quantize``, ``sources/quantize.py``): ``SCHEMES`` names each scheme
+* **writing** (``logdiff quantize``, ``logdiff/commands/quantize.py``): ``SCHEMES`` names each scheme
   logdiff writes and ``quantization_config`` gives the ``config.json`` block
   llm-compressor writes for it (``quant_method: compressed-tensors``; the INT8 one is
   llm-compressor's ``W8A8`` preset: weights int8 symmetric per output channel, static;

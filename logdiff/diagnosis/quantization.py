@@ -106,10 +106,9 @@ def quantization_cause(contracts: dict[str, Any], paths: dict[str, str] | None =
            "every training forward, gradients through a straight-through estimator); (3) finer or calibrated "
            "scales (per-group or per-block weights, static activation scales), which shrink it but do not "
            "remove it")
-    from logdiff.diagnosis.classify import OpEvidence, _cause  # classify imports this module lazily
-
-    ev = OpEvidence("model", "module", None, 0.0, None, None, paths=paths)
-    return _cause(ev, "framework_difference", "quantization", evidence, fix, keys, sides=sides or None)
+    cause = Cause("model", None, "module", None, "framework_difference", "quantization", evidence, fix, differs=keys)
+    cause.paths = [(paths or {}).get(s, s) for s in sides] or None
+    return cause
 
 
 def _scheme_line(value: Any) -> str:
