@@ -97,8 +97,8 @@ def lever_of(cause: Cause, cfg: RunSettings) -> Lever | None:
         return ("kernel", cause.family) if cause.family else None
     if cause.kind == "weights":
         return ("weights", "") if cfg.infer_ckpt is not None else None
-    if cause.kind == "quantization":  # the inference side unquantized: the trainer's weights (diagnosis/quantization.py)
-        return ("quantization", "") if cfg.infer_ckpt is not None else None
+    if cause.kind == "quantization" and cfg.infer_ckpt is not None:  # the inference side unquantized, on the
+        return ("quantization", "")  # trainer's weights (diagnosis/quantization.py); online: drop --set quantization
     overridden = set(cfg.train_set) | set(cfg.infer_set)
     keys = {k for key in cause.differs for k in CONFIG_KEYS.get(key, (key,)) if k in overridden}
     return ("config", "+".join(sorted(keys))) if keys else None  # every override behind the difference, dropped

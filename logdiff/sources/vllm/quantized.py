@@ -90,8 +90,18 @@ def loaded_fingerprints(layer: Any) -> tuple[str | None, ...] | None:
 
 
 def is_quantized(layer: Any) -> bool:
-    """Whether a vLLM linear computes through a quantization scheme."""
-    return getattr(layer, "scheme", None) is not None and hasattr(layer, "weight_scale")
+    """Whether a vLLM linear computes through a quantization method (a compressed-tensors scheme, or an online
+    one: ``--set infer.quantization=fp8``), not the unquantized one."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    qm = getattr(layer, "quant_method", None)
+    return isinstance(layer, LinearBase) and qm is not None and not type(qm).__name__.startswith("Unquantized")
+
+
+def _method(model: Any) -> str | None:
+    """The quantization method of the first quantized linear (an online one has no config to describe it)."""
+    found = next((m for m in model.modules() if is_quantized(m)), None)
+    return type(found.quant_method).__name__ if found is not None else None
 
 
 def quantization_keys(model: Any, arch: Any) -> dict[str, Any]:
@@ -100,6 +110,8 @@ def quantization_keys(model: Any, arch: Any) -> dict[str, Any]:
     if qcfg is not None and not isinstance(qcfg, dict):
         qcfg = getattr(qcfg, "to_dict", lambda: None)()
     keys = describe(qcfg)
+    if qcfg is None and _method(model) is not None:  # online quantization: the method's name is the scheme
+        keys["quantization"] = f"online {_method(model)}"
     lines, linears = [], []
     for layer in arch.layers(model):
         names = [_hf_parts(arch, name) for name, m in layer.named_modules() if is_quantized(m)]
