@@ -47,8 +47,15 @@ def _args(kind: str, strategy: str, dynamic: bool, **extra: Any) -> dict[str, An
             "observer": None if dynamic else "minmax", "observer_kwargs": {}, **extra}
 
 
-def quantization_config(scheme: str) -> dict[str, Any]:
-    """The ``quantization_config`` block of ``config.json`` for ``scheme`` (one of ``SCHEMES``)."""
+#: what a mixture-of-experts model leaves unquantized beside the head: its router (``re:.*mlp.gate$``, as
+#: llm-compressor's MoE examples do) and its routed experts (vLLM's CPU build has no INT8 fused-MoE kernel
+#: but AMD's zentorch one), so that only its attention and dense linears are quantized
+MOE_IGNORE = ("re:.*mlp\\.gate$", "re:.*mlp\\.experts.*")
+
+
+def quantization_config(scheme: str, moe: bool = False) -> dict[str, Any]:
+    """The ``quantization_config`` block of ``config.json`` for ``scheme`` (one of ``SCHEMES``); ``moe``: leave the
+    router and the routed experts unquantized too (``MOE_IGNORE``)."""
     if scheme == "int8-w8a8":
         weights, acts, fmt = _args("int", "channel", False), _args("int", "token", True), "int-quantized"
     elif scheme == "fp8-block":
@@ -64,7 +71,7 @@ def quantization_config(scheme: str) -> dict[str, Any]:
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
                                       "output_activations": None, "format": fmt}},
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", *(MOE_IGNORE if moe else ())],
         "kv_cache_scheme": None,
         "sparsity_config": {},
     }

@@ -161,3 +161,24 @@ def test_the_int8_engine_is_a_quantization_cause_with_its_share(qwen3: Path, int
     assert any("int8-w8a8" in e for e in cause["evidence"]) and any("lm_head" in e for e in cause["evidence"])
     assert cause["share"] is not None and cause["share"] > 0.2, cause  # 58% of the mean gap on the default scan
     assert r["logprobs"]["abs_diff_max"] > 0
+
+
+@pytest.mark.vllm
+def test_a_moe_demo_quantizes_its_attention_and_leaves_router_and_experts(
+    demo_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Qwen3-MoE: the router and the routed experts stay bf16 (``ignore``), the attention runs INT8; the contract
+    names exactly those linears, every quantized weight equals the trainer's through the scheme (the experts and
+    router compared as plain bf16), and the difference is the quantization cause."""
+    model = demo_model("qwen3-moe")
+    quantized = logdiff.quantize(model, tmp_path / "int8")
+    ignore = json.loads((quantized / "config.json").read_text())["quantization_config"]["ignore"]
+    assert ignore == ["lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.experts.*"]
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=quantized, attribute=False, **SMALL)
+    linears = r["contracts"]["infer"]["quantized_linears"]
+    assert linears == "self_attn.q_proj,self_attn.k_proj,self_attn.v_proj,self_attn.o_proj", linears
+    weights = r["contracts"]["weights"]
+    assert weights["differs"] == [] and weights["unverified"] == [], weights
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    assert f"{4 * layers} equal (no stale weight)" in weights["through_quantization"]
+    assert [c["kind"] for c in r["causes"] if c["kind"] in ("quantization", "weights", "semantic")] == ["quantization"]

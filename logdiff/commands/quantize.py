@@ -15,8 +15,10 @@ Which tensors are quantized is read from the model built on the meta device: the
 ``nn.Linear`` but the LM head. The INT8 rounding is ``kernels/int8.quantize_weight``, the one definition
 the weight check shares; FP8 is ``amax / 448`` per tensor or per 128 x 128 block, cast to
 ``float8_e4m3fn`` (written here: vLLM's CPU build runs FP8 only with AMX tiles, so on other hosts the
-checkpoint is written but no engine here can load it). A model whose experts are fused (MoE) is
-refused: its experts are not ``nn.Linear`` layers, and vLLM quantizes them through another method.
+checkpoint is written but no engine here can load it). In a mixture-of-experts model the router and
+the routed experts stay bf16 and are listed in ``ignore`` (``probes/quantization.MOE_IGNORE``): vLLM's
+CPU build has no INT8 fused-MoE kernel here, and HF's experts are not ``nn.Linear`` layers; its
+attention and dense (shared-expert) linears are quantized.
 
 The directory is built under a hidden name beside OUT and renamed into place at the end, so a failure
 leaves nothing half-written.
@@ -26,12 +28,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from logdiff.errors import InputError
+from logdiff.probes.arch import adapter_for
 from logdiff.probes.quantization import FP8_BLOCK, FP8_MAX, SCHEMES, quantization_config
 
 #: files of MODEL never copied: the weights (rewritten), its config (rewritten), a demo model's metadata
@@ -67,7 +71,7 @@ def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, scheme
         for f in sorted(model.iterdir()):
             if f.is_file() and f.name not in _NOT_COPIED and not f.name.endswith((".safetensors", ".index.json")):
                 shutil.copy(f, staging / f.name)
-        qcfg = quantization_config(scheme)
+        qcfg = quantization_config(scheme, moe=bool(getattr(adapter_for(cfg["architectures"][0]), "moe", False)))
         (staging / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg}, indent=2) + "\n")
         _apply_umask(staging)
         if out.exists():
@@ -84,17 +88,14 @@ def linear_weights(model: Path, cfg: dict[str, Any], trust_remote_code: bool = F
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from logdiff.probes.arch import adapter_for
-
-    if getattr(adapter_for(cfg["architectures"][0]), "moe", False):
-        raise InputError(f"{model} is a mixture-of-experts model: logdiff quantize writes dense models only "
-                         "(the experts are not nn.Linear layers; vLLM quantizes them through its fused-MoE method)")
     config = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     head = meta.get_output_embeddings()
+    moe = bool(getattr(adapter_for(cfg["architectures"][0]), "moe", False))
     return {f"{name}.weight" for name, m in meta.named_modules()
-            if isinstance(m, torch.nn.Linear) and m is not head}
+            if isinstance(m, torch.nn.Linear) and m is not head
+            and not (moe and re.search(r"mlp\.(gate$|experts\.)", name))}
 
 
 def quantize_tensor(weight: Any, scheme: str) -> tuple[Any, Any]:
