@@ -31,7 +31,7 @@ def int8_qwen3(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "logdiff.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "logdiff.cli", *args], capture_output=True, text=True, check=False)
 
 
 # ---------------------------------------------------------------------------- the writer (no engine)
@@ -39,9 +39,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_the_int8_checkpoint_is_compressed_tensors_as_vllm_reads_it(qwen3: Path, int8_qwen3: Path) -> None:
     """config.json carries llm-compressor's W8A8 block; every Linear but lm_head is int8 + an fp32 [out, 1] scale,
     equal to kernels/int8.quantize_weight of the bf16 weight; the rest and the tokenizer are copied."""
-    from safetensors.torch import load_file
-
     from logdiff.kernels.int8 import quantize_weight
+    from safetensors.torch import load_file
 
     cfg = json.loads((int8_qwen3 / "config.json").read_text())
     q = cfg["quantization_config"]
@@ -52,7 +51,9 @@ def test_the_int8_checkpoint_is_compressed_tensors_as_vllm_reads_it(qwen3: Path,
         {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
     assert {k: group["input_activations"][k] for k in ("num_bits", "type", "symmetric", "strategy", "dynamic")} == \
         {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
 
     read = CompressedTensorsConfig.from_config(json.loads(json.dumps(q)))  # vLLM's own reader takes it
     assert read.ignore == ["lm_head"] and "Linear" in read.target_scheme_map
@@ -73,9 +74,8 @@ def test_the_int8_checkpoint_is_compressed_tensors_as_vllm_reads_it(qwen3: Path,
 
 def test_fp8_schemes_are_written_with_their_scales(qwen3: Path, tmp_path: Path) -> None:
     """FP8 block (128 x 128 scales) and per-tensor: written (vLLM's CPU build runs them only with AMX)."""
-    from safetensors.torch import load_file
-
     import torch
+    from safetensors.torch import load_file
 
     block = logdiff.quantize(qwen3, tmp_path / "block", "fp8-block")
     sd = load_file(str(block / "model.safetensors"))

@@ -129,7 +129,7 @@ def _quantize_file(src: Path, dst: Path, targets: set[str], scheme: str) -> list
     out: dict[str, Any] = {}
     try:
         with safe_open(str(src), framework="pt") as st:
-            for name in st.keys():
+            for name in st.keys():  # noqa: SIM118 - a safetensors handle is not iterable
                 tensor = st.get_tensor(name)
                 if name in targets and tensor.dim() == 2:
                     q, scale = quantize_tensor(tensor, scheme)

@@ -338,13 +338,12 @@ def preflight_only_causes(
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
     from logdiff.diagnosis import (
+        quantization,  # one cause for the scheme (logdiff/diagnosis/quantization.py)
         sampling,  # sampler and scoring keys: one sampling_semantics cause (logdiff/diagnosis/sampling.py)
     )
 
     items = [*contracts.get("differs", []), *weights]
     window = [k for k in items if k in WINDOW_KEYS and k not in covered]  # one cause: the window and its layers
-    from logdiff.diagnosis import quantization  # one cause for the scheme (logdiff/diagnosis/quantization.py)
-
     for item in items:
         if item in covered or item == "dtype" or item in (*sampling.SAMPLER_KEYS, *sampling.SCORING_KEYS):
             continue

@@ -28,7 +28,13 @@ from typing import Any
 
 from logdiff.comparison.cause import FAMILY, Findings
 from logdiff.comparison.result import ScanResult
-from logdiff.diagnosis import attribute, classify, contract_effect, quantization, spacing
+from logdiff.diagnosis import (
+    attribute,
+    classify,
+    contract_effect,
+    quantization,
+    spacing,
+)
 from logdiff.diagnosis.conformance import Conformance, ConformanceCheck
 from logdiff.diagnosis.preflight import preflight
 from logdiff.diagnosis.rescan import Rescanner
