@@ -118,6 +118,14 @@ def test_a_quantized_checkpoint_is_the_inference_sides_only(qwen3: Path, int8_qw
         checkpoint.stage(int8_qwen3)
 
 
+def test_online_quantization_is_an_inference_engine_option(qwen3: Path) -> None:
+    """``--set infer.quantization=METHOD`` is vLLM's; on the trainer's side it is refused in one line (exit 2)."""
+    run = _cli("scan", str(qwen3), "--depth", "logprobs", "--set", "train.quantization=fp8")
+    assert run.returncode == 2 and "quantization is an option of vllm" in run.stderr, run.stderr
+    run = _cli("scan", str(qwen3), "--depth", "logprobs", "--set", "infer.quantization=1")
+    assert run.returncode == 2 and "must be a vLLM quantization method name" in run.stderr, run.stderr
+
+
 def test_fingerprints_are_never_compared_across_representations() -> None:
     """A quantized fingerprint against a plain one is unverified, never a stale weight; two quantized ones compare."""
     from logdiff.diagnosis.preflight import compare_fingerprints
