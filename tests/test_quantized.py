@@ -167,6 +167,7 @@ def test_the_int8_engine_is_a_quantization_cause_with_its_share(qwen3: Path, int
     (cause,) = [c for c in r["causes"] if c["kind"] == "quantization"]
     assert cause["class"] == "framework_difference" and cause["paths"] == ["vllm"]
     assert any("int8-w8a8" in e for e in cause["evidence"]) and any("lm_head" in e for e in cause["evidence"])
+    assert any(e.startswith("where it enters, per layer") and "layer 0:" in e for e in cause["evidence"])
     assert cause["share"] is not None and cause["share"] > 0.2, cause  # 58% of the mean gap on the default scan
     assert r["logprobs"]["abs_diff_max"] > 0
 

@@ -173,6 +173,7 @@ def diagnose(
     causes = classify.merge_fused(causes, arch)
     causes += classify.preflight_only_causes(contracts, causes, arch, paths, inert=inert)
     causes = quantization.fold_into_cause(causes, contracts)  # a quantized linear's own side: the quantization
+    quantization.add_where(causes, ops, contracts)  # per layer, where it enters
     found.warnings += _disagreements(causes)
     progress("attributing the logdiff to its causes", phase="attribute")
     rescanner.remember(cfg, pair.metrics)  # the empty set of levers is this scan itself

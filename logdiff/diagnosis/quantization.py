@@ -183,3 +183,24 @@ def fold_into_cause(causes: list[Cause], contracts: dict[str, Any] | None) -> li
         cause.evidence.append(f"{len(folded)} quantized linear(s) whose output lies outside the unquantized "
                               f"function on the quantized side, as its quantization makes it: {', '.join(folded)}")
     return out
+
+
+def add_where(causes: list[Cause], ops: list[dict[str, Any]], contracts: dict[str, Any] | None) -> None:
+    """Say where the quantization enters, per decoder layer: the largest local error (both sides fed the same
+    inputs) of the quantized linears among the introducing ops, and which linear."""
+    cause = next((c for c in causes if c.kind == "quantization"), None)
+    if cause is None or not contracts:
+        return
+    worst: dict[int, tuple[float, str]] = {}
+    for op in ops:
+        layer, local = op.get("layer"), op.get("local_max_abs_diff")
+        if layer is None or local is None or op.get("kind") != "linear":
+            continue
+        if not any(_quantized_at(contracts.get(s), layer, op["boundary"]) for s in ("train", "infer")):
+            continue
+        if float(local) > worst.get(layer, (-1.0, ""))[0]:
+            worst[layer] = (float(local), op["boundary"].rsplit(".", 2)[-2] + "." + op["boundary"].rsplit(".", 1)[-1])
+    if worst:
+        cause.evidence.append("where it enters, per layer (the largest local error of a quantized linear fed the same "
+                              "inputs on both sides): " + "; ".join(f"layer {n}: {v:.3g} ({name})"
+                                                                    for n, (v, name) in sorted(worst.items())))
