@@ -23,7 +23,6 @@ need one shared description of the scheme, and this module is it:
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from logdiff.probes.contracts import OFF, fingerprint
@@ -156,8 +155,3 @@ def fingerprint_through(weight: Any, scheme: str | None) -> str | None:
     from logdiff.kernels.int8 import quantize_weight
 
     return quantized_fingerprint(*quantize_weight(weight))
-
-
-def copy_config(qcfg: dict[str, Any]) -> dict[str, Any]:
-    """A deep copy (vLLM's config reader may change a structured value in place)."""
-    return copy.deepcopy(qcfg)
