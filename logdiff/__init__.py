@@ -35,6 +35,15 @@ def scan(model: str | Path, ckpt: str | Path | None = None, **options: Any) -> d
     return run(ScanConfig(model=Path(model), ckpt=Path(ckpt) if ckpt else None, **options)).to_dict()
 
 
+def quantize(model: str | Path, out: str | Path, scheme: str = "int8-w8a8", trust_remote_code: bool = False) -> Path:
+    """Write a quantized compressed-tensors checkpoint of the bf16 model ``model`` at ``out`` (``logdiff quantize``;
+    logdiff/commands/quantize.py): ``scheme`` is ``int8-w8a8``, ``fp8-block`` or ``fp8-tensor``. Scan it as the
+    inference side with ``infer_ckpt=out``: the trainer stays bf16."""
+    from logdiff.commands.quantize import quantize_checkpoint
+
+    return quantize_checkpoint(model, out, scheme, trust_remote_code)
+
+
 def __getattr__(name: str) -> Any:
     """``logdiff.consistent_training`` and ``logdiff.sync_vllm_weights`` (logdiff/integrations/training.py) and
     ``logdiff.capture`` (logdiff/sources/hf/capture.py), loaded on use."""

@@ -108,7 +108,11 @@ def _why(result: dict[str, Any], every: bool = False) -> list[str]:
 def _confidence(result: dict[str, Any]) -> list[str]:
     lines = proof.how_sure(result)
     residual = (result.get("attribution") or {}).get("residual_abs_diff_max")
-    if residual is not None:
+    if residual is not None and "levers were left out" in str((result.get("attribution") or {}).get("fallback")):
+        lines.append(f"With the causes attribution could neutralise fixed the gap is {_num(residual)}; the kernel "
+                     "causes could not be rescanned on this engine (see attribution.fallback), so their part is "
+                     "not measured.")
+    elif residual is not None:
         lines.append(
             "With every cause neutralised the gap is "
             + ("exactly 0: the causes found explain all of it." if residual == 0 else f"{_num(residual)}: something is still unexplained.")

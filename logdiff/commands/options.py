@@ -61,6 +61,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "grad": _bool,
     "tensor_parallel_size": _count,
     "fsdp_size": _count,
+    "quantization": lambda v: None if isinstance(v, str) and v else "a vLLM quantization method name (fp8, ...)",
 }
 
 

@@ -127,7 +127,8 @@ def run_paths(cfg: ScanConfig, progress: Progress = silent, conformance_sequence
     progress = Phases.of(progress)
     progress("staging the checkpoint and the sequences", phase="stage")
     staged = checkpoint.stage(cfg.model, cfg.ckpt, cfg.trust_remote_code)
-    staged_infer = checkpoint.stage(cfg.model, cfg.infer_ckpt, cfg.trust_remote_code) if cfg.infer_ckpt else staged
+    staged_infer = (checkpoint.stage(cfg.model, cfg.infer_ckpt, cfg.trust_remote_code, quantized=True) if cfg.infer_ckpt
+                     else staged)
     seqs, source = _load_sequences(cfg, staged)
     for side, where, settings in (("train", staged, cfg.train_set), ("infer", staged_infer, cfg.infer_set)):
         config_keys = {k: v for k, v in settings.items() if not is_option(k)}

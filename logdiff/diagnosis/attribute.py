@@ -6,6 +6,9 @@ Each cause has a *lever* that neutralises it (``lever_of``):
   (``attention``, ``rms_norm``, ``linear``, ...) on both sides;
 * a weight difference from ``--infer-ckpt``: load the training checkpoint on
   the inference side too;
+* a quantized ``--infer-ckpt`` (``quantization``): the same, the inference side then runs the trainer's
+  weights unquantized. Where a stale weight sits inside the quantized checkpoint too, both levers are
+  the same action, and their joint share is split equally between them;
 * a contract difference from ``--set``: drop the overrides behind it (``CONFIG_KEYS``: a RoPE key is
   set through ``rope_parameters`` too, a window through the keys that decide its layers).
 
@@ -61,9 +64,10 @@ from typing import Any
 from logdiff.comparison.cause import Cause
 from logdiff.diagnosis.attribute_patched import PATCHED, RESCAN
 from logdiff.diagnosis.settings import KERNEL_FAMILIES, RunSettings
+from logdiff.errors import InputError
 from logdiff.phases import silent
 
-Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("config", key) | ("config", "key+key")
+Lever = tuple[str, str]  # ("kernel", family) | ("weights", "") | ("quantization", "") | ("config", key) | ...
 Coalition = frozenset  # a set of levers
 
 #: contract key -> the config keys an override may set it through: transformers 5 keeps RoPE in
@@ -93,6 +97,8 @@ def lever_of(cause: Cause, cfg: RunSettings) -> Lever | None:
         return ("kernel", cause.family) if cause.family else None
     if cause.kind == "weights":
         return ("weights", "") if cfg.infer_ckpt is not None else None
+    if cause.kind == "quantization" and cfg.infer_ckpt is not None:  # the inference side unquantized, on the
+        return ("quantization", "")  # trainer's weights (diagnosis/quantization.py); online: drop --set quantization
     overridden = set(cfg.train_set) | set(cfg.infer_set)
     keys = {k for key in cause.differs for k in CONFIG_KEYS.get(key, (key,)) if k in overridden}
     return ("config", "+".join(sorted(keys))) if keys else None  # every override behind the difference, dropped
@@ -111,7 +117,7 @@ def apply_levers(cfg: RunSettings, levers: set[Lever]) -> RunSettings:
         window=None,
         consistent=bool(families),
         consistent_kernels=None if families >= set(KERNEL_FAMILIES) or not families else tuple(sorted(families)),
-        infer_ckpt=None if ("weights", "") in levers else cfg.infer_ckpt,
+        infer_ckpt=None if levers & {("weights", ""), ("quantization", "")} else cfg.infer_ckpt,
         train_set={k: v for k, v in cfg.train_set.items() if k not in drop},
         infer_set={k: v for k, v in cfg.infer_set.items() if k not in drop},
     )
@@ -247,6 +253,11 @@ def _confirm(cfg: RunSettings, players: list[Lever], metrics: Callable, known: C
             "baseline_reproduced": _number(patched_base, METRIC) == base}
 
 
+def _quantized_kernels(players: list[Lever]) -> bool:
+    """Whether the game holds kernel levers beside a quantized inference side's lever (``quantization``)."""
+    return ("quantization", "") in players and any(p[0] == "kernel" for p in players)
+
+
 def attribute(
     causes: list[Cause],
     cfg: RunSettings,
@@ -276,7 +287,21 @@ def attribute(
         except (RuntimeError, ValueError, IndexError) as e:  # a recorded row that does not fit its live op
             game_name, fallback = RESCAN, f"a patched forward failed ({type(e).__name__}: {e})"
     if game_name != PATCHED:
-        measured = _rescans(wanted, players, cfg, metrics, known, progress)
+        try:
+            measured = _rescans(wanted, players, cfg, metrics, known, progress)
+        except InputError as e:
+            if not _quantized_kernels(players):
+                raise
+            # consistent mode cannot run the quantized engine's linears: the game without the kernel levers
+            refused = str(e).count("quantized:")
+            why = f"it has no kernel for its {refused} quantized linears" if refused else str(e)
+            fallback = (f"the kernel levers were left out: their rescans run consistent mode on the quantized "
+                        f"inference engine, and {why}; their causes' shares are not measured")
+            levers = {k: (lv if lv is not None and lv[0] != "kernel" else None) for k, lv in levers.items()}
+            players = [p for p in players if p[0] != "kernel"]
+            orders, method = orders_of(players)
+            wanted = coalitions(players, orders)
+            measured = _rescans(wanted, players, cfg, metrics, known, progress)
     game, kl = _fractions(measured, METRIC, orders, players), _fractions(measured, ALSO, orders, players)
     every = frozenset(players)
     maxed = {s: _number(m, "abs_diff_max") for s, m in measured.items()}
@@ -322,7 +347,9 @@ def _explain(c: Cause, lever: Lever | None, counts: dict[Lever, int], game: dict
     c.share = share / n if share is not None else None
     c.necessity = others > 0
     what = f"the {lever[1]} reference kernel on both sides" if lever[0] == "kernel" else (
-        "the training weights on the inference side" if lever[0] == "weights" else f"no override of {lever[1]}"
+        "the training weights on the inference side" if lever[0] == "weights" else
+        "the inference side unquantized, on the training weights" if lever[0] == "quantization" else
+        f"no override of {lever[1]}"
     )  # fmt: skip
     if game_name == PATCHED:
         what = f"the inference side's recorded {lever[1]} outputs fed to the training forward"

@@ -338,6 +338,7 @@ def preflight_only_causes(
     out = []
     weights = (contracts.get("weights") or {}).get("differs", [])
     from logdiff.diagnosis import (
+        quantization,  # one cause for the scheme (logdiff/diagnosis/quantization.py)
         sampling,  # sampler and scoring keys: one sampling_semantics cause (logdiff/diagnosis/sampling.py)
     )
 
@@ -345,6 +346,8 @@ def preflight_only_causes(
     window = [k for k in items if k in WINDOW_KEYS and k not in covered]  # one cause: the window and its layers
     for item in items:
         if item in covered or item == "dtype" or item in (*sampling.SAMPLER_KEYS, *sampling.SCORING_KEYS):
+            continue
+        if item in quantization.QUANTIZATION_KEYS:
             continue
         if item in WINDOW_KEYS and item != window[0]:
             continue
@@ -365,6 +368,9 @@ def preflight_only_causes(
         out.append(_cause(ev, "framework_difference", kind_name, evidence, fix, group, sides=sides))
     if "dtype" in contracts.get("differs", []):
         out.append(dtype_cause(contracts))
+    if not covered & set(quantization.differing_keys(contracts)):
+        found = quantization.quantization_cause(contracts, paths)
+        out += [found] if found is not None else []
     semantics = sampling.contract_cause(contracts)
     if semantics is not None and not any((c.boundary, c.kind) == (semantics.boundary, semantics.kind) for c in causes):
         out.append(semantics)  # else the op's own cause takes this evidence (sampling.diagnose merges it)

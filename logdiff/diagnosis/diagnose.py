@@ -28,7 +28,13 @@ from typing import Any
 
 from logdiff.comparison.cause import FAMILY, Findings
 from logdiff.comparison.result import ScanResult
-from logdiff.diagnosis import attribute, classify, contract_effect, spacing
+from logdiff.diagnosis import (
+    attribute,
+    classify,
+    contract_effect,
+    quantization,
+    spacing,
+)
 from logdiff.diagnosis.conformance import Conformance, ConformanceCheck
 from logdiff.diagnosis.preflight import preflight
 from logdiff.diagnosis.rescan import Rescanner
@@ -166,6 +172,8 @@ def diagnose(
             causes.append(classify.classify_op(ev, contracts, infer.fuses_add_norm, arch))
     causes = classify.merge_fused(causes, arch)
     causes += classify.preflight_only_causes(contracts, causes, arch, paths, inert=inert)
+    causes = quantization.fold_into_cause(causes, contracts)  # a quantized linear's own side: the quantization
+    quantization.add_where(causes, ops, contracts)  # per layer, where it enters
     found.warnings += _disagreements(causes)
     progress("attributing the logdiff to its causes", phase="attribute")
     rescanner.remember(cfg, pair.metrics)  # the empty set of levers is this scan itself

@@ -43,7 +43,14 @@ def preflight(train: Engine, infer: Engine, *, weights: bool = True) -> dict[str
     """The ``contracts`` block of result.json for one (train, infer) engine pair."""
     ct, ci = train.contract(), infer.contract()
     out = compare_contracts(ct, ci)
-    out["weights"] = compare_fingerprints(*_fingerprints_at_narrower(train, infer, ct, ci)) if weights else None
+    out["weights"] = None
+    if weights:
+        from logdiff.diagnosis.quantization import through_scheme
+
+        ft, fi = _fingerprints_at_narrower(train, infer, ct, ci)
+        # a side's quantized weights against the other side's quantized under the same scheme (quantization.py)
+        both = through_scheme({"train": train, "infer": infer}, {"train": ft, "infer": fi}, {"train": ct, "infer": ci})
+        out["weights"] = compare_fingerprints(both["train"], both["infer"])
     return out
 
 
@@ -121,14 +128,28 @@ def compare_fingerprints(ft: dict[str, str | None], fi: dict[str, str | None]) -
     sides, so they differ if and only if ``differs`` names a tensor; what could
     not be compared is listed in ``unverified`` instead of hiding in a hash.
     """
-    verified = [k for k in ft if ft[k] is not None and fi.get(k) is not None]
-    return {
+    from logdiff.diagnosis.quantization import is_quantized_print
+
+    # a quantized tensor is compared only with a quantized one (the other side's weight through the scheme)
+    verified = [k for k in ft if ft[k] is not None and fi.get(k) is not None
+                and is_quantized_print(ft[k]) == is_quantized_print(fi[k])]
+    out = {
         "fingerprint_train": _combined({k: ft[k] for k in verified}),
         "fingerprint_infer": _combined({k: fi[k] for k in verified}),
         "verified": len(verified),
         "differs": [k for k in verified if ft[k] != fi[k]],
         "unverified": [k for k in ft if k not in verified],
     }
+    quantized = [k for k in verified if is_quantized_print(ft[k])]
+    unread = [k for k in ft if k not in verified and (is_quantized_print(ft[k]) or is_quantized_print(fi.get(k)))]
+    if quantized or unread:
+        stale = [k for k in quantized if ft[k] != fi[k]]
+        out["through_quantization"] = (
+            f"weights compared through the quantization scheme: {len(quantized)} quantized weights against the "
+            f"other side's quantized under the same scheme, {len(quantized) - len(stale)} equal"
+            + (f", {len(stale)} differ (stale or wrong weights)" if stale else " (no stale weight)")
+            + (f"; {len(unread)} could not be re-quantized here (unverified)" if unread else ""))
+    return out
 
 
 def _combined(prints: dict[str, str | None]) -> str:

@@ -87,16 +87,25 @@ def remote_code_reason(cfg: dict[str, Any]) -> str | None:
     return None
 
 
-def stage(model_dir: Path, ckpt: Path | None = None, trust_remote_code: bool = False) -> StagedModel:
+def stage(model_dir: Path, ckpt: Path | None = None, trust_remote_code: bool = False,
+          quantized: bool = False) -> StagedModel:
     """Return a staged HF directory with MODEL's config and CKPT's (or MODEL's) weights.
 
     With ``trust_remote_code`` the model's ``*.py`` files are staged too, so its own code loads.
+    ``quantized``: CKPT may be a quantized checkpoint (the inference side's); elsewhere one is refused.
     """
     model_dir = Path(model_dir).resolve()
     cfg = read_config(model_dir, trust_remote_code)
     source = Path(ckpt).resolve() if ckpt is not None else model_dir
     if not source.exists():
         raise InputError(f"checkpoint not found: {source}")
+    if cfg.get("quantization_config"):
+        raise InputError(f"{model_dir} is a quantized checkpoint: MODEL is the trainer's bf16 model; pass the "
+                         "quantized one as --infer-ckpt")
+    quant = ckpt_quantization(source) if source != model_dir else None
+    if quant is not None and not quantized:
+        raise InputError(f"{source} is a quantized checkpoint: the trainer computes with bf16 weights; pass it "
+                         "as --infer-ckpt (the inference side)")
     out = _stage_dir(model_dir, source, trust_remote_code)
     if not (out / ".complete").exists():
         try:
@@ -106,6 +115,8 @@ def stage(model_dir: Path, ckpt: Path | None = None, trust_remote_code: bool = F
             if e.filename is not None and not str(e.filename).startswith(str(out)):
                 raise InputError(f"cannot read {e.filename}: {e.strerror or e}") from None
             raise WorkspaceError(out.parent, e.strerror or str(e)) from None
+    if quant is not None:
+        cfg = {**cfg, "quantization_config": quant}
     staged = StagedModel(out, cfg["architectures"][0], cfg, trust_remote_code)
     check_weights(staged)
     return staged
@@ -134,6 +145,10 @@ def _build(out: Path, model_dir: Path, source: Path, trust_remote_code: bool = F
     for name in ("config.json", "generation_config.json", *code):
         if (model_dir / name).is_file():
             shutil.copy(model_dir / name, out / name)
+    quant = ckpt_quantization(source) if source != model_dir else None
+    if quant is not None:  # a quantized checkpoint's weights are read through its scheme: the engine must see it
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "quantization_config": quant}, indent=2))
     if source.is_dir() and (source / ".metadata").is_file():
         _save(_load_dcp(source), out)
     elif source.is_dir():
@@ -152,6 +167,25 @@ def _build(out: Path, model_dir: Path, source: Path, trust_remote_code: bool = F
             "state dict, or a torch.distributed.checkpoint directory"
         )
     (out / ".complete").touch()
+
+
+def ckpt_quantization(source: Path) -> dict[str, Any] | None:
+    """The ``quantization_config`` of a checkpoint directory's own ``config.json`` (a quantized checkpoint:
+    ``logdiff quantize``, llm-compressor), else None.
+
+    ``--infer-ckpt`` keeps its meaning, "these weights under MODEL's config": the quantization config is how
+    those weights are stored, not a model setting, so it is the one key staged from the checkpoint's config
+    (docs/capture.md, *Quantized rollouts*). The trainer's side never stages it: it stays bf16."""
+    path = source / "config.json" if source.is_dir() else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        quant = json.loads(path.read_text()).get("quantization_config")
+    except (json.JSONDecodeError, AttributeError):
+        raise InputError(f"{path}: not a valid config.json") from None
+    if quant is not None and not isinstance(quant, dict):
+        raise InputError(f"{path}: quantization_config is not an object")
+    return quant or None
 
 
 def _unwrap(obj: Any, where: Path) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from logdiff.probes.contracts import (
+    OFF,
     ContractExtras,
     effective,
     fingerprint,
@@ -21,6 +22,7 @@ from logdiff.probes.contracts import (
     off_if_none,
     sampler,
 )
+from logdiff.probes.quantization import QUANTIZATION_KEYS
 from logdiff.sources.hf.contract_extras import EXTRAS
 
 
@@ -56,6 +58,9 @@ def hf_contract(model: Any, options: dict[str, Any], extras: ContractExtras = EX
         # The distribution it samples from (hf-decode) or scores under (the trainer): full support.
         **sampler(options),
         **extras.read(arch, model),
+        # the trainer computes with its weights as loaded: no quantization scheme, no quantized KV cache
+        # (probes/quantization.py; a quantized inference side reads its own: sources/vllm/quantized.py)
+        **dict.fromkeys(QUANTIZATION_KEYS, OFF),
         "attn_implementation": impl,
     }
     return effective(contract, {**HF_DROPS.get(impl, {}), **arch.hf_dropped})

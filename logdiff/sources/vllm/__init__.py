@@ -94,7 +94,7 @@ class VLLMEngine(Engine):
     install_hint = INSTALL_HINT
     options = frozenset(
         {"temperature", "top_k", "top_p", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "logprobs_mode",
-         "enable_prefix_caching", "tensor_parallel_size"}
+         "enable_prefix_caching", "tensor_parallel_size", "quantization"}
     )  # fmt: skip
 
     @classmethod
@@ -118,6 +118,8 @@ class VLLMEngine(Engine):
         for key in ("max_num_batched_tokens", "max_model_len"):
             if spec.option(key) is not None:
                 kwargs[key] = int(spec.option(key))
+        if spec.option("quantization") is not None:  # vLLM's online quantization of the bf16 weights (fp8, ...)
+            kwargs["quantization"] = str(spec.option("quantization"))
         self.tensor_parallel_size = int(spec.option("tensor_parallel_size", 1))
         if self.tensor_parallel_size > 1:  # vLLM's own: its workers run in processes of their own
             kwargs["tensor_parallel_size"] = self.tensor_parallel_size
@@ -127,10 +129,11 @@ class VLLMEngine(Engine):
                 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(map(str, range(self.tensor_parallel_size))))
         if spec.overrides:
             kwargs["hf_overrides"] = hf_overrides(spec)
+        from logdiff.sources.vllm.quantized import fingerprint_quantized_at_load
         from logdiff.sources.vllm.weights import fingerprint_at_dispatch
 
         try:
-            with fingerprint_at_dispatch():  # the preflight's fingerprints, without identity GEMMs (weights.py)
+            with fingerprint_at_dispatch(), fingerprint_quantized_at_load():  # the preflight's fingerprints, without identity GEMMs (weights.py)
                 self.llm = vllm.LLM(
                     model=spec.model_dir,
                     skip_tokenizer_init=True,
@@ -322,6 +325,7 @@ class VLLMEngine(Engine):
             "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
             "logprobs_mode": str(vc.model_config.logprobs_mode),
             "tensor_parallel_size": vc.parallel_config.tensor_parallel_size,
+            "quantization": vc.model_config.quantization,
         }
 
     def info(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ def vllm_contract(model: Any, options: dict[str, Any], extras: ContractExtras = 
     """Effective settings of a vLLM model module (reached through ``apply_model``; ``extras``: the
     per-architecture readers, a derived engine's extended registry)."""
     from logdiff.probes.arch import adapter_of
+    from logdiff.sources.vllm.quantized import quantization_keys
 
     arch = adapter_of(model)
     layer = arch.layers(model)[0]
@@ -55,6 +56,7 @@ def vllm_contract(model: Any, options: dict[str, Any], extras: ContractExtras = 
         "logprobs_mode": "processed_logprobs" if processed else "raw_logprobs",
         **drawn,
         **extras.read(arch, model),
+        **quantization_keys(model, arch),  # each layer's scheme, the ignored layers, the KV cache (quantized.py)
         "attn_implementation": type(core.impl).__name__ if core is not None and hasattr(core, "impl") else None,
     }
 
@@ -85,6 +87,8 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
     maps to ``None``: unverified, never a guess.
     """
     from logdiff.probes.arch import adapter_of
+    from logdiff.probes.quantization import SCALE_LEAVES
+    from logdiff.sources.vllm.quantized import is_quantized, loaded_fingerprints
     from logdiff.sources.vllm.weights import dense_weight, dispatched_fingerprints, moe_runner_weights
 
     arch = adapter_of(model)
@@ -98,6 +102,13 @@ def vllm_fingerprints(model: Any, vocab_size: int) -> dict[str, str | None]:
         owner, _, leaf = name.rpartition(".")
         prefix, _, short = owner.rpartition(".")
         layer = modules[owner]
+        if leaf in ("weight", *SCALE_LEAVES) and is_quantized(layer):
+            # a quantized linear: its weight and scale as loaded, hashed together (quantized.py), one per part
+            if leaf == "weight_scale":
+                parts = packed.get(short, (short,))
+                loaded = loaded_fingerprints(layer) or (None,) * len(parts)
+                out.update({f"{prefix}.{part}.weight": p for part, p in zip(parts, loaded, strict=True)})
+            continue
         if leaf in moe_params and hasattr(layer, "top_k"):
             # FusedMoE at the experts' HF position, or a MoERunner there holding routed_experts.
             runner_name = prefix if short == "routed_experts" else owner
