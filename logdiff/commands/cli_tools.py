@@ -1,7 +1,9 @@
-"""The commands about logdiff itself and its machine: ``kernels``, ``demo-model``, ``doctor``.
+"""The commands about logdiff itself, its models and its machine: ``kernels``, ``demo-model``, ``quantize``,
+``doctor``.
 
 ``kernels`` lists or self-tests the reference consistent kernels, ``demo-model`` builds a small
-trained demo model, ``doctor`` reports versions, engines and the device. Registered on the
+trained demo model, ``quantize`` writes a quantized (compressed-tensors) checkpoint of a model for a
+quantized rollout engine, ``doctor`` reports versions, engines and the device. Registered on the
 shared app (``cli_app``).
 """
 
@@ -75,6 +77,26 @@ def demo_model(
             progress=lambda msg: status.update(msg),
         )  # fmt: skip
     Console().print(f"wrote {built}")
+
+
+@app.command(short_help="Write a quantized (compressed-tensors) checkpoint of a bf16 model.")
+@handle_errors
+def quantize(
+    model: Path = typer.Argument(..., metavar="MODEL", help="The bf16 HF model directory."),
+    out: Path = typer.Argument(..., metavar="OUT", help="The directory to create (absent or empty)."),
+    scheme: str = typer.Option("int8-w8a8", metavar="SCHEME", help="int8-w8a8 (weights per channel, activations "
+                               "per token, dynamic), fp8-block or fp8-tensor (docs/capture.md#quantized-rollouts)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Run the model's own code."),
+) -> None:
+    """Write a compressed-tensors checkpoint of MODEL that vLLM loads as a quantized rollout engine."""
+    from logdiff.commands import outputs
+    from logdiff.commands.quantize import quantize_checkpoint
+
+    created = outputs.probe_demo_target(out)
+    with outputs.removed_on_failure(created), stderr_console().status(f"quantizing {model} ({scheme})"), \
+            outputs.writing_tree(out):
+        written = quantize_checkpoint(model, out, scheme, trust_remote_code)
+    Console().print(f"wrote {written}")
 
 
 @app.command(short_help="Versions, engines, the device and the vLLM platform.")
