@@ -61,6 +61,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "grad": _bool,
     "tensor_parallel_size": _count,
     "fsdp_size": _count,
+    "consistent_quantization": _one_of("int8-w8a8"),
 }
 
 
