@@ -85,7 +85,8 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int_dot(q_x: torch.Tensor, q_w: torch.Tensor) -> torch.Tensor:
-    """``q_x [M, K] @ q_w[N, K].T`` of int8 values, exact, as fp64 integers [M, N].
+    """``q_x [M, K] @ q_w[N, K].T`` of int8 values, exact, as fp64 integers [M, N]. Either operand may also be
+    given widened to fp32 (the same integers; :func:`quantized_weight` keeps weights so, saving the widening).
 
     Each K_CHUNK slice is one fp32 GEMM (exact: see :data:`K_CHUNK`), the slices' results are added in fp64
     (exact while ``|sum| < 2**53``, i.e. K < 2**39). No order of any of it can change a bit."""
@@ -163,8 +164,9 @@ def int8_linear(
 
 
 def quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`quantize_weight` of a float weight, kept inside ``kernel_caches()`` while the weight is unchanged
-    (its version counter; an optimizer step drops it, like the linear kernel's prepared weights)."""
+    """:func:`quantize_weight` of a float weight with the int8 values widened to fp32 (exactly: the form
+    :func:`int_dot`'s GEMMs take), kept inside ``kernel_caches()`` while the weight is unchanged (its version
+    counter; an optimizer step drops it, like the linear kernel's prepared weights)."""
     import weakref
 
     from .caches import active
@@ -175,7 +177,8 @@ def quantized_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hit = caches.int8_weights.get(id(weight))
         if hit is not None and hit[0]() is weight and hit[1] == key:
             return hit[2]
-    pair = quantize_weight(weight)
+    q, scale = quantize_weight(weight)
+    pair = (q.to(torch.float32), scale)
     if caches is not None:
         store, wid = caches.int8_weights, id(weight)
         caches.int8_weights[wid] = (weakref.ref(weight, lambda _: store.pop(wid, None)), key, pair)

@@ -85,7 +85,11 @@ def _identity_outputs(module: Any, dtype: Any, device: Any) -> Any:
 
 def int8_apply(q_w: Any, s_w: Any) -> Any:
     """The replacement of ``layer.quant_method.apply(layer, x, bias=None)``: ``kernels.int8_linear``."""
+    import torch
+
     from logdiff.kernels.int8 import int8_linear
+
+    q_w = q_w.to(torch.float32)  # widened once (exact integers): int_dot's GEMMs take it as is
 
     def apply(layer: Any, x: Any, bias: Any = None) -> Any:
         return int8_linear(x, q_w, s_w, bias)
