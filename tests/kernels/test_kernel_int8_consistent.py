@@ -135,6 +135,28 @@ def test_bf16_trainer_and_int8_rollout_are_bitwise_equal_in_consistent_mode(qwen
     assert all(torch.equal(a, b) for a, b in zip(_vllm(int8_llm, seqs), stock))
 
 
+def test_decode_steps_equal_the_trainers_teacher_forced_logprobs(qwen3: Path, int8_llm: Any):
+    """Sampled decode (a few rows per step, mixed with prefill chunks) against one teacher-forced forward."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from logdiff.sources.hf.consistent import consistent_hf
+    from logdiff.sources.hf.consistent_quant import consistent_quantized
+    from logdiff.sources.vllm.consistent import consistent_vllm
+
+    prompts = _seqs()
+    params = SamplingParams(max_tokens=8, logprobs=0, temperature=1.0, ignore_eos=True)
+    with consistent_vllm(int8_llm):
+        outs = int8_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.bfloat16).eval()
+    with consistent_hf(model), consistent_quantized(model, "int8-w8a8"):
+        for p, o in zip(prompts, outs):
+            tokens = list(o.outputs[0].token_ids)
+            engine = torch.tensor([step[t].logprob for step, t in zip(o.outputs[0].logprobs, tokens)])
+            trainer = _hf(model, [p + tokens])[0][len(p) - 1 :]
+            assert torch.equal(trainer, engine), float((trainer - engine).abs().max())
+
+
 def test_consistent_quantized_refuses_what_it_does_not_cover(qwen3: Path):
     from transformers import AutoModelForCausalLM
 
