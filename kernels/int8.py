@@ -20,8 +20,9 @@ Then the quantized linear itself, three ways that share those definitions:
   function computed batch-invariantly (the integer GEMM is exact, so no order can change it), for an int8
   weight (the engine's side) or a float weight quantized on the fly (the trainer's side, with a
   straight-through backward);
-* :func:`int8_linear_reference`: the exact function in fp64 (``diagnosis/exact.py`` judges an engine's
-  quantized linear against it; the bound is derived in docs/kernels.md).
+* :func:`int8_linear_reference`: the exact function in fp64 (the catalogue's reference;
+  ``diagnosis/exact_quant.py`` computes the same function, with its magnitude scale, to judge an engine's
+  quantized linear; the bound is derived in docs/kernels.md).
 
 On AMX hosts vLLM takes another kernel (``int8_scaled_mm_with_quant``, the sgl path) whose bits are not
 checked here; the exact function and its bound hold for it as for any implementation of the scheme.
