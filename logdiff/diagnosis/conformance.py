@@ -22,7 +22,9 @@ layer's window and RoPE base). Where the two contracts differ at the op, each
 side's output is also measured against the exact function under the *other*
 side's contract (``crossed``): a side within the other's function and outside
 its own computes what the other side's contract says, and the contract and
-the measurement disagree (``contract_effect``). An MoE block is judged
+the measurement disagree (``contract_effect``). A linear of a side whose contract names a quantization
+scheme there (an INT8 W8A8 rollout) is judged against that scheme's exact function (``exact_quant``): the
+quantization is the contract's difference, a fault inside the quantized GEMM the side's. An MoE block is judged
 on its own router logits under each side's own routing rule (``exact_moe``);
 its router is a linear. An op this module has no exact function for (an
 embedding, an unknown activation or RoPE style) is reported as unchecked,
@@ -37,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.diagnosis import exact
+from logdiff.diagnosis import exact, exact_quant
 from logdiff.diagnosis.spacing import EPS32, eps
 from logdiff.probes.contracts import DECLARED, applied, at_layer, norm_eps
 
@@ -267,9 +269,12 @@ class ConformanceCheck:
         if kind in ("linear", "logits", "router"):  # the same weight on both sides: widened once for both
             mod = self._module(b.name) if kind != "logits" else self.adapter.lm_head(self.model)
             cap = applied(contract.get("final_logit_softcapping")) if kind == "logits" else None  # off: None
-            key = (id(mod.weight), cap)
+            scheme = exact_quant.scheme_at(contract, b.name) if kind != "logits" else None
+            key = (id(mod.weight), cap, scheme)
             if key not in widened:
-                widened[key] = exact.linear_of(mod.weight, getattr(mod, "bias", None), cap)
+                bias = getattr(mod, "bias", None)
+                widened[key] = (exact_quant.quantized_linear_of(mod.weight, bias) if scheme
+                                else exact.linear_of(mod.weight, bias, cap))  # fmt: skip
             return lambda s, f=widened[key]: f(s.inputs[0])
         if kind == "norm":
             mod = self._module(b.name)

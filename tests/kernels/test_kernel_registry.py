@@ -24,6 +24,7 @@ def test_catalogue_names_the_api_and_resolves_references():
         "gelu_tanh_and_mul",
         "swiglu_oai_and_mul",
         "softcap",
+        "int8_linear",
     ]
     for info in kernels.consistent_kernels():
         assert callable(info.kernel) and callable(info.reference)

@@ -94,12 +94,20 @@ class HFEngine(Engine):
             from logdiff.sources.hf.training import consistent_training  # refuses active dropout
 
             installer = consistent_training(self.model)
-        rows = contextlib.nullcontext()
+        rows = quantized = contextlib.nullcontext()
         if fixed_order_rows and (only is None or "linear" in only):
             from logdiff.sources.hf.tensor_parallel import consistent_tp, fixed_order_plan
 
             rows = consistent_tp(self.model, fixed_order_plan(self.model, 1))
-        with unsupported_as_input_error(), installer, rows:
+        scheme = self.spec.option("consistent_quantization")
+        if scheme is not None and (only is None or "linear" in only):  # the INT8 rollout's quantization, here too
+            from logdiff.sources.hf.consistent_quant import consistent_quantized
+
+            if fixed_order_rows:
+                raise InputError("--consistent: consistent_quantization has no fixed-order row-parallel linear yet")
+
+            quantized = consistent_quantized(self.model, scheme)
+        with unsupported_as_input_error(), installer, rows, quantized:
             self._consistent = only is None or "log_softmax" in only
             self._consistent_mode = (only,)  # what a path scored on ranks of its own installs there
             try:
@@ -255,7 +263,8 @@ class HFForward(HFEngine):
     name = "hf"
     mode = "forward"
     #: tensor_parallel_size / fsdp_size: the ranks of the sharded training path (``sharded.score_sharded``)
-    options = HFEngine.options | {"grad", "tensor_parallel_size", "fsdp_size"}
+    #: consistent_quantization: under --consistent, the linears compute as an INT8 rollout does (consistent_quant)
+    options = HFEngine.options | {"grad", "tensor_parallel_size", "fsdp_size", "consistent_quantization"}
     capabilities = HFEngine.capabilities | {"captured_scoring"}
 
     def __init__(self, spec: EngineSpec, model: Any = None):

@@ -114,7 +114,11 @@ def build_plan(llm: Any, model: Any, runner: Any, backend: Backend) -> tuple[lis
             continue
         if isinstance(module, (LinearBase, VocabParallelEmbedding)):
             qm = getattr(module, "quant_method", None)
-            if not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            if getattr(module, "scheme", None) is not None and isinstance(module, LinearBase):  # INT8 W8A8
+                from logdiff.sources.vllm.consistent_int8 import int8_linear_patch
+
+                take("linear", name, int8_linear_patch(module, config.model_config.dtype))
+            elif not isinstance(qm, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
                 unsupported.append(f"{name} ({type(module).__name__}, quantized: {type(qm).__name__})")
             else:
                 take("linear", name, backend.linear(module))
@@ -209,6 +213,11 @@ def moe_problem(runner: Any) -> str | None:
 
     router = runner.router
     experts = runner.routed_experts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    method = getattr(experts, "quant_method", None)
+    if method is not None and not isinstance(method, UnquantizedFusedMoEMethod):
+        return f"quantized MoE experts ({type(method).__name__})"
     scoring, grouped = getattr(router, "scoring_func", None), getattr(router, "use_grouped_topk", True)
     if scoring not in ("softmax", "sigmoid") or router.custom_routing_function is not None:
         return f"MoE routing {type(router).__name__} ({scoring}, custom function {router.custom_routing_function})"
