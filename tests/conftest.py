@@ -189,6 +189,22 @@ def qwen3(demo_model: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def int8_checkpoint(demo_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``int8_checkpoint("qwen3")`` -> that demo model quantized INT8 W8A8 by ``logdiff quantize`` (compressed-tensors;
+    an MoE's router and experts left bf16), written once per session for every test that runs a quantized engine."""
+    import logdiff
+
+    made: dict[str, Path] = {}
+
+    def get(arch: str = "qwen3") -> Path:
+        if arch not in made:
+            made[arch] = logdiff.quantize(demo_model(arch), tmp_path_factory.mktemp(f"{arch}-int8") / "int8")
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def qwen2_window_layers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random (untrained) Qwen2 demo whose config sets a window of 8 that no layer applies: ``use_sliding_window``
     true, ``sliding_window`` 8 and ``max_window_layers`` equal to its 4 layers (``layer_types`` all full, in

