@@ -247,3 +247,41 @@ def smollm2() -> Path:
         shutil.rmtree(path, ignore_errors=True)
         build(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def shared_scan() -> Callable[..., dict[str, Any]]:
+    """``shared_scan(model, **options)`` -> ``logdiff.scan(model, **options)``, computed once per session.
+
+    Several files check other properties of the very same scan (the stock HF-vs-vLLM module-depth scan of a
+    demo architecture is read by test_architectures.py for its verdict and by test_arch_*.py for their
+    adapter's contracts, for one). A scan is a pure function of its ``ScanConfig`` and the engines it loads,
+    so the result is kept under the config's ``repr`` (the defaults filled in: an option left out and the
+    same option passed at its default share one scan) and each caller gets its own deep copy. Only for scans
+    nothing else changes: no monkeypatch, no plant, unless the plant is named here:
+    ``split_k=(engine, module)`` runs the scan with ``plants.split_k`` on that module of the pooled engine
+    (as tests/test_scan_window.py and tests/test_attribute_patched.py plant it).
+    """
+    import copy
+
+    import logdiff
+    from logdiff.commands.config import ScanConfig
+
+    done: dict[tuple[str, Any], dict[str, Any]] = {}
+
+    def get(model: Path, *, split_k: tuple[str, str] | None = None, **options: Any) -> dict[str, Any]:
+        key = (repr(ScanConfig(model=Path(model), **options)), split_k)
+        if key not in done:
+            if split_k is None:
+                done[key] = logdiff.scan(model, **options)
+            else:
+                from plants import split_k as plant
+
+                from logdiff.sources import base, checkpoint, pool
+
+                engine = pool.acquire(split_k[0], base.EngineSpec(str(checkpoint.stage(model).path)))
+                with plant(engine.model.get_submodule(split_k[1])):
+                    done[key] = logdiff.scan(model, **options)
+        return copy.deepcopy(done[key])
+
+    return get

@@ -28,10 +28,10 @@ SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modul
 
 @pytest.mark.vllm
 def test_scan_locates_mla_and_shared_expert_boundaries(
-    demo_model: Callable[[str], Path], stock_varies: Callable[[bool, str], None]
+    demo_model: Callable[[str], Path], stock_varies: Callable[[bool, str], None], shared_scan: Callable[..., dict]
 ) -> None:
     """Every MLA and shared-expert boundary is recorded on both engines, in HF's order, weights all verified."""
-    r = logdiff.scan(demo_model("deepseek-v2"), infer=["vllm"], **SMALL)
+    r = shared_scan(demo_model("deepseek-v2"), infer=["vllm"], **SMALL)  # test_architectures.py's deepseek-v2 scan
     assert not [w for w in r["warnings"] if "probe failed" in w or "could not align" in w or "split" in w]
     table = r["divergence_table"]["boundaries"]
     for part in ("q_proj.nope", "q_proj.pe", "kv_a_proj_with_mqa.compressed_kv", "kv_a_proj_with_mqa.k_pe",

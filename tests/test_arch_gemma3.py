@@ -43,8 +43,9 @@ def test_adapter_places_qk_norms_between_projections_and_rope() -> None:
 
 
 @pytest.mark.vllm
-def test_scan_reads_both_rope_bases_and_the_window_alike(demo_model: Callable[[str], Path]) -> None:
-    r = logdiff.scan(demo_model("gemma3"), infer=["vllm"], **SMALL)
+def test_scan_reads_both_rope_bases_and_the_window_alike(demo_model: Callable[[str], Path],
+                                                          shared_scan: Callable[..., dict]) -> None:
+    r = shared_scan(demo_model("gemma3"), infer=["vllm"], **SMALL)  # test_architectures.py's gemma3 scan
     train, infer = r["contracts"]["train"], r["contracts"]["infer"]
     for key, want in (("rope_theta", 1e6), ("rope_local_base_freq", 1e4), ("sliding_window", 8)):
         assert train[key] == infer[key] == want, key

@@ -160,8 +160,9 @@ def test_consistent_hf_covers_sinks_biased_router_and_clamped_experts(tiny_gpt_o
 
 
 @pytest.mark.vllm
-def test_both_engines_read_the_windows_sinks_and_swiglu_alike(demo_model: Callable[[str], Path]) -> None:
-    r = logdiff.scan(demo_model("gpt-oss"), infer=["vllm"], **SMALL)
+def test_both_engines_read_the_windows_sinks_and_swiglu_alike(demo_model: Callable[[str], Path],
+                                                              shared_scan: Callable[..., dict]) -> None:
+    r = shared_scan(demo_model("gpt-oss"), infer=["vllm"], **SMALL)  # test_architectures.py's gpt-oss scan
     train, infer = r["contracts"]["train"], r["contracts"]["infer"]
     assert train["layer_types"] == infer["layer_types"] == "sliding,full,sliding,full"
     for key, want in (("sliding_window", 8), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0), ("rope_type", "yarn")):

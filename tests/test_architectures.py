@@ -86,10 +86,11 @@ MOE = ("mixtral", "glm4-moe", "deepseek-v2", "deepseek-v3", "gpt-oss")
 @pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.isa_sensitive) if a in MOE else a
                                   for a in sorted(NEW)])  # fmt: skip
 def test_scan_against_vllm_finds_and_classifies(
-    demo_model: Callable[[str], Path], stock_varies: Callable[[bool, str], None], arch: str
+    demo_model: Callable[[str], Path], stock_varies: Callable[[bool, str], None], shared_scan: Callable[..., Any],
+    arch: str,
 ) -> None:
     model = demo_model(arch)
-    r = logdiff.scan(model, infer=["vllm"], **SMALL)
+    r = shared_scan(model, infer=["vllm"], **SMALL)  # test_arch_*.py read the same scan
     stock_varies(r["verdict"] == "consistent", f"stock HF and vLLM give bitwise-equal logprobs on {arch}")
     assert not [w for w in r["warnings"] if "probe failed" in w or "could not align" in w], r["warnings"]
     assert "no correspondence map" not in " ".join(r["warnings"])

@@ -15,14 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plants import split_k
 
 import logdiff
 from logdiff.commands.config import ScanConfig
 from logdiff.comparison.result import Cause
 from logdiff.diagnosis import attribute, rescan
 from logdiff.errors import InputError
-from logdiff.sources import base, checkpoint, pool
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules"}
 PATCHED = ScanConfig(model=Path("m"), depth="modules", attribution="patched")
@@ -136,8 +134,9 @@ def _shares(r: dict[str, Any]) -> dict[str, float]:
 
 @pytest.mark.vllm
 @pytest.mark.isa_sensitive
-def test_patched_and_rescan_games_on_the_same_hf_vs_vllm_scan(qwen3: Path, stock_varies: Callable) -> None:
-    patched = logdiff.scan(qwen3, infer=["vllm"], attribution="patched", **SMALL)
+def test_patched_and_rescan_games_on_the_same_hf_vs_vllm_scan(qwen3: Path, stock_varies: Callable,
+                                                               shared_scan: Callable[..., dict]) -> None:
+    patched = shared_scan(qwen3, infer=["vllm"], attribution="patched", **SMALL)  # also test_scan_window.py's
     stock_varies(patched["verdict"] == "consistent", "HF and vLLM agree bitwise here")
     a = patched["attribution"]
     assert a["game"] == "patched", a.get("fallback")
@@ -161,14 +160,13 @@ def test_identical_paths_attribute_nothing(qwen3: Path) -> None:
 
 
 @pytest.mark.isa_sensitive
-def test_a_planted_linear_change_is_closed_by_its_family_alone(qwen3: Path) -> None:
+def test_a_planted_linear_change_is_closed_by_its_family_alone(qwen3: Path, shared_scan: Callable[..., dict]) -> None:
     """With attention consistent on both sides, the one difference left is a split-K plant in one o_proj of
-    the inference side: the linear family takes the whole share, and patching it closes the gap exactly."""
-    engine = pool.acquire("hf-decode", base.EngineSpec(str(checkpoint.stage(qwen3).path)))  # the pooled engine
+    the inference side (of the pooled engine): the linear family takes the whole share, and patching it closes
+    the gap exactly. The scan is test_scan_window.py's unwindowed planted one."""
     target = "model.layers.2.self_attn.o_proj"
-    with split_k(engine.model.get_submodule(target)):
-        r = logdiff.scan(qwen3, infer=["hf-decode"], consistent=True, consistent_kernels=("attention",),
-                         attribution="patched", **SMALL)
+    r = shared_scan(qwen3, split_k=("hf-decode", target), infer=["hf-decode"], consistent=True,
+                    consistent_kernels=("attention",), attribution="patched", **SMALL)
     a = r["attribution"]
     assert a["game"] == "patched", a.get("fallback")
     assert any(c["boundary"] == target and c["family"] == "linear" for c in r["causes"]), r["causes"]

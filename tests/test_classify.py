@@ -144,9 +144,10 @@ def _within(cause: dict[str, Any]) -> bool:
 @pytest.mark.vllm
 @pytest.mark.isa_sensitive
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3-moe"])
-def test_hf_vs_vllm_is_operator_path_and_vanishes_under_consistent(demo_model: Callable[[str], Path], arch: str) -> None:
+def test_hf_vs_vllm_is_operator_path_and_vanishes_under_consistent(demo_model: Callable[[str], Path],
+                                                                   shared_scan: Callable[..., dict], arch: str) -> None:
     model = demo_model(arch)
-    r = logdiff.scan(model, infer=["vllm"], **SMALL)
+    r = shared_scan(model, infer=["vllm"], **SMALL)  # test_moe_routing.py reads the qwen3-moe one
     assert r["causes"] and r["verdict"] == "operator_path", [(c["boundary"], c["class"]) for c in r["causes"]]
     assert_closes(r)  # the stock kernels' gap is within what the ops up to the logits explain
     # each cause judged locally: both sides within their bounds (MoE blocks, with no exact function here,

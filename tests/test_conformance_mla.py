@@ -356,13 +356,12 @@ def test_stale_kv_b_proj_on_vllm_is_outside_at_the_latent_attention(
 @pytest.mark.vllm
 @pytest.mark.parametrize("arch", ["deepseek-v2", "deepseek-v3"])
 def test_stock_scan_judges_the_latent_attention_by_both_sides_conformance(
-    demo_model: Callable[[str], Path], stock_varies: Callable[[bool, str], None], arch: str
+    demo_model: Callable[[str], Path], stock_varies: Callable[[bool, str], None], shared_scan: Callable[..., dict],
+    arch: str,
 ) -> None:
     """The stock demo against vLLM: no framework difference at the latent attention; each latent attention that
     introduces error is judged by both sides' conformance, both within (operator path)."""
-    import logdiff
-
-    r = logdiff.scan(demo_model(arch), infer=["vllm"], **SMALL)
+    r = shared_scan(demo_model(arch), infer=["vllm"], **SMALL)  # test_architectures.py's scan of it
     latent = [c for c in r["causes"] if c["boundary"].endswith("self_attn.latent_attn")]
     stock_varies(not latent, f"stock {arch} MLA attention introduces no error against vLLM's here")
     for c in latent:

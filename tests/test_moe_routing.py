@@ -226,9 +226,9 @@ def test_near_tie_flips_from_rounding_noise_are_operator_path(qwen3_moe: Path) -
 
 
 @pytest.mark.vllm
-def test_vllm_routers_are_recorded_and_compared_per_layer(qwen3_moe: Path) -> None:
+def test_vllm_routers_are_recorded_and_compared_per_layer(qwen3_moe: Path, shared_scan: Callable[..., dict]) -> None:
     """Against a real vLLM: every router's logits come out of its ``gate`` on both paths, per token."""
-    r = logdiff.scan(qwen3_moe, infer=["vllm"], **SMALL)
+    r = shared_scan(qwen3_moe, infer=["vllm"], **SMALL)  # test_classify.py's qwen3-moe scan
     moe = r["moe"]
     assert (moe["train"], moe["infer"]) == ("hf", "vllm")
     assert list(moe["router_flip_rate"]) == [f"model.layers.{n}.mlp.gate" for n in range(4)]

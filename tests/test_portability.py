@@ -58,6 +58,24 @@ def test_gemm_kind_names_the_kernel_behind_cpu_linear() -> None:
     assert gemm_kind(lambda x, w, b: __import__("torch").nn.functional.linear(x, w, b)) == "torch_linear"
 
 
+def isa_sensitive_files() -> list[str]:
+    """The test files that name the ``isa_sensitive`` marker: the child collects these, not the whole suite
+    (collecting its ~2,000 tests imports every test module). Where a module that is not a test file names the
+    marker (a conftest.py could mark tests of other files), the whole folder."""
+    named = [p for p in (REPO / "tests").rglob("*.py")
+             if p.name != Path(__file__).name and "isa_sensitive" in p.read_text(encoding="utf-8")]
+    if any(not p.name.startswith("test_") for p in named):
+        return [str(REPO / "tests")]
+    return sorted(str(p) for p in named)
+
+
+def test_the_avx2_rerun_collects_every_isa_sensitive_test() -> None:
+    files = isa_sensitive_files()
+    assert str(REPO / "tests" / "test_batch_probe.py") in files  # marks its tests
+    assert str(REPO / "tests" / "test_scan_sharded.py") not in files  # marks none
+    assert not any(f.endswith(Path(__file__).name) for f in files)  # the child never reruns this file
+
+
 @pytest.mark.vllm
 def test_isa_sensitive_tests_pass_as_avx2(demo_model: Callable[[str], Path]) -> None:
     if isa.emulated_isa() is not None:
@@ -67,7 +85,7 @@ def test_isa_sensitive_tests_pass_as_avx2(demo_model: Callable[[str], Path]) -> 
     demo_model("qwen3")  # built natively first; the child reuses it (LOGDIFF_TEST_MODELS_NATIVE)
     env = {**os.environ, **isa.emulation_env("avx2"), "LOGDIFF_TEST_MODELS_NATIVE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "isa_sensitive", "-p", "no:cacheprovider", "-p", "no:randomly",
-           str(REPO / "tests")]  # fmt: skip
+           *isa_sensitive_files()]  # fmt: skip
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=2400)
     tail = "\n".join((run.stdout + run.stderr).splitlines()[-40:])
     assert run.returncode == 0, f"ISA-sensitive tests failed as AVX2 ({' '.join(cmd)}):\n{tail}"

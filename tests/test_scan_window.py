@@ -99,8 +99,12 @@ def _planted_scan(qwen3: Path, window: int | None, **extra: Any) -> dict[str, An
 
 
 @pytest.mark.isa_sensitive
-def test_beyond_the_window_the_divergence_is_found_by_sketches_and_attributed_as_without_one(qwen3: Path) -> None:
-    whole, windowed = _planted_scan(qwen3, None), _planted_scan(qwen3, 1)
+def test_beyond_the_window_the_divergence_is_found_by_sketches_and_attributed_as_without_one(
+        qwen3: Path, shared_scan: Any) -> None:
+    # the unwindowed scan is test_attribute_patched.py's planted one (the same plant and options)
+    whole = shared_scan(qwen3, split_k=("hf-decode", TARGET), infer=["hf-decode"], consistent=True,
+                        consistent_kernels=("attention",), **SMALL)
+    windowed = _planted_scan(qwen3, 1)
     first = windowed["first_divergence"]
     assert first["boundary"] == whole["first_divergence"]["boundary"] == TARGET and first["sketched"] is True
     assert first["inputs_equal"] is True  # the sketches of its inputs are equal: the op introduced it
@@ -122,9 +126,9 @@ def test_beyond_the_window_the_divergence_is_found_by_sketches_and_attributed_as
 @pytest.mark.vllm
 @pytest.mark.isa_sensitive
 def test_against_vllm_the_patched_game_fetches_what_the_window_left_and_matches_the_whole_scan(
-        qwen3: Path, stock_varies: Any) -> None:
+        qwen3: Path, stock_varies: Any, shared_scan: Any) -> None:
     """Every family of the stock HF-vs-vLLM gap, the final norm's (in the window, its input beyond) included."""
-    whole = logdiff.scan(qwen3, infer=["vllm"], **SMALL)
+    whole = shared_scan(qwen3, infer=["vllm"], **SMALL)  # test_attribute_patched.py's patched scan
     stock_varies(whole["verdict"] == "consistent", "HF and vLLM agree bitwise here")
     windowed = logdiff.scan(qwen3, infer=["vllm"], window=1, **SMALL)
     a, b = whole["attribution"], windowed["attribution"]
