@@ -13,7 +13,8 @@ compared. What is asserted is what a user reads:
 * a compiled engine (TRL's default): the one warning line;
 * instrumenting never changes the run: TRL's logged metrics equal an uninstrumented run's bit for bit;
 * consistent mode on both sides: TRL's own gap exactly 0 and its importance ratios exactly 1 at both steps;
-* the same loop on the real SmolLM2-135M-Instruct with chat prompts: the gap TRL's, operator paths only.
+* the same loop on the real SmolLM2-135M-Instruct with chat prompts: the gap TRL's, operator paths only;
+* the trainer side's replay, TRL's own call run again, reproduces every captured boundary (no "do not reproduce").
 """
 
 from __future__ import annotations
@@ -132,6 +133,23 @@ def test_consistent_mode_makes_trls_own_gap_zero_at_both_steps(runs) -> None:
     assert run["steps"][0]["grad_norm"] > 0  # a real training step between the two
 
 
+#: the warning of a replay that is not the captured step (``bundle_feed.replay``)
+NOT_REPRODUCED = "do not reproduce the captured"
+
+
+def _replay_warnings(run: dict[str, Any]) -> list[str]:
+    return [w for result in _results(run) for w in result["warnings"] if NOT_REPRODUCED in w or "run again" in w]
+
+
+def test_the_replay_in_the_loop_reproduces_the_captured_step(runs) -> None:
+    """The trainer side's replay is TRL's own no-grad logprob call run again (its left padding without position_ids,
+    autocast, attention and fused head): every captured boundary and TRL's token logprobs bit for bit
+    (tests/test_loop_replay.py holds the negative controls)."""
+    for name in ("bf16", "fp32", "no-sync", "compiled", "consistent"):
+        run = runs(name)
+        assert len(run["logdiff"]) == 2 and not _replay_warnings(run), (name, _replay_warnings(run))
+
+
 def test_the_same_loop_on_a_real_pretrained_model_with_chat_prompts(smollm2: Path, tmp_path: Path) -> None:
     """SmolLM2-135M-Instruct (real weights: massive activations, real attention patterns), real chat prompts
     through its chat template: the gap is still TRL's own, and every cause an operator path."""
@@ -142,3 +160,4 @@ def test_the_same_loop_on_a_real_pretrained_model_with_chat_prompts(smollm2: Pat
         assert logged["logdiff/gap_max"] == pytest.approx(logged[TRL_GAP[1]], abs=1e-5)
         assert result["causes"] and {cls for cls, _ in _kinds(result)} == {"operator_path"}, result["causes"]
         assert not any("found no partner" in w for w in result["warnings"])
+    assert not _replay_warnings(run)  # the replay reproduces the captured step here too

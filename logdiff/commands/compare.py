@@ -56,7 +56,12 @@ from logdiff.comparison.bundle_checks import (
     matching_warning,
     position_offsets,
 )
-from logdiff.comparison.bundle_feed import feed_side, replay, response_scores
+from logdiff.comparison.bundle_feed import (
+    CapturedCall,
+    feed_side,
+    replay,
+    response_scores,
+)
 from logdiff.comparison.bundle_shards import add_shard_evidence
 from logdiff.comparison.bundle_weights import SideWeights, model_warning
 from logdiff.comparison.environment import environment
@@ -174,17 +179,19 @@ def open_bundles(train_dir: Path, infer_dir: Path) -> tuple[Bundle, Bundle]:
 
 def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = None, is_threshold: float = 2.0,
                     progress: Progress = silent, tables: dict[str, Any] | None = None,
-                    live: Any = None) -> ScanResult:
+                    live: Any = None, rerun: Callable[[], Any] | None = None) -> ScanResult:
     """The scan result of two capture bundles (docs/result-schema.md), computed offline. ``live``: the training
     side's model itself, in this process (an RL framework's, inside its step), used as ``--model``'s would be:
     its weights for the conformance check, and one no-grad forward over the common sequences for the replay
     (nothing that trains: no gradient, no mode change, dropout must be off for it to reproduce the capture).
+    ``rerun`` (with ``live``): the captured step's own call, run again as that forward (``bundle_feed.CapturedCall``:
+    the trainer's padding, positions, autocast and head, which logdiff's own batch would not repeat).
     A pipeline-parallel capture's stages are joined first (``probes.stages``)."""
     with tempfile.TemporaryDirectory(prefix="logdiff-stages-") as scratch:  # pipeline stages joined, then gone
         train_dir, infer_dir = (joined(Path(d), Path(scratch) / role) for d, role in ((train_dir, "train"),
                                                                                    (infer_dir, "infer")))
         return _compare(train_dir, infer_dir, model=model, is_threshold=is_threshold, progress=progress,
-                        tables=tables, live=live)
+                        tables=tables, live=live, rerun=rerun)
 
 
 def joined(bundle_dir: Path, scratch: Path) -> Path:
@@ -195,7 +202,7 @@ def joined(bundle_dir: Path, scratch: Path) -> Path:
 
 
 def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_threshold: float, progress: Progress,
-             tables: dict[str, Any] | None, live: Any) -> ScanResult:
+             tables: dict[str, Any] | None, live: Any, rerun: Callable[[], Any] | None = None) -> ScanResult:
     from logdiff.comparison.locate import localize
     from logdiff.comparison.pairing import match_sequences, sketched
     from logdiff.diagnosis.closure import close
@@ -238,7 +245,8 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
                                         "matched sequence at their position; they were left out")
         if engine is not None:
             progress("replaying the training side's ops on the inference side's inputs", phase="replay")
-            replay(engine, session, train.name, seqs)
+            replay(engine, session, train.name, seqs,
+                   CapturedCall(rerun, tb, matching.train) if rerun is not None and live is not None else None)
         train_scores, infer_scores = _path_scores(train, infer, scores, seqs)
         progress("comparing the logprobs", phase="compare")
         pairs = [compare_pair(train_scores, infer_scores, seqs, None, is_threshold)]

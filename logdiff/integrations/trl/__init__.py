@@ -188,7 +188,7 @@ class Instrument:
             if self.compare:
                 try:
                     self.wait()  # the comparison reads both bundles whole
-                    self._compare(step)
+                    self._compare(step, Rerun(lambda: logps(model, input_ids, attention_mask, *args, **kwargs), out))
                 except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
                     self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
             return out
@@ -204,16 +204,20 @@ class Instrument:
 
     # ---- the comparison ------------------------------------------------------------------------
 
-    def _compare(self, step: int) -> None:
+    def _compare(self, step: int, rerun: Rerun | None = None) -> None:
         """``logdiff compare`` of the step's bundles: the outputs beside them, a summary in ``results``, the
-        numbers into the trainer's metrics of this step, one line to the log."""
+        numbers into the trainer's metrics of this step, one line to the log. ``rerun``: the captured call, run
+        again as the replay's forward (it repeats the step's padding, positions, autocast and fused head)."""
         from logdiff.commands import outputs
         from logdiff.commands.compare import compare_bundles
 
         root = self.step_dir(step)
         live = self.trainer.accelerator.unwrap_model(self.trainer.model)  # its weights: the conformance check's
-        with self.trainer.accelerator.autocast():  # the replay runs the trainer's ops as its forward ran them
-            result = compare_bundles(root / "train", root / "infer", live=live).to_dict()
+        with self.trainer.accelerator.autocast():  # what else runs the live model runs in the trainer's precision
+            result = compare_bundles(root / "train", root / "infer", live=live, rerun=rerun).to_dict()
+        line = rerun.warning() if rerun is not None else None
+        if line:
+            result["warnings"] = [*result.get("warnings", []), line]
         outputs.write_result(result, root, None)
         summary = summarize(result)
         self.results[step] = summary
@@ -221,6 +225,33 @@ class Instrument:
         for key, value in summary["metrics"].items():
             metrics[f"logdiff/{key}"].append(value)
         log.warning("logdiff step %d: %s (%s)", step, summary["line"], root / "report.html")
+
+
+class Rerun:
+    """The captured ``_get_per_token_logps_and_entropies`` call, run again by the comparison's replay
+    (``bundle_feed.CapturedCall``) inside the same step: same model, arguments, no-grad and TRL's own autocast. Its
+    token logprobs must equal the captured call's bit for bit (``warning`` says where not): the whole step is
+    then reproduced, not only each replayed op."""
+
+    def __init__(self, call: Any, captured: Any):
+        self.call, self.captured, self.got = call, captured, None
+
+    def __call__(self) -> Any:
+        self.got = self.call()
+        return self.got
+
+    def warning(self) -> str | None:
+        import torch
+
+        if self.got is None:
+            return None
+        a, b = self.captured[0], self.got[0]
+        if a.shape == b.shape and torch.equal(a, b):
+            return None
+        diff = (a.float() - b.float()).abs().nan_to_num(float("inf")).max().item() if a.shape == b.shape else None
+        what = f"max |Δ| {diff:.3g}" if diff is not None else f"shape {list(b.shape)} vs {list(a.shape)}"
+        return (f"the captured step's own call, run again, gave other token logprobs than the step ({what}): the "
+                "trainer's forward is not a function of its inputs here, so its replay is not the captured step")
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
