@@ -11,7 +11,6 @@ replay before: right-padded, positions from 0) does not reproduce the shifted Ro
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,5 +83,5 @@ def test_another_call_is_named_not_replayed(loop) -> None:
     assert line.startswith("the train ops of the captured step's own call, run again,") and "rope_q" in line
     other = _left(seqs=[s[::-1] for s in SEQS])
     lines = [w for w in _compare(loop, _call(loop, **other))["warnings"] if "run again" in w]
-    assert lines == ["the captured step's own call, run again, fed other tokens than its capture at forwards [0]: "
-                     "those were not replayed"]
+    assert lines == [("the captured step's own call, run again, fed other tokens than its capture at forwards [0]: "
+                      "those were not replayed")]
