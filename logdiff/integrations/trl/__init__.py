@@ -23,7 +23,12 @@ one bundle pair is written under ``DIR/step-{global_step:06d}/``:
   values TRL's loss used, and every module boundary of the decoder before it.
 
 Then ``logdiff compare`` runs on the pair (``compare=True``, the default), with the trainer's live model
-for the conformance check (its weights are read, never run): ``result.json`` and
+for the conformance check (its weights) and the replay: the captured ``_get_per_token_logps_and_entropies``
+call run again on its own arguments (``Rerun``; ``bundle_feed.CapturedCall``), so each op is replayed as the
+step ran it (TRL's left padding without ``position_ids``, autocast, attention, fused head), and its token
+logprobs must equal the step's bit for bit. ``diagnosis=True`` adds the checks that need the live engines
+(``logdiff/integrations/live.py``: the reference-kernel rerun and attribution on the trainer's model and the
+colocated vLLM). ``result.json`` and
 ``report.html`` go beside the bundles, one line points to them, and the trainer's logs of that step get
 logdiff's numbers (``logdiff/gap_max``, ``logdiff/gap_mean``, ``logdiff/first_divergence_layer``,
 ``logdiff/causes/<class>``), next to TRL's own ``sampling/sampling_logp_difference/*``, which they equal.
