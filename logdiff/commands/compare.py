@@ -58,7 +58,12 @@ from logdiff.comparison.bundle_checks import (
     matching_warning,
     position_offsets,
 )
-from logdiff.comparison.bundle_feed import feed_side, replay, response_scores
+from logdiff.comparison.bundle_feed import (
+    CapturedCall,
+    feed_side,
+    replay,
+    response_scores,
+)
 from logdiff.comparison.bundle_shards import add_shard_evidence
 from logdiff.comparison.bundle_weights import SideWeights, model_warning
 from logdiff.comparison.environment import environment
@@ -177,17 +182,22 @@ def open_bundles(train_dir: Path, infer_dir: Path) -> tuple[Bundle, Bundle]:
 
 def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = None, is_threshold: float = 2.0,
                     progress: Progress = silent, tables: dict[str, Any] | None = None,
-                    live: Any = None) -> ScanResult:
+                    live: Any = None, rerun: Callable[[], Any] | None = None,
+                    rescans: Callable[[list[Sequence]], Any] | None = None) -> ScanResult:
     """The scan result of two capture bundles (docs/result-schema.md), computed offline. ``live``: the training
     side's model itself, in this process (an RL framework's, inside its step), used as ``--model``'s would be:
     its weights for the conformance check, and one no-grad forward over the common sequences for the replay
     (nothing that trains: no gradient, no mode change, dropout must be off for it to reproduce the capture).
+    ``rerun`` (with ``live``): the captured step's own call, run again as that forward (``bundle_feed.CapturedCall``:
+    the trainer's padding, positions, autocast and head, which logdiff's own batch would not repeat).
+    ``rescans``: where live engines are at hand (an RL framework's colocated ones), a ``Rescanner`` over them for
+    the common sequences (``integrations.live.LiveRescans``): the reference-kernel rerun and attribution then run.
     A pipeline-parallel capture's stages are joined first (``probes.stages``)."""
     with tempfile.TemporaryDirectory(prefix="logdiff-stages-") as scratch:  # pipeline stages joined, then gone
         train_dir, infer_dir = (joined(Path(d), Path(scratch) / role) for d, role in ((train_dir, "train"),
                                                                                    (infer_dir, "infer")))
         return _compare(train_dir, infer_dir, model=model, is_threshold=is_threshold, progress=progress,
-                        tables=tables, live=live)
+                        tables=tables, live=live, rerun=rerun, rescans=rescans)
 
 
 def joined(bundle_dir: Path, scratch: Path) -> Path:
@@ -198,7 +208,8 @@ def joined(bundle_dir: Path, scratch: Path) -> Path:
 
 
 def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_threshold: float, progress: Progress,
-             tables: dict[str, Any] | None, live: Any) -> ScanResult:
+             tables: dict[str, Any] | None, live: Any, rerun: Callable[[], Any] | None = None,
+             rescans: Callable[[list[Sequence]], Any] | None = None) -> ScanResult:
     from logdiff.comparison.locate import localize
     from logdiff.comparison.pairing import match_sequences, sketched
     from logdiff.diagnosis.closure import close
@@ -246,13 +257,14 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
                                         "matched sequence at their position; they were left out")
         if engine is not None:
             progress("replaying the training side's ops on the inference side's inputs", phase="replay")
-            replay(engine, session, train.name, seqs)
+            replay(engine, session, train.name, seqs,
+                   CapturedCall(rerun, tb, matching.train) if rerun is not None and live is not None else None)
         train_scores, infer_scores = _path_scores(train, infer, scores, seqs)
         progress("comparing the logprobs", phase="compare")
         pairs = [compare_pair(train_scores, infer_scores, seqs, None, is_threshold)]
         located = localize(pairs, session, progress, tables if tables is not None else {})
-        cfg = ScanConfig(model=Path(model or train_dir), dtype=_dtype(tb), depth="modules", attribute=False,
-                         is_threshold=is_threshold)
+        cfg = ScanConfig(model=Path(model or train_dir), dtype=_dtype(tb), depth="modules",
+                         attribute=rescans is not None, attribution="rescan", is_threshold=is_threshold)
         result = ScanResult(
             model=str(model) if model else str(tb.meta.get("model") or train_dir),
             checkpoint=None,
@@ -283,7 +295,8 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
         if (tb.role, ib.role) == ("infer", "train"):
             result.warn("the first bundle was captured as the inference side and the second as the training side: "
                         "logdiff compare takes TRAIN_BUNDLE first")
-        _diagnose(result, cfg, train, infer, session, progress, model_rejected=bool(rejected))
+        rescanner = rescans(seqs) if rescans is not None else None
+        _diagnose(result, cfg, train, infer, session, progress, model_rejected=bool(rejected), rescanner=rescanner)
         if result.non_finite is None:
             from logdiff.diagnosis import sampling_records
 
@@ -296,7 +309,7 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
         add_offset_findings(result, tb, ib, matching, session.cmap)
     finally:
         session.close()
-    result.warn(NEEDS_ENGINES)
+    result.warn(NEEDS_ENGINES if rescanner is None else _live_note(rescanner, result, session.cmap))
     close(result, train.module())  # the closure of the gap (logdiff/diagnosis/closure.py)
     result.conclude()
     result.timings, result.peak_rss_bytes = progress.close(), peak_rss_bytes()
@@ -305,10 +318,11 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
 
 
 def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: BundleSide, session: Any,
-              progress: Progress, model_rejected: bool = False) -> None:
+              progress: Progress, model_rejected: bool = False, rescanner: Any = None) -> None:
     """``diagnose`` as a scan runs it, with a rescanner that cannot rescan (the reference rerun is then skipped,
-    with its reason in the warnings) and attribution off. ``model_rejected``: ``--model`` was given but holds
-    other weights (its own warning says so)."""
+    with its reason in the warnings) and attribution off, or ``rescanner`` (live engines: both run, and what they
+    could not do is said). ``model_rejected``: ``--model`` was given but holds other weights (its own warning
+    says so)."""
     from logdiff.diagnosis.diagnose import diagnose
     from logdiff.diagnosis.rescan import Rescanner
 
@@ -317,8 +331,9 @@ def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: Bun
 
     result.classified = True
     record = session.pair(result.primary.train, result.primary.infer)
-    found = diagnose(result, cfg, train, infer, Rescanner(no_rescan), progress, record)
-    found.warnings = [w for w in found.warnings if not w.startswith("reference-kernel rerun unavailable")]
+    found = diagnose(result, cfg, train, infer, rescanner or Rescanner(no_rescan), progress, record)
+    if rescanner is None:
+        found.warnings = [w for w in found.warnings if not w.startswith("reference-kernel rerun unavailable")]
     if train.engine is None and not model_rejected:
         found.warnings.append("conformance not checked: give --model MODEL (the checkpoint both sides ran) so each "
                               "side's ops can be measured against their exact functions")
@@ -327,6 +342,16 @@ def _diagnose(result: ScanResult, cfg: ScanConfig, train: BundleSide, infer: Bun
             why = side.meta.get("fingerprints_error") or "a sharded capture cannot hash the logical weights on one rank"
             found.warnings.append(f"{side.role} weights unverified: its bundle holds no weight fingerprints ({why})")
     result.add(found)
+
+
+def _live_note(rescanner: Any, result: ScanResult, cmap: Any) -> str:
+    """What the live engines ran (``rescanner.note``), and the check they did not: the routing replay of an MoE
+    model, which forces the rollout's expert choices into the trainer's model (``logdiff scan`` does it)."""
+    line = rescanner.note(result.primary.metrics) if hasattr(rescanner, "note") else ""
+    if any(b.kind == "router" for b in cmap.boundaries):
+        line += ("; the routing replay did not run: forcing the rollout's expert choices into the trainer's model "
+                 "is a scan's (logdiff scan)")
+    return line
 
 
 def _sequences(ids: list[list[int]], prompt_lens: list[int] | None) -> list[Sequence]:

@@ -103,18 +103,85 @@ def feed_side(bundle: Bundle, common: dict[Any, int], ids: list[list[int]], sess
     return scores, misaligned
 
 
-def replay(engine: Any, session: Any, path: str, seqs: list[Sequence]) -> None:
+def replay(engine: Any, session: Any, path: str, seqs: list[Sequence], rerun: Any = None) -> None:
     """One live pass of ``engine`` over the common sequences that only replays (``feed.ReplaySink``): each op
-    re-run on the inference side's inputs where the live model reproduces the training bundle's values."""
+    re-run on the inference side's inputs where the live model reproduces the training bundle's values.
+
+    The pass is ``engine.score`` (a batch of logdiff's own), or, with ``rerun`` (a ``CapturedCall``), the captured
+    step's own call run again: the trainer's function on the arguments it was given, so each op runs as the
+    captured step ran it (dtype, autocast, padding and positions, attention implementation, head), and each
+    forward's rows are those of the bundle's step it repeats."""
     from logdiff.comparison.locate import named
     from logdiff.comparison.pairing import ReplaySink
     from logdiff.probes.record import Recorder
 
     kept = session.keep_rows(path)
     sinks = [ReplaySink(comparer, kept) for (train, _), comparer in session.comparers.items() if train == path]
-    with Recorder(engine, session.cmap, lambda _path: sinks, seqs, 0):
-        engine.score(seqs)
+    if rerun is None:
+        with Recorder(engine, session.cmap, lambda _path: sinks, seqs, 0):
+            engine.score(seqs)
+    else:
+        with Recorder(engine, session.cmap, lambda _path: sinks, seqs, 0, rows=rerun.rows) as rec:
+            rec.begin_pass(path, list(range(len(seqs))))
+            rerun.run()
+        session.warnings.extend(rerun.warnings())
     unfaithful = list(dict.fromkeys(n for sink in sinks for n in sink.unfaithful))
     if unfaithful:
-        session.warnings.append(f"the {path} ops in this process do not reproduce the captured {path} path at "
+        how = "of the captured step's own call, run again," if rerun is not None else "in this process"
+        session.warnings.append(f"the {path} ops {how} do not reproduce the captured {path} path at "
                                 f"{len(unfaithful)} boundaries ({named(unfaithful, 4)}), so those were not replayed")
+
+
+class CapturedCall:
+    """A captured step's own call, to be run again for the replay (``replay``): ``run`` calls the trainer's function
+    on the arguments it was captured with (an RL framework's integration holds them: TRL's
+    ``_get_per_token_logps_and_entropies``), in the same grad and autocast state, so every forward repeats one step
+    of the training bundle; ``rows`` is the recorder's row map of each forward, read from that step's row table
+    (its token ids, positions from 0 and validity, the capture's sequence ids mapped to the comparison's).
+
+    A forward whose token ids are not the next step's (a trainer whose call is not a pure function of its
+    arguments) has no valid rows and is named in ``warnings``; so is a call that ran fewer forwards."""
+
+    def __init__(self, call: Any, bundle: Bundle, common: dict[Any, int]):
+        self.call = call
+        self.bundle, self.common = bundle, common
+        groups = bundle.groups()
+        self.group = groups[0] if len(groups) == 1 else None  # one tp group: the ranks this process recorded
+        self.step = 0
+        self.misfed: list[int] = []  # forwards that fed other tokens than the step they repeat
+
+    def run(self) -> Any:
+        self.step, self.misfed = 0, []
+        return self.call()
+
+    def rows(self, args: tuple, kwargs: dict) -> Any:
+        import numpy as np
+
+        from logdiff.probes.align import RowMap
+
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        flat = ids.detach().reshape(-1).cpu().numpy()
+        forward, self.step = self.step, self.step + 1
+        table = (self.bundle.part_of(self.group).table(forward)
+                 if self.group is not None and forward < len(self.bundle.part_of(self.group).steps) else None)
+        if table is None or not np.array_equal(table["tokens"], flat):
+            self.misfed.append(forward)
+            zero = np.zeros(len(flat), dtype=np.int64)
+            return RowMap(zero, zero.copy(), np.zeros(len(flat), dtype=bool))
+        known = {seq: c for (group, seq), c in self.common.items() if group == self.group}
+        seq = np.array([known.get(int(s), -1) for s in table["sequences"]], dtype=np.int64)
+        valid = table["valid"].astype(bool) & (seq >= 0)
+        return RowMap(np.where(valid, seq, 0), table["positions"].astype(np.int64), valid)
+
+    def warnings(self) -> list[str]:
+        out = []
+        if self.group is None:
+            out.append(f"the captured step was not run again for the replay: its bundle holds {len(self.bundle.groups())} "
+                       "tp groups, and this process ran one")
+        elif self.misfed:
+            out.append(f"the captured step's own call, run again, fed other tokens than its capture at forwards "
+                       f"{self.misfed[:5]}: those were not replayed")
+        elif self.step < len(self.bundle.part_of(self.group).steps):
+            out.append(f"the captured step's own call, run again, ran {self.step} forwards where its capture has "
+                       f"{len(self.bundle.part_of(self.group).steps)} steps: the others were not replayed")
+        return out

@@ -25,7 +25,12 @@ one bundle pair is written under ``DIR/step-{global_step:06d}/``:
   ``compare`` checks the rollout's recorded sampling settings (top-p, top-k, min-p, penalties).
 
 Then ``logdiff compare`` runs on the pair (``compare=True``, the default), with the trainer's live model
-for the conformance check (its weights are read, never run): ``result.json`` and
+for the conformance check (its weights) and the replay: the captured ``_get_per_token_logps_and_entropies``
+call run again on its own arguments (``Rerun``; ``bundle_feed.CapturedCall``), so each op is replayed as the
+step ran it (TRL's left padding without ``position_ids``, autocast, attention, fused head), and its token
+logprobs must equal the step's bit for bit. ``diagnosis=True`` adds the checks that need the live engines
+(``logdiff/integrations/live.py``: the reference-kernel rerun and attribution on the trainer's model and the
+colocated vLLM). ``result.json`` and
 ``report.html`` go beside the bundles, one line points to them, and the trainer's logs of that step get
 logdiff's numbers (``logdiff/gap_max``, ``logdiff/gap_mean``, ``logdiff/first_divergence_layer``,
 ``logdiff/causes/<class>``), next to TRL's own ``sampling/sampling_logp_difference/*``, which they equal.
@@ -107,13 +112,14 @@ class Instrument:
     """The wrappers ``instrument`` installs on one trainer, and the comparisons of the steps captured so far."""
 
     def __init__(self, trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
-                 compare: bool = True, strict: bool = False):
+                 compare: bool = True, strict: bool = False, diagnosis: bool = False):
         if every < 1:
             raise ValueError(f"instrument: every={every}, expected a step interval of at least 1")
         if getattr(trainer, "vllm_generation", None) is None or getattr(trainer.vllm_generation, "llm", None) is None:
             raise ValueError("instrument: the trainer has no colocated vLLM engine (GRPOConfig(use_vllm=True, "
                              "vllm_mode='colocate'))")
         self.trainer, self.out, self.every, self.window, self.compare = trainer, Path(out_dir), every, window, compare
+        self.diagnosis = diagnosis  # the checks that need the live engines, at each compared step (``live.py``)
         self.results: dict[int, dict[str, Any]] = {}  # step -> the comparison's summary
         self.errors: list[str] = []  # what failed (logged; the run goes on unless ``strict``)
         self.strict = strict
@@ -190,7 +196,7 @@ class Instrument:
             if self.compare:
                 try:
                     self.wait()  # the comparison reads both bundles whole
-                    self._compare(step)
+                    self._compare(step, Rerun(lambda: logps(model, input_ids, attention_mask, *args, **kwargs), out))
                 except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
                     self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
             return out
@@ -206,16 +212,26 @@ class Instrument:
 
     # ---- the comparison ------------------------------------------------------------------------
 
-    def _compare(self, step: int) -> None:
+    def _compare(self, step: int, rerun: Rerun | None = None) -> None:
         """``logdiff compare`` of the step's bundles: the outputs beside them, a summary in ``results``, the
-        numbers into the trainer's metrics of this step, one line to the log."""
+        numbers into the trainer's metrics of this step, one line to the log. ``rerun``: the captured call, run
+        again as the replay's forward (it repeats the step's padding, positions, autocast and fused head)."""
         from logdiff.commands import outputs
         from logdiff.commands.compare import compare_bundles
 
         root = self.step_dir(step)
         live = self.trainer.accelerator.unwrap_model(self.trainer.model)  # its weights: the conformance check's
-        with self.trainer.accelerator.autocast():  # the replay runs the trainer's ops as its forward ran them
-            result = compare_bundles(root / "train", root / "infer", live=live).to_dict()
+        rescans = None
+        if self.diagnosis:
+            from logdiff.integrations.live import LiveRescans
+
+            engine = LiveRescans(live, self.trainer.vllm_generation.llm, str(next(live.parameters()).dtype)[6:])
+            rescans = engine.for_sequences
+        with self.trainer.accelerator.autocast():  # what else runs the live model runs in the trainer's precision
+            result = compare_bundles(root / "train", root / "infer", live=live, rerun=rerun, rescans=rescans).to_dict()
+        line = rerun.warning() if rerun is not None else None
+        if line:
+            result["warnings"] = [*result.get("warnings", []), line]
         outputs.write_result(result, root, None)
         summary = summarize(result)
         self.results[step] = summary
@@ -223,6 +239,33 @@ class Instrument:
         for key, value in summary["metrics"].items():
             metrics[f"logdiff/{key}"].append(value)
         log.warning("logdiff step %d: %s (%s)", step, summary["line"], root / "report.html")
+
+
+class Rerun:
+    """The captured ``_get_per_token_logps_and_entropies`` call, run again by the comparison's replay
+    (``bundle_feed.CapturedCall``) inside the same step: same model, arguments, no-grad and TRL's own autocast. Its
+    token logprobs must equal the captured call's bit for bit (``warning`` says where not): the whole step is
+    then reproduced, not only each replayed op."""
+
+    def __init__(self, call: Any, captured: Any):
+        self.call, self.captured, self.got = call, captured, None
+
+    def __call__(self) -> Any:
+        self.got = self.call()
+        return self.got
+
+    def warning(self) -> str | None:
+        import torch
+
+        if self.got is None:
+            return None
+        a, b = self.captured[0], self.got[0]
+        if a.shape == b.shape and torch.equal(a, b):
+            return None
+        diff = (a.float() - b.float()).abs().nan_to_num(float("inf")).max().item() if a.shape == b.shape else None
+        what = f"max |Δ| {diff:.3g}" if diff is not None else f"shape {list(b.shape)} vs {list(a.shape)}"
+        return (f"the captured step's own call, run again, gave other token logprobs than the step ({what}): the "
+                "trainer's forward is not a function of its inputs here, so its replay is not the captured step")
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -248,12 +291,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def instrument(trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
-               compare: bool = True, strict: bool = False) -> Instrument:
+               compare: bool = True, strict: bool = False, diagnosis: bool = False) -> Instrument:
     """Capture ``trainer`` (a ``GRPOTrainer`` with vLLM colocated) every ``every`` steps into ``out_dir``
     (see the module docstring); ``window``: the decoder layers kept whole (``logdiff.capture``'s). A capture or
     comparison that fails is one log line and an entry in ``Instrument.errors``, and the run goes on
-    (``strict=True`` raises instead)."""
-    return Instrument(trainer, out_dir, every, window, compare, strict)
+    (``strict=True`` raises instead). ``diagnosis=True``: each comparison also runs the checks that need the live
+    engines, on the trainer's model and the colocated vLLM engine (``logdiff/integrations/live.py``: the
+    reference-kernel rerun and attribution), and says in one line what ran and what did not."""
+    return Instrument(trainer, out_dir, every, window, compare, strict, diagnosis)
 
 
 # ---- captures of the two sides -------------------------------------------------------------------

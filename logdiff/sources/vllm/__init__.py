@@ -14,6 +14,11 @@ One engine gives two paths over the same tokens:
 
 Sampling uses the process-wide torch generator, seeded before each call, since
 per-request seeds crash vLLM's CPU build under chunked prefill.
+
+``VLLMEngine(spec, llm=LLM)`` wraps an engine already running in this process (an RL
+framework's colocated one) instead of building one: its modules, consistent mode and
+``prefill_scores`` work as on logdiff's own; the forced decode replay needs logdiff's
+``ForcedTokens`` processor, which only an engine logdiff builds has; ``close`` leaves it running.
 """
 
 from __future__ import annotations
@@ -104,9 +109,19 @@ class VLLMEngine(Engine):
                              "logdiff scan, which records its own engine")
         import_vllm()
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: EngineSpec, llm: Any = None):
         super().__init__(spec)
         vllm = import_vllm()
+        self._version = vllm.__version__
+        self._consistent = False
+        #: the ops the last consistent mode left to the platform's own kernels (no bitwise claim for them)
+        self.left_to_platform: list[str] = []
+        #: whether the engine was built with ``ForcedTokens`` (logdiff's own): only then can it replay given responses
+        self.forces_tokens = llm is None
+        self.tensor_parallel_size = int(spec.option("tensor_parallel_size", 1))
+        if llm is not None:  # one already running in this process (an RL framework's colocated engine): not closed here
+            self.llm = llm
+            return
         from logdiff.sources.vllm.forced import ForcedTokens
 
         self.llm = None
@@ -120,7 +135,6 @@ class VLLMEngine(Engine):
                 kwargs[key] = int(spec.option(key))
         if spec.option("quantization") is not None:  # vLLM's online quantization of the bf16 weights (fp8, ...)
             kwargs["quantization"] = str(spec.option("quantization"))
-        self.tensor_parallel_size = int(spec.option("tensor_parallel_size", 1))
         if self.tensor_parallel_size > 1:  # vLLM's own: its workers run in processes of their own
             kwargs["tensor_parallel_size"] = self.tensor_parallel_size
             from vllm.platforms import current_platform
@@ -151,10 +165,6 @@ class VLLMEngine(Engine):
 
             parallel_state.cleanup_dist_env_and_memory()  # what it set up before failing would meet the next engine
             raise EngineUnavailable(f"vLLM could not start on {spec.model_dir}: {msg}") from None
-        self._version = vllm.__version__
-        self._consistent = False
-        #: the ops the last consistent mode left to the platform's own kernels (no bitwise claim for them)
-        self.left_to_platform: list[str] = []
 
     def _params(self, **kw: Any) -> Any:
         from vllm import SamplingParams
@@ -186,14 +196,18 @@ class VLLMEngine(Engine):
 
     @property
     def replays_as_sampled(self) -> bool:
-        """Not with processed logprobs: vLLM computes them after the processor that forces the tokens (all 0)."""
-        return str(self.spec.option("logprobs_mode", "raw_logprobs")).startswith("raw")
+        """Not with processed logprobs: vLLM computes them after the processor that forces the tokens (all 0); nor
+        on an engine built elsewhere, without ``ForcedTokens``."""
+        return self.forces_tokens and str(self.spec.option("logprobs_mode", "raw_logprobs")).startswith("raw")
 
     def score(self, seqs: list[TokenSequence]) -> list[PathScores]:
         return [self.score_primary(seqs), self.prefill_scores(seqs)]
 
     def score_primary(self, seqs: list[TokenSequence]) -> PathScores:
         """The forced decode replay alone (path ``vllm``), without ``prefill_scores``."""
+        if not self.forces_tokens:
+            raise InputError("this vLLM engine was built elsewhere, without logdiff's ForcedTokens logits processor: it "
+                             "cannot replay given responses through decode; score them with prefill_scores")
         if not self.replays_as_sampled:
             raise InputError(
                 "vLLM cannot replay given tokens with --set infer.logprobs_mode=processed_*: it computes processed "
@@ -369,7 +383,7 @@ class VLLMEngine(Engine):
         idempotent) for an engine whose shutdown failed half-way. Like vLLM's, it destroys
         the default torch.distributed group, whoever initialized it.
         """
-        if self.llm is None:
+        if self.llm is None or not self.forces_tokens:  # an engine built elsewhere is its builder's to close
             return
         from vllm.distributed import parallel_state
 
