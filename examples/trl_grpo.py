@@ -83,28 +83,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if run is not None:
         run.close()
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
-    return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall,
+    return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall, "step_costs": clock.costs,
             "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}}
 
 
 class StepClock:
-    """Each optimizer step's wall time and the process's CPU time (every thread's, logdiff's writer included)."""
+    """Each optimizer step's wall time and the process's CPU time (every thread's, logdiff's writer included), and,
+    with ``LOGDIFF_COSTS=1`` in the environment, logdiff's parts of it (``logdiff.phases.COSTS``: per part the
+    calls, wall seconds and the CPU seconds of the thread that ran it)."""
 
     def __init__(self) -> None:
         self.cpu: list[float] = []
         self.wall: list[float] = []
-        self._start = (0.0, 0.0)
+        self.costs: list[dict[str, dict[str, float]]] = []
+        self._start: tuple[float, float, dict[str, list[float]]] = (0.0, 0.0, {})
 
     def on_step_begin(self, *_: Any, **__: Any) -> None:
         import time
 
-        self._start = (time.process_time(), time.perf_counter())
+        from logdiff.phases import costs_copy
+
+        self._start = (time.process_time(), time.perf_counter(), costs_copy())
 
     def on_step_end(self, *_: Any, **__: Any) -> None:
         import time
 
+        from logdiff.phases import costs_since
+
         self.cpu.append(time.process_time() - self._start[0])
         self.wall.append(time.perf_counter() - self._start[1])
+        self.costs.append(costs_since(self._start[2]))
 
     def __getattr__(self, name: str) -> Any:  # TRL's other callback events: nothing to do
         if name.startswith("on_"):

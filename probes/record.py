@@ -50,7 +50,29 @@ from logdiff.probes import selection
 from logdiff.probes.align import HEADS_FIRST, PLAIN, Layout, RowMap
 from logdiff.probes.correspondence import CorrespondenceMap, Tap
 from logdiff.probes.ops import OpTracer
+from logdiff.phases import COSTS_ON, add_cost
 from logdiff.probes.patching import Patches
+
+def _timed_hooks(rec: Recorder) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The recorder's two hooks, each call's time added to ``COSTS["hooks (<pass>)"]`` (``logdiff.phases``:
+    ``LOGDIFF_COSTS=1``): a capture's Python per hook, its copies and in-hook sketches included."""
+    import time
+
+    def timed(hook: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any, **kwargs: Any) -> None:
+            path = rec.pass_.path if rec.pass_ is not None else None
+            if path is None:
+                return hook(*args, **kwargs)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                add_cost(f"hooks ({path})", time.perf_counter() - wall, time.thread_time() - cpu)
+
+        return run
+
+    return timed(rec._pre), timed(rec._post)
+
 
 _DECODER_LAYER = re.compile(r"^model\.layers\.\d+$")
 
@@ -148,9 +170,10 @@ class Recorder:
             base = getattr(self.model, "base_model", None)  # an HF decoder that a fused head calls alone
             self._roots = {id(self.model)} | ({id(base)} if id(base) in self.names else set())
             self._leaves = {id(m) for _, m in self.model.named_modules() if not m._modules}
+            pre, post = _timed_hooks(self) if COSTS_ON else (self._pre, self._post)
             for _, m in self.model.named_modules():
-                h1 = m.register_forward_pre_hook(self._pre, with_kwargs=True)
-                h2 = m.register_forward_hook(self._post, with_kwargs=True, always_call=True)
+                h1 = m.register_forward_pre_hook(pre, with_kwargs=True)
+                h2 = m.register_forward_hook(post, with_kwargs=True, always_call=True)
                 self.patches.on_exit(h1.remove)
                 self.patches.on_exit(h2.remove)
             self.use_tracer(self.tracer)

@@ -186,9 +186,13 @@ class Instrument:
                 out = logps(model, input_ids, attention_mask, *args, **kwargs)
             self._writing.append(cap)
             if self.compare:
+                from logdiff.phases import timed
+
                 try:
-                    self.wait()  # the comparison reads both bundles whole
-                    self._compare(step)
+                    with timed("writer waits (before the comparison)"):
+                        self.wait()  # the comparison reads both bundles whole
+                    with timed("comparison"):
+                        self._compare(step)
                 except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
                     self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
             return out
