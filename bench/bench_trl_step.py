@@ -18,6 +18,8 @@ three steps, a bf16 trainer), as a user runs it:
   device-to-host copies and files in the writer's thread, the writer thread's whole CPU, the step's waits for the
   writer, the trainer's and the engine's weight fingerprints and contracts), and per hook call. Its ratio in the
   table is the timers' own cost beside the untimed capture's.
+* ``capture + compare after the step``: ``compare="after"``: the comparison in a worker thread after the step
+  (the step copies the model's weights); its own wall and CPU time per step are in the JSON (``compare_s``).
 
 Rounds alternate the workloads so that load from other processes hurts them alike. Per process: each step's
 wall time and the process's CPU time in it (every thread's: logdiff's writer thread included), from the
@@ -56,6 +58,7 @@ WORKLOADS: dict[str, tuple[list[str], tuple[int, ...]]] = {
     "capture (default window)": (["--no-compare"], (1, 2)),
     "capture (every record whole)": (["--no-compare", "--window", "all"], (1, 2)),
     "capture + compare": ([], (1, 2)),
+    "capture + compare after the step": (["--compare-after"], (1, 2)),
     TIMED: (["--no-compare"], (1, 2)),
 }
 #: workloads run with ``LOGDIFF_COSTS=1`` (their step parts timed, ``logdiff.phases.COSTS``)
@@ -74,7 +77,10 @@ def run_once(model: str, flags: list[str], env: dict[str, str] | None = None) ->
         steps = sorted((out / "runs").glob("step-*")) if (out / "runs").is_dir() else []
         written = sum(f.stat().st_size for step in steps for side in ("train", "infer")
                       for f in (step / side).rglob("*") if f.is_file())  # fmt: skip
+        compared = list((run.get("logdiff") or {}).values())
         return {"wall": run["step_wall_s"], "cpu": run["step_cpu_s"], "rss": rss, "costs": run.get("step_costs"),
+                "compare_s": [c.get("compare_s") for c in compared],
+                "compare_cpu_s": [c.get("compare_cpu_s") for c in compared],
                 "bundle_bytes_per_step": written / len(steps) if steps else 0}
 
 

@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_sync:  # the negative control: vLLM keeps the weights it loaded
         trainer.vllm_generation.sync_weights = lambda: None
     run = None if args.no_capture else logdiff_trl.instrument(trainer, args.out, every=args.every, window=args.window,
-                                                              compare=not args.no_compare)
+                                                              compare=False if args.no_compare else
+                                                              "after" if args.compare_after else True)
     clock = StepClock()
     trainer.add_callback(clock)
     switch = logdiff_trl.consistent(trainer) if args.consistent else contextlib.nullcontext()
@@ -134,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-sync", action="store_true", help="never sync weights into vLLM (negative control)")
     parser.add_argument("--no-capture", action="store_true", help="run TRL alone (no logdiff)")
     parser.add_argument("--no-compare", action="store_true", help="capture only (compare the bundles later)")
+    parser.add_argument("--compare-after", action="store_true", help="compare after each step, in a worker thread "
+                        "(instrument(compare='after'))")
     parser.add_argument("--every", type=int, default=1, help="capture every N-th step (default: every step)")
     parser.add_argument("--window", default="2", help="decoder layers kept whole (the rest as row sketches), or "
                         "'all' (default: 2)")
