@@ -163,7 +163,8 @@ def _default_hold() -> int:
     return int(HOLD_SHARE * (peak_rss_bytes() or 0))
 
 
-def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | None, defer: int) -> _Kept:
+def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | None, defer: int,
+              private: bool = False) -> _Kept:
     """What a record keeps of ``tensor`` until the writer stores it, never waiting for a device: on an accelerator
     the row sketches or a private copy, on its device; on the host a private copy, sketched by the writer's
     thread when ``defer`` bytes (what the writer's ``hold_bytes`` leave) hold it, else sketched now."""
@@ -196,8 +197,11 @@ def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | No
         with timed("sketches (on the device)"):
             kept = sketch_rows(rows, sketch_columns)
         return _Kept(kept, dtype, placement, True, list(kept.shape))
-    with timed("copies (in the hook)" if host else "copies (on the device)"):
-        copy = rows.clone(memory_format=torch.contiguous_format)  # the engine may overwrite ``t`` later
+    if private and rows.is_contiguous():
+        copy = rows  # the caller's own copy: nothing else writes it
+    else:
+        with timed("copies (in the hook)" if host else "copies (on the device)"):
+            copy = rows.clone(memory_format=torch.contiguous_format)  # the engine may overwrite ``t`` later
     if sketched:
         columns = np.asarray(sketch_columns, dtype=np.int64)
         return _Kept(copy, dtype, placement, True, [int(rows.shape[0]), WIDTH], columns, nbytes)
@@ -251,14 +255,16 @@ class BundleWriter:
         self._tokens = {k: host_array(v)[0].reshape(-1).astype(np.int64) for k, v in table.items() if v is not None}
 
     def record(self, name: str, tensor: Any, placement: Placement, rows: Any = None,
-               sketch_columns: np.ndarray | None = None) -> None:
+               sketch_columns: np.ndarray | None = None, private: bool = False) -> None:
         """One record of the step; ``rows`` gives the index into the step's rows of each of its rows. With
-        ``sketch_columns`` (each local column's logical column) only its row sketches are kept (``sketch.py``)."""
+        ``sketch_columns`` (each local column's logical column) only its row sketches are kept (``sketch.py``).
+        ``private``: ``tensor`` is the caller's own copy, which nothing else writes (a gather of rows): kept as it
+        is, not copied again."""
         if self._tokens is None:
             raise RuntimeError("record() outside a step: call begin_step() first")
         if name in RESERVED or "#" in name or name in self._records:
             raise ValueError(f"record {name!r} twice in one step, or under a reserved name")
-        kept = _snapshot(tensor, placement, sketch_columns, self._hold_bytes - self._held - self._step_bytes)
+        kept = _snapshot(tensor, placement, sketch_columns, self._hold_bytes - self._held - self._step_bytes, private)
         self._records[name] = kept
         self._step_bytes += kept.nbytes
         if rows is not None:
