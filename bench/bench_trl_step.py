@@ -10,7 +10,16 @@ three steps, a bf16 trainer), as a user runs it:
 * ``capture (default window)``: ``instrument(..., compare=False)``: both bundles of every step written, the
   first 2 layers whole, row sketches beyond (the default);
 * ``capture (every record whole)``: the same with ``window="all"``;
-* ``capture + compare``: the default ``instrument``: ``logdiff compare`` of each step inside it.
+* ``capture + compare``: the default ``instrument``: ``logdiff compare`` of each step inside it;
+* ``capture (default window; parts timed)``: the default capture again with ``LOGDIFF_COSTS=1``
+  (``logdiff.phases``): each part of logdiff's work in the step is timed where it runs, and the **breakdown**
+  printed below the table is this workload's: per captured step, each part's calls, wall ms and CPU ms of the
+  thread that ran it (the hooks' Python with their copies and in-hook sketches, the copies alone, sketches, the
+  device-to-host copies and files in the writer's thread, the writer thread's whole CPU, the step's waits for the
+  writer, the trainer's and the engine's weight fingerprints and contracts), and per hook call. Its ratio in the
+  table is the timers' own cost beside the untimed capture's.
+* ``capture + compare after the step``: ``compare="after"``: the comparison in a worker thread after the step
+  (the step copies the model's weights); its own wall and CPU time per step are in the JSON (``compare_s``).
 
 Rounds alternate the workloads so that load from other processes hurts them alike. Per process: each step's
 wall time and the process's CPU time in it (every thread's: logdiff's writer thread included), from the
@@ -41,6 +50,7 @@ from run import quiet_child  # bench/run.py, beside this file
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
 PLAIN = "TRL alone"
+TIMED = "capture (default window; parts timed)"
 #: workload -> (the example's flags, the steps its figure averages: indices into the 3 steps)
 WORKLOADS: dict[str, tuple[list[str], tuple[int, ...]]] = {
     PLAIN: (["--no-capture"], (1, 2)),
@@ -48,7 +58,11 @@ WORKLOADS: dict[str, tuple[list[str], tuple[int, ...]]] = {
     "capture (default window)": (["--no-compare"], (1, 2)),
     "capture (every record whole)": (["--no-compare", "--window", "all"], (1, 2)),
     "capture + compare": ([], (1, 2)),
+    "capture + compare after the step": (["--compare-after"], (1, 2)),
+    TIMED: (["--no-compare"], (1, 2)),
 }
+#: workloads run with ``LOGDIFF_COSTS=1`` (their step parts timed, ``logdiff.phases.COSTS``)
+TIMED_ENV = {TIMED: {"LOGDIFF_COSTS": "1"}}
 STEPS = 3
 
 
@@ -63,7 +77,10 @@ def run_once(model: str, flags: list[str], env: dict[str, str] | None = None) ->
         steps = sorted((out / "runs").glob("step-*")) if (out / "runs").is_dir() else []
         written = sum(f.stat().st_size for step in steps for side in ("train", "infer")
                       for f in (step / side).rglob("*") if f.is_file())  # fmt: skip
-        return {"wall": run["step_wall_s"], "cpu": run["step_cpu_s"], "rss": rss,
+        compared = list((run.get("logdiff") or {}).values())
+        return {"wall": run["step_wall_s"], "cpu": run["step_cpu_s"], "rss": rss, "costs": run.get("step_costs"),
+                "compare_s": [c.get("compare_s") for c in compared],
+                "compare_cpu_s": [c.get("compare_cpu_s") for c in compared],
                 "bundle_bytes_per_step": written / len(steps) if steps else 0}
 
 
@@ -93,6 +110,33 @@ def table(seen: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def breakdown(runs: list[dict[str, Any]], steps: tuple[int, ...]) -> dict[str, dict[str, float]]:
+    """Per part of a timed workload's captured steps: the median over rounds of the mean over ``steps`` of its
+    calls, wall ms and CPU ms per step, and its CPU microseconds per call."""
+    parts = sorted({part for r in runs for k in steps for part in (r["costs"] or [{}] * (k + 1))[k]})
+    out: dict[str, dict[str, float]] = {}
+    for part in parts:
+        def per_step(r: dict[str, Any], key: str) -> float:
+            return statistics.fmean(((r["costs"] or [{}] * (k + 1))[k].get(part) or {}).get(key, 0.0) for k in steps)
+
+        calls = statistics.median(per_step(r, "calls") for r in runs)
+        cpu = statistics.median(per_step(r, "cpu_s") for r in runs)
+        out[part] = {"calls": calls, "wall_ms": 1e3 * statistics.median(per_step(r, "wall_s") for r in runs),
+                     "cpu_ms": 1e3 * cpu, "cpu_us_per_call": 1e6 * cpu / calls if calls else 0.0}
+    return out
+
+
+def print_breakdown(parts: dict[str, dict[str, float]], rows: dict[str, dict[str, Any]]) -> None:
+    plain, timed = rows[PLAIN], rows[TIMED]
+    print(f"\nwhere a captured step's time goes ({TIMED}; per captured step, median over rounds): the step "
+          f"{1e3 * timed['wall_s']:.0f} ms wall / {1e3 * timed['cpu_s']:.0f} ms CPU against TRL alone's "
+          f"{1e3 * plain['wall_s']:.0f} / {1e3 * plain['cpu_s']:.0f}; a part's CPU is its own thread's")
+    print(f"{'part':<45} {'calls':>6} {'wall ms':>8} {'cpu ms':>7} {'cpu us/call':>11}")
+    for part, row in parts.items():
+        print(f"{part:<45} {row['calls']:>6.0f} {row['wall_ms']:>8.1f} {row['cpu_ms']:>7.1f} "
+              f"{row['cpu_us_per_call']:>11.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model")
@@ -105,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in chosen if w not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload(s): {', '.join(unknown)}")
-    envs: dict[str, dict[str, str] | None] = dict.fromkeys(chosen)
+    envs: dict[str, dict[str, str] | None] = {name: ({**os.environ, **TIMED_ENV[name]} if name in TIMED_ENV else None)
+                                             for name in chosen}
     with tempfile.TemporaryDirectory(prefix="logdiff-bench-baseline-") as tmp:
         if args.baseline_rev:
             from run import baseline_tree
@@ -125,9 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<40} {','.join(map(str, row['steps'])):>5} {row['wall_s']:>7.2f} {row['wall_ratio']:>8.2f} "
               f"{row['cpu_s']:>7.2f} {row['cpu_ratio']:>8.2f} {row['peak_rss_bytes'] / 2**20:>7.0f}MB "
               f"{row['rss_ratio']:>8.2f} {row['bundle_bytes_per_step'] / 2**20:>10.1f}MB")
+    parts = breakdown(seen[TIMED], WORKLOADS[TIMED][1]) if TIMED in seen else None
+    if parts:
+        print_breakdown(parts, rows)
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "repeats": args.repeats, "table": rows,
-                                         "runs": seen}, indent=1))
+        from logdiff.isa import host_isa
+
+        args.json.write_text(json.dumps({"model": args.model, "repeats": args.repeats, "isa": host_isa(),
+                                         "table": rows, "breakdown": parts, "runs": seen}, indent=1))
     return 0
 
 

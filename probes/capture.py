@@ -84,8 +84,12 @@ class BundleSink:
         idx = np.nonzero(rmap.valid)[0]
         if len(idx):  # a run of rows (np.nonzero: sorted, unique) is a view (the writer copies or sketches it at once)
             first, last = int(idx[0]), int(idx[-1])
-            kept = rows[first : last + 1] if last - first == len(idx) - 1 else rows[row_index(idx, rows.device)]
+            run = last - first == len(idx) - 1
+            kept = rows[first : last + 1] if run else rows[row_index(idx, rows.device)]
+            # a gather (a left-padded batch's valid rows) is a copy already: the writer keeps it, no second copy
+            self.capture._private = None if run else kept
             self.capture._record(name, kept, rmap.seq[idx], rmap.pos[idx], placement)
+            self.capture._private = None
 
 
 class Capture:
@@ -118,6 +122,7 @@ class Capture:
         self._grid: tuple[np.ndarray, ...] | None = None  # the step's (ids, seq, pos, valid) as [batch, length]
         self._batch: Any = None  # the running forward's rows as (sequence, position in it), from ``_begin_step``
         self._recorder: Any = None
+        self._private: Any = None  # the record being recorded when it is the capture's own copy (``BundleSink.emit``)
         self._hook: Any = None
         self._base_hook: Any = None
 
@@ -295,7 +300,8 @@ class Capture:
         index = self._order[np.searchsorted(self._keys, row_keys(seq, pos))]  # each row's place in the step
         placement = placement or self._placement(name, rows.shape[-1])
         self._placements[name] = placement
-        self.writer.record(name, rows, placement, rows=index, sketch_columns=self._sketched(name, placement, rows))
+        self.writer.record(name, rows, placement, rows=index, sketch_columns=self._sketched(name, placement, rows),
+                           private=rows is self._private)
 
     def _sketched(self, name: str, placement: Placement, rows: Any) -> np.ndarray | None:
         """Each local column's logical column when ``name`` is outside the full window (only its row sketches

@@ -9,6 +9,12 @@ whether a live op can be replayed. Everything installed is removed on exit,
 also when the block raises (TransformerLens/nnsight style: no hook outlives
 its context). The recorder itself never asks which engine it records.
 
+Threads: a recording patches process-wide functions (HF's ``apply_rotary_pos_emb`` in the model's modeling
+module, transformers' attention registry), so one thread records at a time (``_RECORDING``, held from install to
+uninstall: two recordings' patches always nest, undone newest first), and a patched function records only in
+the thread that installed it (``recording`` is False elsewhere): a trainer's forward in the main thread passes
+through the patches of a comparison's replay running in another (``logdiff.integrations.trl``).
+
 How a value becomes a boundary record:
 
 1. The engine announces each pass (``Engine._begin_pass``): which path it is
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -50,9 +57,33 @@ from logdiff.probes import selection
 from logdiff.probes.align import HEADS_FIRST, PLAIN, Layout, RowMap
 from logdiff.probes.correspondence import CorrespondenceMap, Tap
 from logdiff.probes.ops import OpTracer
+from logdiff.phases import COSTS_ON, add_cost
 from logdiff.probes.patching import Patches
 
+def _timed_hooks(rec: Recorder) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The recorder's two hooks, each call's time added to ``COSTS["hooks (<pass>)"]`` (``logdiff.phases``:
+    ``LOGDIFF_COSTS=1``): a capture's Python per hook, its copies and in-hook sketches included."""
+    import time
+
+    def timed(hook: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any, **kwargs: Any) -> None:
+            path = rec.pass_.path if rec.pass_ is not None else None
+            if path is None:
+                return hook(*args, **kwargs)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                add_cost(f"hooks ({path})", time.perf_counter() - wall, time.thread_time() - cpu)
+
+        return run
+
+    return timed(rec._pre), timed(rec._post)
+
+
 _DECODER_LAYER = re.compile(r"^model\.layers\.\d+$")
+#: held by the thread whose recording's patches are installed (re-entrant: a recording inside a recording)
+_RECORDING = threading.RLock()
 
 
 @dataclass
@@ -138,19 +169,23 @@ class Recorder:
         self._compiled = [(t, t.regex()) for t in self.probes.taps(cmap)]
         self._child_names: dict[tuple[int, int], str | None] = {}
         self._roots: set[int] = set()  # the modules whose forward is a step: the model's, its decoder's
+        self._thread: int | None = None  # the thread that installed the recording (the only one it records)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def __enter__(self) -> Recorder:
+        _RECORDING.acquire()
+        self._thread = threading.get_ident()
         try:
             self.model = self.engine.module()
             self.names = {id(m): n for n, m in self.model.named_modules()}
             base = getattr(self.model, "base_model", None)  # an HF decoder that a fused head calls alone
             self._roots = {id(self.model)} | ({id(base)} if id(base) in self.names else set())
             self._leaves = {id(m) for _, m in self.model.named_modules() if not m._modules}
+            pre, post = _timed_hooks(self) if COSTS_ON else (self._pre, self._post)
             for _, m in self.model.named_modules():
-                h1 = m.register_forward_pre_hook(self._pre, with_kwargs=True)
-                h2 = m.register_forward_hook(self._post, with_kwargs=True, always_call=True)
+                h1 = m.register_forward_pre_hook(pre, with_kwargs=True)
+                h2 = m.register_forward_hook(post, with_kwargs=True, always_call=True)
                 self.patches.on_exit(h1.remove)
                 self.patches.on_exit(h2.remove)
             self.use_tracer(self.tracer)
@@ -173,12 +208,17 @@ class Recorder:
             self.warn(f"{self.misaligned_rows} token rows did not carry the expected token ids and were dropped")
 
     def _uninstall(self) -> None:
-        self.patches.close()
-        self.probes.reset()
-        self.pass_ = None
-        self.rmap = self.last_rmap = None
-        self.context.clear()
-        self.stack.clear()
+        try:
+            self.patches.close()
+            self.probes.reset()
+            self.pass_ = None
+            self.rmap = self.last_rmap = None
+            self.context.clear()
+            self.stack.clear()
+        finally:
+            if self._thread is not None:
+                self._thread = None
+                _RECORDING.release()
 
     def warn(self, msg: str) -> None:
         if msg not in self.warnings:
@@ -186,8 +226,8 @@ class Recorder:
 
     @property
     def recording(self) -> bool:
-        """A pass someone asked for is running, and no replay has paused the recording."""
-        return self.pass_ is not None and not self._paused
+        """A pass someone asked for is running in this recording's thread, and no replay has paused the recording."""
+        return self.pass_ is not None and not self._paused and threading.get_ident() == self._thread
 
     @property
     def wants_replay(self) -> bool:

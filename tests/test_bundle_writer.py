@@ -109,6 +109,20 @@ def test_the_background_writer_keeps_what_was_recorded(tmp_path: Path) -> None:
         assert not np.array_equal(stored, host_array(steps[k])[0])  # negative control: the tensor did change
 
 
+def test_a_private_record_is_kept_without_a_second_copy_and_a_shared_one_is_copied(tmp_path: Path) -> None:
+    """``private=True`` (the capture's own gather of a left-padded batch's rows): kept as it is; the default copies,
+    so a later write to the engine's tensor does not reach the record (the negative control)."""
+    from logdiff.records.bundle_writer import _snapshot
+
+    x = _values(torch.bfloat16, rows=4)
+    assert _snapshot(x, REPLICATE, None, 0, private=True).value.data_ptr() == x.data_ptr()  # its storage
+    shared = _snapshot(x, REPLICATE, None, 0)
+    bits = shared.value.view(torch.int16)  # NaN is not equal to itself: the bits are
+    assert shared.value.data_ptr() != x.data_ptr() and torch.equal(bits, x.view(torch.int16))
+    x.add_(1)
+    assert not torch.equal(bits, x.view(torch.int16))
+
+
 def test_deferred_sketches_equal_sketches_made_in_the_step(tmp_path: Path) -> None:
     steps = [_values(torch.float32, rows=6) for _ in range(3)]
     deferred = _write(tmp_path / "deferred", [x.clone() for x in steps], True, sketched=True, overwrite=True)

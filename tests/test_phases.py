@@ -58,3 +58,22 @@ def test_phase_progress_shows_phase_step_and_times():
         text = buf.getvalue()
     assert "load" in text and "attribute" in text and "2/5" in text and "0:00:00" in text
     assert "only kernel:rope fixed" in text
+
+
+def test_costs_are_timed_only_when_on_and_counted_per_part(monkeypatch) -> None:
+    import time
+
+    from logdiff import phases
+
+    before = phases.costs_copy()
+    with phases.timed("test part"):  # off (no LOGDIFF_COSTS in the test run): nothing is counted
+        pass
+    assert phases.costs_since(before) == {}
+    monkeypatch.setattr(phases, "COSTS_ON", True)
+    for _ in range(2):
+        with phases.timed("test part"):
+            end = time.thread_time() + 0.01
+            while time.thread_time() < end:  # CPU, not a sleep: the thread's own clock counts it
+                pass
+    got = phases.costs_since(before)["test part"]
+    assert got["calls"] == 2 and got["cpu_s"] >= 0.02 and got["wall_s"] >= got["cpu_s"] * 0.5

@@ -56,7 +56,8 @@ def runs(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
     """``runs("bf16")`` -> the run of that configuration on the demo Qwen3 (each made once)."""
     flags = {"bf16": ["--dtype", "bfloat16", "--diagnosis"], "fp32": [], "no-sync": ["--dtype", "bfloat16", "--no-sync"],
              "compiled": ["--dtype", "bfloat16", "--compiled"], "plain": ["--dtype", "bfloat16", "--no-capture"],
-             "consistent": ["--dtype", "bfloat16", "--consistent"]}
+             "consistent": ["--dtype", "bfloat16", "--consistent"],
+             "after": ["--dtype", "bfloat16", "--compare-after"]}
     done: dict[str, dict[str, Any]] = {}
 
     def get(name: str) -> dict[str, Any]:
@@ -89,6 +90,27 @@ def test_the_gap_is_trls_own_and_a_bf16_trainer_shows_operator_paths_only(runs) 
         assert ("operator_path", "position_offset") in _kinds(result)
         assert any(w.startswith("position_ids:") for w in result["warnings"])
     assert "logdiff step 0:" in run["stderr"] and "report.html" in run["stderr"]
+
+
+def test_the_comparison_after_the_step_equals_the_one_inside_it_and_names_its_step(runs) -> None:
+    """``compare="after"``: each step's comparison runs in the worker on a copy of the trainer's model, and its
+    results are the inline comparison's (the replay included: a copy whose forward ran the live model recorded no
+    boundary, and fewer causes); its numbers arrive in a later log, named by ``logdiff/step``."""
+    after, inline = runs("after"), runs("bf16")
+    timing = ("compare_s", "compare_cpu_s")
+    assert len(after["logdiff"]) == 2
+    for step, result in inline["logdiff"].items():
+        got = {k: v for k, v in after["logdiff"][step].items() if k not in timing}
+        assert got == {k: v for k, v in result.items() if k not in timing}
+        assert after["logdiff"][step]["compare_s"] > 0
+    carried = [h for h in after["log_history"] if "logdiff/step" in h]
+    assert [h["logdiff/step"] for h in carried] == [0.0, 1.0]
+    for logged in carried:  # the numbers of the step they name: TRL's gap of that step
+        trl_step = after["steps"][int(logged["logdiff/step"])]
+        assert logged["logdiff/gap_mean"] == pytest.approx(trl_step[TRL_GAP[0]], abs=1e-5)
+        assert logged["logdiff/gap_max"] == pytest.approx(trl_step[TRL_GAP[1]], abs=1e-5)
+    assert inline["logdiff"]["0"]["metrics"]["causes/not_judged"] + inline["logdiff"]["0"]["metrics"][
+        "causes/operator_path"] > 3  # the replay's causes are there to be lost (the bug's run had 3)
 
 
 def test_trls_default_float32_trainer_is_the_dtype_cause_not_stale_weights(runs) -> None:

@@ -65,3 +65,80 @@ def test_the_summary_counts_causes_per_class_and_says_where_it_starts() -> None:
     equal = logdiff_trl.summarize({"logprobs": {"abs_diff_max": 0.0, "abs_diff_mean": 0.0}, "causes": [],
                                    "first_divergence": None, "verdict": "consistent"})
     assert math.isnan(equal["metrics"]["first_divergence_layer"]) and "no divergence; no cause" in equal["line"]
+
+
+def test_the_worker_runs_jobs_after_the_step_and_a_full_queue_waits_with_one_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    import threading
+
+    from logdiff.integrations.trl.background import Worker
+
+    gate, done = threading.Event(), []
+    worker = Worker(queue=1)
+    worker.submit("step 0", lambda: lambda: (gate.wait(5), done.append(0)))
+    worker.submit("step 1", lambda: lambda: done.append(1))  # queued behind step 0: no wait
+    assert done == [] and worker.pending() == 2  # the caller did not wait for either
+    with caplog.at_level("WARNING", logger="logdiff.trl"):
+        threading.Timer(0.2, gate.set).start()
+        worker.submit("step 2", lambda: lambda: done.append(2))  # full: waits for step 0 to finish
+    assert caplog.text.count("logdiff step 2 waits") == 1 and worker.waited_s > 0
+    worker.finish()
+    assert done == [0, 1, 2] and worker.pending() == 0
+    worker.submit("step 3", lambda: lambda: 1 / 0)
+    worker.finish()
+    with pytest.raises(ZeroDivisionError):
+        worker.raise_error()  # a job's failure reaches the caller's thread, once
+    worker.raise_error()
+    worker.close()
+
+
+def test_the_snapshot_runs_its_own_modules_where_a_forward_wrapper_closes_over_the_live_model() -> None:
+    """TRL's fused-head forward and accelerate's autocast wrapper are closures over the original model's ``forward``:
+    a plain ``deepcopy``'s forward runs the live model (the negative control); ``snapshot``'s runs the copy."""
+    import copy
+    import functools
+    import types
+
+    import torch
+
+    from logdiff.integrations.trl.background import snapshot
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    original_forward = model.forward  # TRL's pattern: the wrapper calls the bound forward it found
+
+    @functools.wraps(type(model).forward)
+    def fused_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return original_forward(*args, **kwargs)
+
+    class ConvertOutputs:  # accelerate's ``ConvertOutputsToFp32``: an object holding the forward it wraps
+        def __init__(self, forward: Any):
+            self.forward = forward
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.forward(*args, **kwargs)
+
+        def __getstate__(self) -> Any:
+            raise TypeError("not picklable")
+
+    model.forward = types.MethodType(fused_forward, model)
+    converted = ConvertOutputs(model.forward.__func__)
+    model.forward = types.MethodType(lambda self, *a, **k: converted(self, *a, **k), model)  # accelerate's order
+
+    def ran(m: torch.nn.Module, x: torch.Tensor) -> list[str]:
+        seen: list[str] = []
+        hooks = [mod.register_forward_hook(lambda *_, tag=tag: seen.append(tag)) for tag, mod in
+                 (("live", model[0]), ("copy", m[0]))]
+        try:
+            m(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        return seen
+
+    x = torch.ones(1, 3)
+    assert ran(copy.deepcopy(model), x) == ["live"]  # the bug: the copy's forward runs the live model
+    frozen = snapshot(model)
+    assert ran(frozen, x) == ["copy"] and not frozen[0].weight.requires_grad
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # the optimizer's step after the snapshot: the copy keeps the step's weights
+    assert not torch.equal(frozen(x), model(x))

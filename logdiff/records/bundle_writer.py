@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from logdiff.phases import timed
 from logdiff.records.layout import ParallelLayout, Placement
 from logdiff.records.sketch import WIDTH
 
@@ -162,7 +163,8 @@ def _default_hold() -> int:
     return int(HOLD_SHARE * (peak_rss_bytes() or 0))
 
 
-def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | None, defer: int) -> _Kept:
+def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | None, defer: int,
+              private: bool = False) -> _Kept:
     """What a record keeps of ``tensor`` until the writer stores it, never waiting for a device: on an accelerator
     the row sketches or a private copy, on its device; on the host a private copy, sketched by the writer's
     thread when ``defer`` bytes (what the writer's ``hold_bytes`` leave) hold it, else sketched now."""
@@ -186,14 +188,20 @@ def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | No
     if sketched and host and nbytes > defer:  # sketched now, by numpy (on a CPU, faster than ``sketch_rows``)
         from logdiff.records.sketch import sketch
 
-        kept = sketch(host_array(rows)[0], dtype, sketch_columns)
+        with timed("sketches (in the hook)"):
+            kept = sketch(host_array(rows)[0], dtype, sketch_columns)
         return _Kept(kept, dtype, placement, True, list(kept.shape), nbytes=kept.nbytes)
     if sketched and not host:
         from logdiff.records.sketch_device import sketch_rows
 
-        kept = sketch_rows(rows, sketch_columns)
+        with timed("sketches (on the device)"):
+            kept = sketch_rows(rows, sketch_columns)
         return _Kept(kept, dtype, placement, True, list(kept.shape))
-    copy = rows.clone(memory_format=torch.contiguous_format)  # the engine may overwrite ``t`` later
+    if private and rows.is_contiguous():
+        copy = rows  # the caller's own copy: nothing else writes it
+    else:
+        with timed("copies (in the hook)" if host else "copies (on the device)"):
+            copy = rows.clone(memory_format=torch.contiguous_format)  # the engine may overwrite ``t`` later
     if sketched:
         columns = np.asarray(sketch_columns, dtype=np.int64)
         return _Kept(copy, dtype, placement, True, [int(rows.shape[0]), WIDTH], columns, nbytes)
@@ -247,14 +255,16 @@ class BundleWriter:
         self._tokens = {k: host_array(v)[0].reshape(-1).astype(np.int64) for k, v in table.items() if v is not None}
 
     def record(self, name: str, tensor: Any, placement: Placement, rows: Any = None,
-               sketch_columns: np.ndarray | None = None) -> None:
+               sketch_columns: np.ndarray | None = None, private: bool = False) -> None:
         """One record of the step; ``rows`` gives the index into the step's rows of each of its rows. With
-        ``sketch_columns`` (each local column's logical column) only its row sketches are kept (``sketch.py``)."""
+        ``sketch_columns`` (each local column's logical column) only its row sketches are kept (``sketch.py``).
+        ``private``: ``tensor`` is the caller's own copy, which nothing else writes (a gather of rows): kept as it
+        is, not copied again."""
         if self._tokens is None:
             raise RuntimeError("record() outside a step: call begin_step() first")
         if name in RESERVED or "#" in name or name in self._records:
             raise ValueError(f"record {name!r} twice in one step, or under a reserved name")
-        kept = _snapshot(tensor, placement, sketch_columns, self._hold_bytes - self._held - self._step_bytes)
+        kept = _snapshot(tensor, placement, sketch_columns, self._hold_bytes - self._held - self._step_bytes, private)
         self._records[name] = kept
         self._step_bytes += kept.nbytes
         if rows is not None:
@@ -288,16 +298,17 @@ class BundleWriter:
         if self._queue is None:
             self._write(file, arrays, 0)
             return
-        with self._freed:  # the queued steps' copies and this one's within ``hold_bytes``, or nothing else queued
-            while self._held and self._held + held > self._hold_bytes and self._error is None:
-                self._freed.wait()
+        with timed("writer waits (in the step)"), self._freed:  # the queued steps' and this one's copies within
+            while self._held and self._held + held > self._hold_bytes and self._error is None:  # ``hold_bytes``,
+                self._freed.wait()  # or nothing else queued
             self._held += held
         if self._closing:
             raise RuntimeError(f"{self.dir}: a step recorded after the bundle writer was closed")
         if self._thread is None:
             self._thread = threading.Thread(target=self._drain, name=f"logdiff-writer-{self.dir.name}", daemon=True)
             self._thread.start()
-        self._queue.put((file, arrays, held))
+        with timed("writer waits (in the step)"):
+            self._queue.put((file, arrays, held))
 
     def close(self, wait: bool = True) -> None:
         """Write every step left, then the last manifest; raise what the writer's thread failed with. ``wait=False``
@@ -334,9 +345,11 @@ class BundleWriter:
 
         tmp = self.dir / f".{file}.tmp"
         try:
-            _sketch_small_together(arrays)
-            save_file({name: host_array(a.stored() if isinstance(a, _Kept) else a)[0] for name, a in arrays.items()},
-                      str(tmp))
+            with timed("writer: sketches"):
+                _sketch_small_together(arrays)
+                stored = {name: a.stored() if isinstance(a, _Kept) else a for name, a in arrays.items()}
+            with timed("writer: device-to-host and files"):
+                save_file({name: host_array(a)[0] for name, a in stored.items()}, str(tmp))
             os.chmod(tmp, file_mode())  # the user's umask, as the manifest's (safetensors writes 0600)
             os.replace(tmp, self.dir / file)
         finally:
@@ -369,6 +382,10 @@ class BundleWriter:
             self._freed.notify_all()
 
     def _drain(self) -> None:
+        with timed("writer thread (its CPU; wall: its life)"):
+            self._drain_all()
+
+    def _drain_all(self) -> None:
         while (item := self._queue.get()) is not None:
             if self._error is not None:  # after a failure the rest are dropped (the caller hears of the first once)
                 self._release(item[2])

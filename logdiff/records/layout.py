@@ -53,13 +53,22 @@ class Placement:
             raise ValueError("a shard placement needs its dim, and only a shard has one")
 
     def to_json(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v is not None}
+        # made once per placement (a frozen value): a capture's writer asks for every record of every step, and
+        # ``asdict`` cost a tenth of the demo's hooks (bench/bench_trl_step.py's breakdown)
+        made = _JSON.get(self)
+        if made is None:
+            made = _JSON[self] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()
+                                  if v is not None}
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in made.items()}  # the caller's own
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Placement:
         parts = data.get("parts")
         return cls(data.get("kind", "replicate"), data.get("dim"), tuple(parts) if parts else None, data.get("size"))
 
+
+#: ``Placement.to_json``'s, per placement
+_JSON: dict[Placement, dict[str, Any]] = {}
 
 REPLICATE = Placement()
 

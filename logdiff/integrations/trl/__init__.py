@@ -24,16 +24,27 @@ one bundle pair is written under ``DIR/step-{global_step:06d}/``:
   applied to the logits (``Capture.applied_processing``: the temperature, TRL's only step), against which
   ``compare`` checks the rollout's recorded sampling settings (top-p, top-k, min-p, penalties).
 
-Then ``logdiff compare`` runs on the pair (``compare=True``, the default), with the trainer's live model
-for the conformance check (its weights) and the replay: the captured ``_get_per_token_logps_and_entropies``
-call run again on its own arguments (``Rerun``; ``bundle_feed.CapturedCall``), so each op is replayed as the
-step ran it (TRL's left padding without ``position_ids``, autocast, attention, fused head), and its token
-logprobs must equal the step's bit for bit. ``diagnosis=True`` adds the checks that need the live engines
-(``logdiff/integrations/live.py``: the reference-kernel rerun and attribution on the trainer's model and the
-colocated vLLM). ``result.json`` and
-``report.html`` go beside the bundles, one line points to them, and the trainer's logs of that step get
-logdiff's numbers (``logdiff/gap_max``, ``logdiff/gap_mean``, ``logdiff/first_divergence_layer``,
-``logdiff/causes/<class>``), next to TRL's own ``sampling/sampling_logp_difference/*``, which they equal.
+Then ``logdiff compare`` runs on the pair: inside the step (``compare=True``, the default, or ``"step"``), or,
+with ``compare="after"``, **after the step, off its path**: the
+step copies the trainer's model as it is (``background.snapshot``: the weights the conformance check reads and
+the replay runs, which the step's optimizer update is about to change) and hands the comparison to one worker
+thread (``background.py``: why a thread, and what keeps it apart from the training); the step waits for nothing
+but its capture, and the bundles' writers finish in the worker too. At most ``queue`` comparisons wait behind
+the one running; a step that finds the queue full waits for a slot, with one log line (every captured step is
+compared; choose ``every`` so that this never happens). When a comparison is done, ``result.json`` and
+``report.html`` go beside the bundles, one line points to them, and the trainer's **next log** carries logdiff's
+numbers (``logdiff/gap_max``, ``logdiff/gap_mean``, ``logdiff/first_divergence_layer``, ``logdiff/causes/<class>``)
+with ``logdiff/step``, the step they describe, whose TRL ``sampling/sampling_logp_difference/*`` they equal. A
+log carries one comparison, the oldest not yet logged. At the end of training (``on_train_end``; or
+``run.close()``, or the process's exit) the pending comparisons are finished, and each one no log carried gets a
+log of its own. Inside the step the comparison reads the trainer's model as it is (no copy), and its replay is
+the captured ``_get_per_token_logps_and_entropies`` call run again on its own arguments (``Rerun``;
+``bundle_feed.CapturedCall``), so each op is replayed as the step ran it (TRL's left padding without
+``position_ids``, autocast, attention, fused head), and its token logprobs must equal the step's bit for bit
+(after the step, the copy runs logdiff's own batch). ``diagnosis=True`` (inside the step only: the engines must
+hold the step's weights) adds the checks that need the live engines (``logdiff/integrations/live.py``: the
+reference-kernel rerun and attribution on the trainer's model and the colocated vLLM). ``compare=False`` only
+captures.
 
 Nothing changes the run's numbers: the capture's hooks read and copy, the comparison reads the files, and
 steps that are not captured run TRL's own functions (the wrappers only test the step number).
@@ -41,8 +52,9 @@ steps that are not captured run TRL's own functions (the wrappers only test the 
 
 What a captured step costs (``bench/bench_trl_step.py``; docs/capture.md, "What it costs"): inside the step,
 the hooks copy each kept record and nothing else (``logdiff/records/bundle_writer.py``): row sketches, the host copies
-and the files are made by each bundle's writer thread while the step goes on, and ``compare=False`` never waits
-for them (``run.wait()`` or ``run.close()`` does). The rollout's weight fingerprints are taken as the captured
+and the files are made by each bundle's writer thread while the step goes on, and the step never waits for them
+(the comparison's worker does, ``run.wait()`` or ``run.close()`` does). With ``compare=True`` the step also
+copies the model's weights once (``snapshot``). The rollout's weight fingerprints are taken as the captured
 step's weight sync packs each weight (``fingerprint_at_dispatch``), not by reading every packed matrix back
 through identity GEMMs afterwards; the trainer's are hashed once per captured step.
 
@@ -64,6 +76,8 @@ logdiff = 0 inside TRL.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import logging
 import math
@@ -71,6 +85,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from logdiff.integrations.trl.background import TrainEnd, Worker, snapshot
 from logdiff.integrations.trl.consistent import consistent
 from logdiff.probes.patching import Patches
 
@@ -112,9 +127,15 @@ class Instrument:
     """The wrappers ``instrument`` installs on one trainer, and the comparisons of the steps captured so far."""
 
     def __init__(self, trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
-                 compare: bool = True, strict: bool = False, diagnosis: bool = False):
+                 compare: bool | str = True, strict: bool = False, queue: int = 1, diagnosis: bool = False):
         if every < 1:
             raise ValueError(f"instrument: every={every}, expected a step interval of at least 1")
+        if compare not in (True, False, "step", "after"):
+            raise ValueError(f"instrument: compare={compare!r}, expected True or 'step' (inside the step), 'after' "
+                             "(after it, in a worker thread) or False")
+        if diagnosis and compare == "after":
+            raise ValueError("instrument: diagnosis=True reruns the live engines, which hold the captured step's "
+                             "weights only inside it: use compare=True (or 'step') with it")
         if getattr(trainer, "vllm_generation", None) is None or getattr(trainer.vllm_generation, "llm", None) is None:
             raise ValueError("instrument: the trainer has no colocated vLLM engine (GRPOConfig(use_vllm=True, "
                              "vllm_mode='colocate'))")
@@ -125,17 +146,46 @@ class Instrument:
         self.strict = strict
         self._armed: int | None = None  # the step whose rollout was captured and whose trainer pass is next
         self._writing: list[Any] = []  # the captures whose bundles may still be being written (``wait``)
+        self._worker = Worker(queue)  # the comparisons after their step (``background.py``)
+        self._unlogged: collections.deque[int] = collections.deque()  # compared steps no trainer log carried yet
         self._patches = Patches()
         generation = trainer.vllm_generation
         self._patches.set(generation, "generate", self._generate(generation.generate))
         self._patches.set(generation, "sync_weights", self._sync(generation.sync_weights))
         self._patches.set(trainer, "_get_per_token_logps_and_entropies",
                           self._logps(trainer._get_per_token_logps_and_entropies))
+        if compare and callable(getattr(trainer, "log", None)):
+            self._patches.set(trainer, "log", self._log(trainer.log))
+        if compare and callable(getattr(trainer, "add_callback", None)):
+            callback = TrainEnd(self.finish)
+            trainer.add_callback(callback)
+            self._patches.on_exit(lambda: trainer.remove_callback(callback))
+        atexit.register(self._at_exit)
+        self._patches.on_exit(lambda: atexit.unregister(self._at_exit))
 
     def close(self) -> None:
-        """Remove every wrapper (the trainer runs as if never instrumented), once the bundles are written."""
-        self._patches.close()
-        self.wait()
+        """Finish the pending comparisons, then remove every wrapper (the trainer runs as if never instrumented),
+        once the bundles are written."""
+        try:
+            self.finish()
+        finally:
+            self._worker.close()
+            self._patches.close()
+            self.wait()
+
+    def finish(self) -> None:
+        """Block until every comparison submitted so far is done (one line says how many were pending); each one no
+        trainer log has carried gets a log of its own (the end of training: no later log would carry it)."""
+        pending = self._worker.pending()
+        if pending:
+            log.warning("logdiff: finishing %d pending comparison(s)", pending)
+        self._worker.finish()
+        while self._unlogged and callable(getattr(self.trainer, "log", None)):
+            self.trainer.log({})  # the wrapper adds the oldest unlogged comparison
+        self._worker.raise_error()
+
+    def _at_exit(self) -> None:
+        self._worker.finish()  # the trainer may be gone: no log, the results and their files only
 
     def wait(self) -> None:
         """Block until every captured step's bundles are written (their writers run off the step: a step does not
@@ -193,15 +243,61 @@ class Instrument:
             with trainer_capture(self.trainer, self.step_dir(step) / "train", self.window, self._failed) as cap:
                 out = logps(model, input_ids, attention_mask, *args, **kwargs)
             self._writing.append(cap)
-            if self.compare:
+            if self.compare in (True, "step"):
+                from logdiff.phases import timed
+
                 try:
-                    self.wait()  # the comparison reads both bundles whole
-                    self._compare(step, Rerun(lambda: logps(model, input_ids, attention_mask, *args, **kwargs), out))
+                    with timed("writer waits (before the comparison)"):
+                        self.wait()  # the comparison reads both bundles whole
+                    with timed("comparison"):
+                        self._compare(step, self.trainer.accelerator.unwrap_model(self.trainer.model),
+                                      Rerun(lambda: logps(model, input_ids, attention_mask, *args, **kwargs), out))
                 except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
                     self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
+            elif self.compare == "after":
+                self._compare_later(step)
             return out
 
         return logps_and_capture
+
+    def _compare_later(self, step: int) -> None:
+        """Hand the step's comparison to the worker with a copy of the model as the step's rollout and trainer pass
+        saw it; the bundles' writers are waited for there."""
+        self._worker.raise_error()  # a strict run stops at the step after the comparison that failed
+
+        def prepare() -> Any:
+            live = snapshot(self.trainer.accelerator.unwrap_model(self.trainer.model))
+            writing, self._writing = self._writing, []
+
+            def job() -> None:
+                try:
+                    for cap in writing:
+                        cap.wait()  # the comparison reads both bundles whole
+                    self._compare(step, live)
+                except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
+                    self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
+
+            return job
+
+        try:
+            self._worker.submit(f"step {step}", prepare)
+        except Exception as e:  # noqa: BLE001 - no copy of the model: no comparison, the run goes on
+            self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
+
+    def _log(self, log_fn: Any) -> Any:
+        """TRL's ``log`` with the oldest comparison no log has carried yet added to its metrics (in the trainer's
+        thread, so TRL's metric lists are never touched by the worker), named by ``logdiff/step``."""
+
+        def log_with_comparison(logs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            if self._unlogged:
+                step = self._unlogged.popleft()
+                metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]
+                metrics["logdiff/step"].append(float(step))
+                for key, value in self.results[step]["metrics"].items():
+                    metrics[f"logdiff/{key}"].append(value)
+            return log_fn(logs, *args, **kwargs)
+
+        return log_with_comparison
 
     def _failed(self, what: str, error: BaseException) -> None:
         """Log what failed and go on (the trainer's run matters more than its diagnosis), or raise if ``strict``."""
@@ -212,32 +308,38 @@ class Instrument:
 
     # ---- the comparison ------------------------------------------------------------------------
 
-    def _compare(self, step: int, rerun: Rerun | None = None) -> None:
-        """``logdiff compare`` of the step's bundles: the outputs beside them, a summary in ``results``, the
-        numbers into the trainer's metrics of this step, one line to the log. ``rerun``: the captured call, run
-        again as the replay's forward (it repeats the step's padding, positions, autocast and fused head)."""
+    def _compare(self, step: int, live: Any, rerun: Rerun | None = None) -> None:
+        """``logdiff compare`` of the step's bundles with ``live``, the trainer's model as of the step (its weights:
+        the conformance check's; its ops: the replay's): the outputs beside them, a summary in ``results``, the
+        step queued for the trainer's next log, one line to the log. ``rerun`` (inside the step only): the captured
+        call, run again as the replay's forward (it repeats the step's padding, positions, autocast and fused head)."""
+        import time
+
         from logdiff.commands import outputs
         from logdiff.commands.compare import compare_bundles
 
+        import torch
+
         root = self.step_dir(step)
-        live = self.trainer.accelerator.unwrap_model(self.trainer.model)  # its weights: the conformance check's
+        start = time.perf_counter(), time.thread_time()
         rescans = None
-        if self.diagnosis:
+        if self.diagnosis:  # inside the step only (``__init__``): the engines are live with the step's weights
             from logdiff.integrations.live import LiveRescans
 
             engine = LiveRescans(live, self.trainer.vllm_generation.llm, str(next(live.parameters()).dtype)[6:])
             rescans = engine.for_sequences
-        with self.trainer.accelerator.autocast():  # what else runs the live model runs in the trainer's precision
+        # the replay runs the trainer's ops as its no-grad pass ran them (autocast and grad mode are per thread)
+        with self.trainer.accelerator.autocast(), torch.no_grad():
             result = compare_bundles(root / "train", root / "infer", live=live, rerun=rerun, rescans=rescans).to_dict()
         line = rerun.warning() if rerun is not None else None
         if line:
             result["warnings"] = [*result.get("warnings", []), line]
         outputs.write_result(result, root, None)
         summary = summarize(result)
+        summary["compare_s"] = time.perf_counter() - start[0]  # wall, and this thread's CPU: the comparison's own
+        summary["compare_cpu_s"] = time.thread_time() - start[1]
         self.results[step] = summary
-        metrics = self.trainer._metrics["train" if self.trainer.model.training else "eval"]
-        for key, value in summary["metrics"].items():
-            metrics[f"logdiff/{key}"].append(value)
+        self._unlogged.append(step)
         log.warning("logdiff step %d: %s (%s)", step, summary["line"], root / "report.html")
 
 
@@ -291,14 +393,18 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def instrument(trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
-               compare: bool = True, strict: bool = False, diagnosis: bool = False) -> Instrument:
+               compare: bool | str = True, strict: bool = False, queue: int = 1, diagnosis: bool = False) -> Instrument:
     """Capture ``trainer`` (a ``GRPOTrainer`` with vLLM colocated) every ``every`` steps into ``out_dir``
-    (see the module docstring); ``window``: the decoder layers kept whole (``logdiff.capture``'s). A capture or
+    (see the module docstring); ``window``: the decoder layers kept whole (``logdiff.capture``'s). ``compare``:
+    True (or ``"step"``) compares each captured step inside it; ``"after"`` after it, in a worker thread (at most
+    ``queue`` waiting behind the one running; a step that finds them all taken waits; see the module docstring);
+    False not at all. A capture or
     comparison that fails is one log line and an entry in ``Instrument.errors``, and the run goes on
-    (``strict=True`` raises instead). ``diagnosis=True``: each comparison also runs the checks that need the live
-    engines, on the trainer's model and the colocated vLLM engine (``logdiff/integrations/live.py``: the
+    (``strict=True`` raises instead, in the trainer's thread: at the next captured step or ``finish``).
+    ``diagnosis=True`` (with the comparison inside the step): each comparison also runs the checks that need the
+    live engines, on the trainer's model and the colocated vLLM engine (``logdiff/integrations/live.py``: the
     reference-kernel rerun and attribution), and says in one line what ran and what did not."""
-    return Instrument(trainer, out_dir, every, window, compare, strict, diagnosis)
+    return Instrument(trainer, out_dir, every, window, compare, strict, queue, diagnosis)
 
 
 # ---- captures of the two sides -------------------------------------------------------------------

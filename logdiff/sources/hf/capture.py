@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from logdiff.errors import InputError
+from logdiff.phases import timed
 from logdiff.sources.hf.taps import TAPS
 
 #: the dtypes an engine may run a wider (float32) trainer's weights in: the capture hashes them rounded to each
@@ -93,7 +94,8 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
     try:
         from logdiff.sources.hf.contract import hf_contract
 
-        meta["contract"] = hf_contract(model, {})
+        with timed("contract (trainer)"):
+            meta["contract"] = hf_contract(model, {})
     except Exception as e:  # noqa: BLE001 - a contract the reader cannot take from a wrapped model is noted, not fatal
         meta["contract_error"] = f"{type(e).__name__}: {e}"
     if fingerprints:
@@ -102,7 +104,8 @@ def capture(model: Any, out_dir: str | Path, role: str = "train", layout: Any = 
         # of the logical weights (a collective on a sharded model); a wide model's rounded too, in the same pass
         wide = next(model.parameters()).element_size() > 2
         narrow = NARROWER if wide else ()
-        sets = hf_fingerprint_sets(model, (None, *narrow))
+        with timed("fingerprints (trainer)"):
+            sets = hf_fingerprint_sets(model, (None, *narrow))
         meta["fingerprints"] = sets[None]
         if narrow:
             meta["fingerprints_at"] = {at: sets[at] for at in narrow}

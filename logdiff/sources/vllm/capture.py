@@ -207,7 +207,8 @@ def worker_meta(runner: Any, tp_size: int) -> dict[str, Any]:
     from logdiff.sources.vllm.contract import vllm_contract
 
     try:
-        meta["contract"] = vllm_contract(model, {"logprobs_mode": meta["logprobs_mode"]})
+        with timed("contract (engine)"):
+            meta["contract"] = vllm_contract(model, {"logprobs_mode": meta["logprobs_mode"]})
     except Exception as e:  # noqa: BLE001 - a contract this worker cannot read is noted, not fatal
         meta["contract_error"] = f"{type(e).__name__}: {e}"
     meta.update(weight_fingerprints(model, int(config.vocab_size), tp_size))
@@ -219,10 +220,12 @@ def weight_fingerprints(model: Any, vocab_size: int, tp_size: int) -> dict[str, 
     (at TP > 1 a rank holds slices: none are hashed)."""
     if tp_size > 1:
         return {"fingerprints_error": f"weights sharded over {tp_size} ranks: not hashed on one rank"}
+    from logdiff.phases import timed
     from logdiff.sources.vllm.contract import vllm_fingerprints
 
     try:
-        return {"fingerprints": vllm_fingerprints(model, vocab_size)}
+        with timed("fingerprints (engine)"):
+            return {"fingerprints": vllm_fingerprints(model, vocab_size)}
     except Exception as e:  # noqa: BLE001 - a worker whose weights cannot be hashed is noted, not fatal
         return {"fingerprints_error": f"{type(e).__name__}: {e}"}
 

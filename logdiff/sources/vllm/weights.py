@@ -84,6 +84,7 @@ def fingerprint_at_dispatch() -> Iterator[None]:
         yield
         return
 
+    from logdiff.phases import timed
     from logdiff.probes.patching import Patches
 
     original = utils.dispatch_cpu_unquantized_gemm
@@ -94,7 +95,8 @@ def fingerprint_at_dispatch() -> Iterator[None]:
         plain = remove_weight and weight is not None and weight.dim() == 2 and not weight.is_meta
         if plain:
             parts = weight.split(sizes, dim=0) if len(sizes) > 1 and sum(sizes) == weight.shape[0] else ()
-            record = (weight.dtype, None if parts else fingerprint(weight), tuple(fingerprint(p) for p in parts))
+            with timed("fingerprints (engine, at the sync)"):
+                record = (weight.dtype, None if parts else fingerprint(weight), tuple(fingerprint(p) for p in parts))
         original(layer, remove_weight)
         if plain and layer.weight.numel() == 0:
             setattr(layer, DISPATCHED, Dispatched(layer.cpu_linear, *record))
