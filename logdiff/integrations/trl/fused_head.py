@@ -14,13 +14,33 @@ from typing import Any
 
 
 def _cell(model: Any) -> Any:
-    """The closure cell of the fused head's ``temperature``, or None (no fused head on this model)."""
-    forward = getattr(getattr(model, "forward", None), "__func__", None)
-    code, closure = getattr(forward, "__code__", None), getattr(forward, "__closure__", None)
-    if code is None or not closure or code.co_name != "_fused_forward":  # functools.wraps renames it "forward"
-        return None
-    cells = dict(zip(code.co_freevars, closure))
-    return cells.get("temperature")
+    """The closure cell of the fused head's ``temperature``, or None (no fused head on this model).
+
+    The head may sit under wrappers of the forward (accelerate's mixed-precision ``convert_outputs_to_fp32``,
+    which also keeps ``_original_forward``; ``functools.wraps`` chains): they are followed through ``__wrapped__``,
+    ``__func__`` and the functions their closures hold, a few levels deep."""
+    todo = [getattr(model, "forward", None), getattr(model, "_original_forward", None)]
+    seen: set[int] = set()
+    for _ in range(64):
+        if not todo:
+            break
+        fn = todo.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        fn = getattr(fn, "__func__", fn)
+        code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+        if code is not None and code.co_name == "_fused_forward":  # functools.wraps renames it "forward"
+            return dict(zip(code.co_freevars, closure)).get("temperature")
+        todo.append(getattr(fn, "__wrapped__", None))
+        for cell in closure:
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(value):
+                todo.append(value)
+    return None
 
 
 def fused_head_temperature(model: Any, value: float | None = None) -> float | None:
@@ -30,7 +50,7 @@ def fused_head_temperature(model: Any, value: float | None = None) -> float | No
     if value is not None:
         if cell is None:
             raise ValueError("this model has no TRL fused LM head (trl.trainer.utils.add_fused_lm_head) to set a "
-                             "temperature on")
+                             f"temperature on (its forward: {getattr(model, 'forward', None)!r})")
         cell.cell_contents = float(value)
     return None if cell is None else float(cell.cell_contents)
 
