@@ -127,6 +127,14 @@ class SamplingPerStep:
         for name, value in settings.items():
             for owner in SAMPLING_SETTINGS[name]:
                 setattr(self.trainer if owner == "trainer" else self.trainer.vllm_generation, name, value)
+        # TRL 1.16's trainer scores through the fused LM head that GRPOTrainer.__init__ built with the temperature
+        # of that moment (trl/trainer/utils.py add_fused_lm_head): trainer.temperature alone would change vLLM's
+        # side only. The head's own temperature is set too, so that both sides apply the step's temperature.
+        from logdiff.integrations.trl import fused_head_temperature
+
+        for model in (self.trainer.model, getattr(self.trainer, "ref_model", None)):
+            if model is not None:
+                fused_head_temperature(self.trainer.accelerator.unwrap_model(model), settings["temperature"])
 
     def __getattr__(self, name: str) -> Any:  # TRL's other callback events: nothing to do
         if name.startswith("on_"):

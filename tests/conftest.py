@@ -285,3 +285,15 @@ def shared_scan() -> Callable[..., dict[str, Any]]:
         return copy.deepcopy(done[key])
 
     return get
+
+
+@pytest.fixture(scope="session")
+def trl_sampled(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One real TRL GRPO run on the demo Qwen3 in which step N samples under ``trl_runs.SAMPLING_STEPS[N - 1]``
+    (tests/trl_runs.py), made once per session: tests/test_trl_sampling.py checks each step's diagnosis,
+    tests/test_same_answer.py compares it with the scan's and with ``logdiff compare``'s."""
+    from trl_runs import sampled_run
+
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("trl is not installed (pip install 'logdiff[trl]')")
+    return sampled_run(qwen3, tmp_path_factory.mktemp("trl-sampling"))

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,20 +32,8 @@ pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (pip install "
                                  "'logdiff[trl]')")]
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "trl_grpo.py"
-TRL_GAP = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
-
-
-def _run(model: Path, out: Path, *flags: str) -> dict[str, Any]:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(EXAMPLE), str(model), "--out", str(out), "--json",
-                           str(out / "run.json"), *flags], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    run = json.loads((out / "run.json").read_text())
-    run["steps"] = [h for h in run["log_history"] if TRL_GAP[0] in h]
-    run["stderr"] = proc.stderr
-    run["out"] = out
-    return run
+from trl_runs import TRL_GAP
+from trl_runs import run_example as _run
 
 
 @pytest.fixture(scope="module")

@@ -87,9 +87,10 @@ from typing import Any
 
 from logdiff.integrations.trl.background import TrainEnd, Worker, snapshot
 from logdiff.integrations.trl.consistent import consistent
+from logdiff.integrations.trl.fused_head import applied_temperature, fused_head_temperature
 from logdiff.probes.patching import Patches
 
-__all__ = ["Instrument", "consistent", "eager_vllm", "instrument", "layerwise_sync", "summarize"]
+__all__ = ["Instrument", "consistent", "eager_vllm", "fused_head_temperature", "instrument", "layerwise_sync", "summarize"]
 
 log = logging.getLogger("logdiff.trl")
 
@@ -438,9 +439,10 @@ def trainer_capture(trainer: Any, out_dir: Path, window: int | str, failed: Any)
             failed(f"{out_dir}: a forward's token logprobs were not recorded ({type(e).__name__}: {e})", e)
 
     with capture(model, out_dir, role="train", window=window, wait=False) as cap:
-        # what TRL's scoring does to the logits: it divides them by GRPOConfig.temperature, and applies none of the
-        # top-k, top-p, min-p or penalties it forwards to vLLM (trl/trainer/grpo_trainer.py, TRL 1.16)
-        cap.applied_processing(temperature=float(getattr(trainer, "temperature", 1.0)))
+        # what TRL's scoring does to the logits: it divides them by GRPOConfig.temperature (the value its fused head
+        # holds: fused_head.py), and applies none of the top-k, top-p, min-p or penalties it forwards to vLLM
+        # (trl/trainer/grpo_trainer.py, TRL 1.16)
+        cap.applied_processing(temperature=applied_temperature(trainer, model))
         hook = model.register_forward_hook(record, with_kwargs=True)
         try:
             yield cap

@@ -204,6 +204,7 @@ def worker_meta(runner: Any, tp_size: int) -> dict[str, Any]:
                             "config": json.loads(config.to_json_string()),
                             "logprobs_mode": str(runner.model_config.logprobs_mode),
                             "compilation": compilation_of(runner)}  # fmt: skip
+    from logdiff.phases import timed
     from logdiff.sources.vllm.contract import vllm_contract
 
     try:
