@@ -53,10 +53,11 @@ steps that are not captured run TRL's own functions (the wrappers only test the 
 What a captured step costs (``bench/bench_trl_step.py``; docs/capture.md, "What it costs"): inside the step,
 the hooks copy each kept record and nothing else (``logdiff/records/bundle_writer.py``): row sketches, the host copies
 and the files are made by each bundle's writer thread while the step goes on, and the step never waits for them
-(the comparison's worker does, ``run.wait()`` or ``run.close()`` does). With ``compare=True`` the step also
+(the comparison's worker does, ``run.wait()`` or ``run.close()`` does). With ``compare="after"`` the step also
 copies the model's weights once (``snapshot``). The rollout's weight fingerprints are taken as the captured
 step's weight sync packs each weight (``fingerprint_at_dispatch``), not by reading every packed matrix back
-through identity GEMMs afterwards; the trainer's are hashed once per captured step.
+through identity GEMMs afterwards; the trainer's are hashed once per captured step. The two captures are
+``captures.py``'s.
 
 What TRL's defaults mean for a diagnosis (docs/capture.md, "TRL"):
 
@@ -86,8 +87,9 @@ from pathlib import Path
 from typing import Any
 
 from logdiff.integrations.trl.background import TrainEnd, Worker, snapshot
+from logdiff.integrations.trl.captures import Rerun, engine_capture, trainer_capture
 from logdiff.integrations.trl.consistent import consistent
-from logdiff.integrations.trl.fused_head import applied_temperature, fused_head_temperature
+from logdiff.integrations.trl.fused_head import fused_head_temperature
 from logdiff.probes.patching import Patches
 
 __all__ = ["Instrument", "consistent", "eager_vllm", "fused_head_temperature", "instrument", "layerwise_sync", "summarize"]
@@ -344,33 +346,6 @@ class Instrument:
         log.warning("logdiff step %d: %s (%s)", step, summary["line"], root / "report.html")
 
 
-class Rerun:
-    """The captured ``_get_per_token_logps_and_entropies`` call, run again by the comparison's replay
-    (``bundle_feed.CapturedCall``) inside the same step: same model, arguments, no-grad and TRL's own autocast. Its
-    token logprobs must equal the captured call's bit for bit (``warning`` says where not): the whole step is
-    then reproduced, not only each replayed op."""
-
-    def __init__(self, call: Any, captured: Any):
-        self.call, self.captured, self.got = call, captured, None
-
-    def __call__(self) -> Any:
-        self.got = self.call()
-        return self.got
-
-    def warning(self) -> str | None:
-        import torch
-
-        if self.got is None:
-            return None
-        a, b = self.captured[0], self.got[0]
-        if a.shape == b.shape and torch.equal(a, b):
-            return None
-        diff = (a.float() - b.float()).abs().nan_to_num(float("inf")).max().item() if a.shape == b.shape else None
-        what = f"max |Δ| {diff:.3g}" if diff is not None else f"shape {list(b.shape)} vs {list(a.shape)}"
-        return (f"the captured step's own call, run again, gave other token logprobs than the step ({what}): the "
-                "trainer's forward is not a function of its inputs here, so its replay is not the captured step")
-
-
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """What the trainer's logs get from one comparison: the gap, the first divergence's layer (-1: before any
     layer, NaN: none), the causes per class, and one line."""
@@ -406,58 +381,3 @@ def instrument(trainer: Any, out_dir: str | Path, every: int = 1, window: int | 
     live engines, on the trainer's model and the colocated vLLM engine (``logdiff/integrations/live.py``: the
     reference-kernel rerun and attribution), and says in one line what ran and what did not."""
     return Instrument(trainer, out_dir, every, window, compare, strict, queue, diagnosis)
-
-
-# ---- captures of the two sides -------------------------------------------------------------------
-
-
-def engine_capture(llm: Any, out_dir: Path, window: int | str) -> Any:
-    """Record the in-process engine ``llm``'s forwards into the bundle at ``out_dir`` while the block runs (the
-    worker plugin's capture on the driver worker, removed after: ``logdiff.sources.vllm.capture.recording``); its
-    files are finished by the writer's thread after the block (``VllmCapture.wait``)."""
-    from logdiff.records.sketch import Window
-    from logdiff.sources.vllm.capture import recording
-
-    return recording(llm.llm_engine.model_executor.driver_worker.model_runner, out_dir, Window.parse(window),
-                     wait=False)
-
-
-@contextlib.contextmanager
-def trainer_capture(trainer: Any, out_dir: Path, window: int | str, failed: Any) -> Iterator[Any]:
-    """Record the trainer's forwards into the bundle at ``out_dir`` while the block runs, with each fused-head
-    forward's own per-token logprobs (``Capture.token_logprobs``: the head never calls ``lm_head``); a forward
-    whose logprobs cannot be recorded goes to ``failed(what, error)``. The files are finished by the writer's thread
-    after the block (``Capture.wait``)."""
-    from logdiff.sources.hf.capture import capture
-
-    model = trainer.accelerator.unwrap_model(trainer.model)
-
-    def record(module: Any, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        try:
-            _fused_logprobs(cap, kwargs, output)
-        except Exception as e:  # noqa: BLE001 - a misread forward must not break the trainer's
-            failed(f"{out_dir}: a forward's token logprobs were not recorded ({type(e).__name__}: {e})", e)
-
-    with capture(model, out_dir, role="train", window=window, wait=False) as cap:
-        # what TRL's scoring does to the logits: it divides them by GRPOConfig.temperature (the value its fused head
-        # holds: fused_head.py), and applies none of the top-k, top-p, min-p or penalties it forwards to vLLM
-        # (trl/trainer/grpo_trainer.py, TRL 1.16)
-        cap.applied_processing(temperature=applied_temperature(trainer, model))
-        hook = model.register_forward_hook(record, with_kwargs=True)
-        try:
-            yield cap
-        finally:
-            hook.remove()
-
-
-def _fused_logprobs(cap: Any, kwargs: dict[str, Any], output: Any) -> None:
-    """A fused-head forward's ``log_probs`` ``[batch, length - 1]`` (column ``t`` scores ``input_ids[:, t + 1]``)
-    as token logprobs, from the first column whose label is scored (TRL masks the prompt with -100)."""
-    lp, labels, ids = getattr(output, "log_probs", None), kwargs.get("labels"), kwargs.get("input_ids")
-    if lp is None or labels is None or ids is None:
-        return  # an unfused forward: its logits are recorded at lm_head
-    scored = (labels[:, 1:] != -100).any(0).nonzero()
-    if not len(scored):
-        return
-    first = int(scored[0]) + 1  # the first scored token's column in input_ids
-    cap.token_logprobs(lp[:, first - 1 :], start=first, token_ids=ids[:, first:])
