@@ -24,7 +24,8 @@ import numpy as np
 
 #: what each chunk's statistics vector holds, in order
 STATS = ("unequal", "nonfinite", "sum_abs_diff", "rows_equal", "max_abs_ref", "nonfinite_ref", "nonfinite_other",
-         "worst_value", "worst_row", "first_nonfinite_row", "max_ulp", "first_unequal_row")
+         "worst_value", "worst_row", "first_nonfinite_row", "max_ulp", "first_unequal_row", "neginf_ref",
+         "neginf_other")
 
 
 class DeviceChunks:
@@ -69,6 +70,7 @@ class DeviceChunks:
             (row_max == 0).sum(), torch.where(finite_a, a.abs(), torch.zeros_like(a)).amax(),
             (~finite_a).sum(), (~finite_b).sum(), row_max.amax(), row_max.argmax(),
             torch.where(odd_rows.any(), odd_rows.to(torch.int8).argmax(), -1), ulp, first_unequal,
+            (a == -math.inf).sum(), (b == -math.inf).sum(),
         ]
         self.stats.append(torch.stack([s.to(torch.float64) for s in stats]))
         self.rows.append((seq, pos, diff.numel()))
@@ -94,6 +96,8 @@ class DeviceChunks:
             summary.nonfinite += int(s["nonfinite"])
             summary.nonfinite_ref += int(s["nonfinite_ref"])
             summary.nonfinite_other += int(s["nonfinite_other"])
+            summary.neginf_ref += int(s["neginf_ref"])
+            summary.neginf_other += int(s["neginf_other"])
             summary.sum_abs_diff += float(s["sum_abs_diff"])
             summary.max_abs_ref = max(summary.max_abs_ref, float(s["max_abs_ref"]))
             summary.max_ulp = max(summary.max_ulp, int(s["max_ulp"]))

@@ -57,6 +57,9 @@ class DiffSummary:
     nonfinite: int = 0  # elements whose difference is not finite (NaN on both sides counts as equal)
     nonfinite_ref: int = 0  # NaN/inf elements on each side, however they compare
     nonfinite_other: int = 0
+    #: -inf elements on each side (of the NaN/inf above): at the sampler's boundaries a mask, not an overflow
+    neginf_ref: int = 0
+    neginf_other: int = 0
     nonfinite_at: tuple[int, int] | None = None  # (sequence, position) of the first row holding one
     #: compared by row sketches only: ``elements`` counts rows and ``max_abs_diff`` is a lower bound
     sketched: bool = False
@@ -211,6 +214,8 @@ class DiffSummary:
         bad_ref, bad_other = ~torch.isfinite(ref), ~torch.isfinite(other)
         self.nonfinite_ref += int(bad_ref.sum())
         self.nonfinite_other += int(bad_other.sum())
+        self.neginf_ref += int((ref == -math.inf).sum())
+        self.neginf_other += int((other == -math.inf).sum())
         rows = (bad_ref | bad_other).reshape(ref.shape[0], -1).any(dim=1)
         if self.nonfinite_at is None and bool(rows.any()):
             first = int(rows.nonzero()[0, 0])

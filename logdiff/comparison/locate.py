@@ -195,7 +195,7 @@ def locate(pair: Any, tolerance: float = 0.0) -> Localization:
         rows.append(row)
     loc = Localization(pair.train, pair.infer, first, introducing, rows, divergence_frame(pair, order), warnings)
     loc.unresolved = [{"boundary": n, "layer": _layer(pair, n), "kind": _kind(pair, n)} for n in unresolved]
-    loc.first_nonfinite = first_nonfinite(pair, order)
+    loc.first_nonfinite = first_nonfinite(pair, order, warnings)
     if pair.tracer_train is not None or pair.tracer_infer is not None:
         loc.op_trace = op_drilldown(pair, first)
     return loc
@@ -227,14 +227,28 @@ def _first_row(pair: Any, s: Any, tolerance: float) -> dict[str, Any]:
     return _row(pair, s.worst_sequence, s.worst_position if s.worst_position is not None else 0)
 
 
-def first_nonfinite(pair: Any, order: list[str]) -> dict[str, Any] | None:
-    """The first boundary (semantic order) where either path holds a NaN or inf, and on which side."""
+#: the boundaries a sampler's processing writes: a -inf there is a mask (top-k, top-p, min-p, a banned or
+#: disallowed token, a -inf logit bias), which processed logprobs keep, not an overflow
+SAMPLER_KINDS = ("logits", "log_softmax")
+
+
+def first_nonfinite(pair: Any, order: list[str], warnings: list[str] | None = None) -> dict[str, Any] | None:
+    """The first boundary (semantic order) where either path holds a NaN or inf, and on which side. At a sampler's
+    boundary (``SAMPLER_KINDS``) -inf elements are the sampler's mask and no finding: one line in ``warnings`` says
+    so (a response token scored at -inf is still one: ``diagnosis/nonfinite.py`` counts the token logprobs)."""
     for name in order:
         s = pair.comparer.summaries[name]
-        if not (s.nonfinite_ref or s.nonfinite_other):
+        masks = _kind(pair, name) in SAMPLER_KINDS
+        bad_ref = s.nonfinite_ref - (s.neginf_ref if masks else 0)
+        bad_other = s.nonfinite_other - (s.neginf_other if masks else 0)
+        if masks and (s.neginf_ref or s.neginf_other) and warnings is not None:
+            held = ", ".join(f"{p} {n}" for p, n in ((pair.train, s.neginf_other), (pair.infer, s.neginf_ref)) if n)
+            warnings.append(f"{name} holds -inf elements ({held}): a sampler's mask (top-k, top-p, min-p, a banned "
+                            "token or a -inf logit bias, which processed logprobs keep), not an overflow")
+        if not (bad_ref or bad_other):
             continue
         # the stored (reference) side is the inference path, the live side the training path
-        sides = [p for p, n in ((pair.train, s.nonfinite_other), (pair.infer, s.nonfinite_ref)) if n]
+        sides = [p for p, n in ((pair.train, bad_other), (pair.infer, bad_ref)) if n]
         seq, pos = s.nonfinite_at or (None, None)
         return {"boundary": name, "layer": _layer(pair, name), "kind": _kind(pair, name),
                 "paths": sides, "sequence": seq, "position": pos, "inputs": _inputs(pair, name, order)}  # fmt: skip

@@ -30,6 +30,7 @@ def _chunks(dtype: torch.dtype, other_dtype: torch.dtype, seed: int) -> list[tup
             other[0] += 0.01
             ref[3, 0], other[3, 0] = float("nan"), float("nan")  # NaN on both sides: equal
             other[4, 1] = float("inf")  # a one-sided inf
+            other[1, 3] = -float("inf")  # a one-sided -inf (a sampler's mask where the boundary is the sampler's)
             ref[5, 2] = float("nan")  # a one-sided NaN
         if c == 3:
             other[2, 5] -= 0.25  # ties the first chunk's worst: the first one stays worst
@@ -51,6 +52,7 @@ def test_the_device_fold_is_the_host_fold(dtype: torch.dtype, other_dtype: torch
     h, d = host.to_dict(), device.to_dict()
     assert math.isclose(h.pop("mean_abs_diff"), d.pop("mean_abs_diff"), rel_tol=1e-12)
     assert h == d and host.nonfinite_at == device.nonfinite_at
+    assert (host.neginf_ref, host.neginf_other) == (device.neginf_ref, device.neginf_other) == (0, 1)
     assert h["first_position"] is not None and h["first_position"] != h["worst_position"]  # both were compared
     np.testing.assert_array_equal(host.per_position, device.per_position)  # NaN where never seen, on both
     assert h["nonfinite"] > 0 and h["max_abs_diff"] == math.inf  # the chunks did exercise the odd cases

@@ -153,3 +153,25 @@ def test_row_sketches_name_the_first_unequal_row_too() -> None:
     s.update_sketches(sketch(raw.view(torch.int16).numpy(), "bfloat16", cols),
                       sketch(other.view(torch.int16).numpy(), "bfloat16", cols), seq, pos)
     assert (s.first_sequence, s.first_position) == (0, 5)
+
+
+def test_a_samplers_minus_inf_is_a_mask_and_nan_or_inf_elsewhere_a_finding() -> None:
+    """``-inf`` at the logits or log_softmax boundary is a sampler's mask (processed logprobs after top-p keep it):
+    no finding, one line. The controls: the same ``-inf`` inside the decoder, and a NaN at log_softmax, are."""
+    from types import SimpleNamespace
+
+    from logdiff.comparison.locate import first_nonfinite
+
+    def pair(kind: str, bad: float) -> SimpleNamespace:
+        s = DiffSummary(4)
+        ref = torch.tensor([[-1.0, bad, -2.0], [-0.5, -1.5, -3.0]])  # the stored side: the engine's
+        s.update(ref, torch.tensor([[-1.0, -9.0, -2.0], [-0.5, -1.5, -3.0]]), np.array([0, 0]), np.array([0, 1]))
+        return SimpleNamespace(comparer=SimpleNamespace(summaries={"b": s}), train="hf", infer="vllm",
+                               cmap=SimpleNamespace(get=lambda _: SimpleNamespace(kind=kind, layer=None, inputs=())))
+
+    warnings: list[str] = []
+    assert first_nonfinite(pair("log_softmax", -math.inf), ["b"], warnings) is None
+    assert len(warnings) == 1 and "a sampler's mask" in warnings[0] and "vllm 1" in warnings[0]
+    for kind, bad in (("linear", -math.inf), ("log_softmax", math.nan), ("logits", math.inf)):
+        found = first_nonfinite(pair(kind, bad), ["b"], [])
+        assert found is not None and found["paths"] == ["vllm"] and found["position"] == 0, (kind, bad)

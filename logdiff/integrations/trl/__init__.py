@@ -39,9 +39,9 @@ log carries one comparison, the oldest not yet logged. At the end of training (`
 ``run.close()``, or the process's exit) the pending comparisons are finished, and each one no log carried gets a
 log of its own. Inside the step the comparison reads the trainer's model as it is (no copy), and its replay is
 the captured ``_get_per_token_logps_and_entropies`` call run again on its own arguments (``Rerun``;
-``bundle_feed.CapturedCall``), so each op is replayed as the step ran it (TRL's left padding without
-``position_ids``, autocast, attention, fused head), and its token logprobs must equal the step's bit for bit
-(after the step, the copy runs logdiff's own batch). ``diagnosis=True`` (inside the step only: the engines must
+``bundle_feed.CapturedCall``; after the step, on the copy), so each op is replayed as the step ran it (TRL's
+left padding without ``position_ids``, autocast, attention, fused head), and its token logprobs must equal the
+step's bit for bit. ``diagnosis=True`` (inside the step only: the engines must
 hold the step's weights) adds the checks that need the live engines (``logdiff/integrations/live.py``: the
 reference-kernel rerun and attribution on the trainer's model and the colocated vLLM). ``compare=False`` only
 captures.
@@ -257,15 +257,16 @@ class Instrument:
                                       Rerun(lambda: logps(model, input_ids, attention_mask, *args, **kwargs), out))
                 except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
                     self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
-            elif self.compare == "after":
-                self._compare_later(step)
+            elif self.compare == "after":  # the captured call, run again on the step's copy of the model
+                self._compare_later(step, lambda copy: logps(copy, input_ids, attention_mask, *args, **kwargs), out)
             return out
 
         return logps_and_capture
 
-    def _compare_later(self, step: int) -> None:
+    def _compare_later(self, step: int, call: Any, captured: Any) -> None:
         """Hand the step's comparison to the worker with a copy of the model as the step's rollout and trainer pass
-        saw it; the bundles' writers are waited for there."""
+        saw it, and ``call(copy)``, the captured call on that copy (its replay, as inside the step: ``Rerun``); the
+        bundles' writers are waited for there."""
         self._worker.raise_error()  # a strict run stops at the step after the comparison that failed
 
         def prepare() -> Any:
@@ -276,7 +277,7 @@ class Instrument:
                 try:
                     for cap in writing:
                         cap.wait()  # the comparison reads both bundles whole
-                    self._compare(step, live)
+                    self._compare(step, live, Rerun(lambda: call(live), captured))
                 except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
                     self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
 
@@ -314,8 +315,8 @@ class Instrument:
     def _compare(self, step: int, live: Any, rerun: Rerun | None = None) -> None:
         """``logdiff compare`` of the step's bundles with ``live``, the trainer's model as of the step (its weights:
         the conformance check's; its ops: the replay's): the outputs beside them, a summary in ``results``, the
-        step queued for the trainer's next log, one line to the log. ``rerun`` (inside the step only): the captured
-        call, run again as the replay's forward (it repeats the step's padding, positions, autocast and fused head)."""
+        step queued for the trainer's next log, one line to the log. ``rerun``: the captured call, run again on
+        ``live`` as the replay's forward (it repeats the step's padding, positions, autocast and fused head)."""
         import time
 
         from logdiff.commands import outputs
