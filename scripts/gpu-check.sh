@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: HF (CUDA) against vLLM (CUDA) on the demo Qwen3, in at most ~8 minutes on one GPU
-# (the four checks' timeouts add up to 480 s; the install and a first demo-model build come on top).
+# (the five checks' timeouts add up to 680 s; the install and a first demo-model build come on top).
 # Prints one line per check, "PASS|FAIL <check>: <key number>", and exits 1 if any check failed.
 # Expected output and what each line means: docs/portability.md, section "GPU check".
 #
@@ -13,6 +13,9 @@
 #   3. batch      the batch-invariance probe --batch-compositions 1,4,8 on vLLM's batch-invariant mode
 #   4. pytest     pytest -m gpu: the device conformance tests (tests/test_gpu_conformance.py) and the engine
 #                 conformance suite on CUDA (tests/conformance: hf, hf-decode and vllm with --device cuda)
+#   5. fp8        the demo quantized FP8 block (128 x 128) by `logdiff quantize`, run by vLLM's CUDA FP8 kernels
+#                 against the bf16 trainer: one framework_difference/quantization cause naming fp8-block, and no
+#                 weight cause (coded, not run: no GPU has run it yet; docs/portability.md)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -79,6 +82,30 @@ rc=$?
 counts=$(tail -n 1 "$LOGDIR/pytest.log")
 [ "$rc" = 0 ] && ! grep -q skipped <<<"$counts" && s=PASS || s=FAIL
 say "$s" "pytest -m gpu: $counts"
+
+# 5. FP8 rollouts on CUDA. PASS = the scan completes with exactly one cause of kind quantization, which names
+#    fp8-block, and no weight cause (FP8 weights are compared through no exact re-quantization: "unverified").
+fp8_cause() {
+  "$PY" - "$1" <<'EOF'
+import json, sys
+try:
+    r = json.load(open(sys.argv[1]))
+    q = [c for c in r["causes"] if c["kind"] == "quantization"]
+    ok = len(q) == 1 and any("fp8-block" in e for e in q[0]["evidence"]) and not any(
+        c["kind"] == "weights" for c in r["causes"])
+    print(f"{'yes' if ok else 'no'} (share {q[0].get('share') if q else None})")
+except Exception as e:
+    print(f"no ({type(e).__name__})")
+EOF
+}
+rm -rf "$LOGDIR/fp8"
+timeout 60 "$LOGDIFF" quantize "$MODEL" "$LOGDIR/fp8" --scheme fp8-block >"$LOGDIR/fp8-quantize.log" 2>&1 \
+  && timeout 140 "$LOGDIFF" scan "${common[@]}" --depth modules --infer-ckpt "$LOGDIR/fp8" \
+       --json "$LOGDIR/fp8.json" >"$LOGDIR/fp8.log" 2>&1
+rc=$?
+named=$(fp8_cause "$LOGDIR/fp8.json")
+[ "$rc" = 0 ] && [ "${named%% *}" = yes ] && s=PASS || s=FAIL
+say "$s" "fp8-block rollout (vLLM CUDA FP8 vs bf16 trainer): exit $rc, one quantization cause naming fp8-block: $named, max|Δ| $(field "$LOGDIR/fp8.json" logprobs.abs_diff_max)"
 
 echo "logs: $LOGDIR"
 exit "$failed"

