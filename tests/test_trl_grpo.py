@@ -87,7 +87,7 @@ def test_the_comparison_after_the_step_equals_the_one_inside_it_and_names_its_st
         """All but the timings, the one line on the live engines and the causes' order (the inline run has
         ``--diagnosis``, which the comparison after the step refuses: the engines hold the step's weights only
         inside it; its attribution orders the causes by share)."""
-        kept = {k: v for k, v in summary.items() if k not in ("compare_s", "compare_cpu_s", "line")}
+        kept = {k: v for k, v in summary.items() if k not in ("compare_s", "compare_cpu_s")}
         kept["warnings"] = [w for w in summary["warnings"] if "live engines" not in w]
         kept["causes"] = sorted(summary["causes"], key=lambda c: (c["class"], c["kind"], c["boundary"]))
         return kept
