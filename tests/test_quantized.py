@@ -193,7 +193,8 @@ def test_a_fault_inside_the_quantized_engine_is_that_sides_own(qwen3: Path, int8
     from logdiff.sources import checkpoint, pool
 
     cfg = ScanConfig(model=qwen3, infer=["vllm"], infer_ckpt=int8_qwen3, attribute=False, **SMALL)
-    engine = pool.acquire("vllm", engine_spec("vllm", checkpoint.stage(int8_qwen3), cfg, cfg.infer_set))
+    staged = checkpoint.stage(qwen3, int8_qwen3, quantized=True)  # as the scan stages its --infer-ckpt
+    engine = pool.acquire("vllm", engine_spec("vllm", staged, cfg, cfg.infer_set))
     module, calls = engine.module().get_submodule(FAULT), []
     clean = type(module).forward
 
