@@ -23,6 +23,8 @@ need one shared description of the scheme, and this module is it:
 
 from __future__ import annotations
 
+import re
+
 from typing import Any
 
 from logdiff.probes.contracts import OFF, fingerprint
@@ -92,6 +94,22 @@ def _side(args: dict[str, Any] | None) -> str:
     sym = "symmetric" if args.get("symmetric", True) else "asymmetric"
     when = "dynamic" if args.get("dynamic") else "static"
     return f"{kind}{int(args.get('num_bits', 8))} {sym} {_granularity(args)} {when}"
+
+
+def ignores(ignore: list[str] | str | None, module: str) -> bool:
+    """Whether compressed-tensors' ``ignore`` list (a list, or the contract's comma-joined string) leaves the linear
+    ``module`` (``model.layers.0.mlp.down_proj``) unquantized: an entry is its name, its last parts
+    (``lm_head``), or an ``re:`` pattern matched from the name's start, as vLLM's compressed-tensors reader does."""
+    entries = ignore.split(",") if isinstance(ignore, str) else list(ignore or [])
+    for entry in (e.strip() for e in entries):
+        if not entry or entry == "off":
+            continue
+        if entry.startswith("re:"):
+            if re.match(entry[3:], module):
+                return True
+        elif module == entry or module.endswith("." + entry):
+            return True
+    return False
 
 
 def describe_group(group: dict[str, Any]) -> str:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from logdiff.errors import InputError
+from logdiff.records.bundle_writer import usual_modes
 from logdiff.probes.arch import adapter_for
 from logdiff.probes.quantization import FP8_BLOCK, FP8_MAX, SCHEMES, quantization_config
 
@@ -73,7 +74,7 @@ def quantize_checkpoint(model: str | os.PathLike, out: str | os.PathLike, scheme
                 shutil.copy(f, staging / f.name)
         qcfg = quantization_config(scheme, moe=bool(getattr(adapter_for(cfg["architectures"][0]), "moe", False)))
         (staging / "config.json").write_text(json.dumps({**cfg, "quantization_config": qcfg}, indent=2) + "\n")
-        _apply_umask(staging)
+        usual_modes(staging)
         if out.exists():
             out.rmdir()  # an empty directory: replaced by the finished one
         staging.rename(out)
@@ -150,12 +151,3 @@ def _write_index(model: Path, staging: Path, written: dict[str, list[str]]) -> N
         data = json.loads(index.read_text())
         data["weight_map"] = {name: file for file, names in written.items() for name in names}
         (staging / index.name).write_text(json.dumps(data, indent=2) + "\n")
-
-
-def _apply_umask(directory: Path) -> None:
-    """The usual permissions (mkdtemp makes the directory 0700)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    directory.chmod(0o777 & ~mask)
-    for f in directory.iterdir():
-        f.chmod(0o666 & ~mask)

@@ -34,6 +34,7 @@ from logdiff.demo.tokenizer import (
 )
 from logdiff.demo.train import TrainSettings, chunk_stream, evaluate, spread_rows, train
 from logdiff.errors import InputError
+from logdiff.records.bundle_writer import usual_modes
 
 METADATA_FILE = "logdiff_demo.json"
 METADATA_FORMAT = "logdiff-demo/1"
@@ -213,7 +214,7 @@ def build_demo_model(
             "reproduce": f"logdiff demo-model PATH --arch {arch} --seed {seed} --max-steps {result.steps}",
         }
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
-        _apply_umask(staging)
+        usual_modes(staging)
         _swap_in(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -244,15 +245,6 @@ def _is_moe(arch: str) -> bool:
 
     entry = demo(arch)
     return bool(entry is not None and entry.adapter.moe)
-
-
-def _apply_umask(directory: Path) -> None:
-    """Give ``directory`` and its files the usual permissions (mkdtemp and some writers use 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    directory.chmod(0o777 & ~mask)
-    for f in directory.iterdir():
-        f.chmod(0o666 & ~mask)
 
 
 def read_demo_metadata(path: Path) -> dict[str, Any] | None:

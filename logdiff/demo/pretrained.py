@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -91,6 +90,8 @@ def smollm2(out_dir: str | Path) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from logdiff.records.bundle_writer import usual_modes
+
     kwargs: dict[str, Any] = {"gguf_file": src.name, "dtype": torch.float32}
     try:  # dequantize every weight into a dense model whatever GGUF kernels are installed
         from transformers import GgufConfig
@@ -120,9 +121,6 @@ def smollm2(out_dir: str | Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp's 0700 would outlive the rename
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         gen = model.generation_config
@@ -130,8 +128,7 @@ def smollm2(out_dir: str | Path) -> Path:
             bos_token_id=gen.bos_token_id, eos_token_id=gen.eos_token_id, pad_token_id=gen.pad_token_id
         ).save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~umask)
+        usual_modes(tmp)  # mkdtemp's 0700 and the writers' modes would outlive the rename
         if out.exists():
             out.rmdir()  # empty, checked above
         tmp.rename(out)

@@ -40,12 +40,12 @@ the other way, while a wrong rounding mode or scale moves most elements by a ste
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 from logdiff.diagnosis.exact import Exact
 from logdiff.diagnosis.spacing import EPS32, OpBound
+from logdiff.probes.quantization import ignores
 
 #: the scheme name the contracts give the INT8 W8A8 compressed-tensors scheme (``probes/quantization.py``)
 INT8_W8A8 = "int8-w8a8"
@@ -61,17 +61,7 @@ def scheme_at(contract: dict[str, Any], module: str) -> str | None:
     scheme = contract.get("quantization")
     if not isinstance(scheme, str) or scheme.split(":", 1)[0].strip() != INT8_W8A8:
         return None
-    ignored = contract.get("quantization_ignored")
-    for entry in str(ignored or "").split(","):
-        entry = entry.strip()
-        if not entry or entry == "off":
-            continue
-        if entry.startswith("re:"):
-            if re.match(entry[3:], module):
-                return None
-        elif module == entry or module.endswith("." + entry):
-            return None
-    return INT8_W8A8
+    return None if ignores(str(contract.get("quantization_ignored") or ""), module) else INT8_W8A8
 
 
 def quantized_linear_of(weight: Any, bias: Any | None = None) -> Callable[[Any], Exact]:

@@ -74,18 +74,32 @@ HOLD_SHARE = 0.1
 STEP_LOG = "steps.jsonl"
 
 
-def file_mode() -> int:
-    """The mode the user's umask gives a new file (``0o644`` under the usual ``022``): one mode for everything a
-    capture writes, so a bundle copied to a shared place reads for a teammate as the user's other files do.
-    safetensors writes its files ``0600`` whatever the umask; the writer sets this mode on each step file.
-    The umask is read without changing it where the kernel says it (``/proc/self/status``)."""
+def _umask() -> int:
+    """The process's umask, read without changing it where the kernel says it (``/proc/self/status``)."""
     try:
         with open("/proc/self/status") as f:
-            mask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
     except (OSError, StopIteration, ValueError, IndexError):
         mask = os.umask(0o022)
         os.umask(mask)
-    return 0o666 & ~mask
+        return mask
+
+
+def file_mode() -> int:
+    """The mode the user's umask gives a new file (``0o644`` under the usual ``022``): one mode for everything a
+    capture writes, so a bundle copied to a shared place reads for a teammate as the user's other files do.
+    safetensors writes its files ``0600`` whatever the umask; the writer sets this mode on each step file."""
+    return 0o666 & ~_umask()
+
+
+def usual_modes(directory: Path) -> None:
+    """Give ``directory`` and the files in it the modes the user's umask gives new ones: a model or checkpoint
+    written in a ``mkdtemp`` staging directory (``0700``) by writers that make ``0600`` files, then renamed into
+    place, reads as the user's other files do."""
+    mask = _umask()
+    directory.chmod(0o777 & ~mask)
+    for f in directory.iterdir():
+        f.chmod(0o666 & ~mask)
 
 
 def write_json(path: Path, data: dict[str, Any] | str) -> None:

@@ -21,9 +21,10 @@ a module's last name parts, or ``re:`` patterns). Anything else raises ``NotImpl
 from __future__ import annotations
 
 import contextlib
-import re
 from collections.abc import Iterator
 from typing import Any
+
+from logdiff.probes.quantization import ignores
 
 INT8_W8A8 = "int8-w8a8"
 
@@ -33,16 +34,6 @@ def _int8_args(args: dict[str, Any] | None, strategy: str, dynamic: bool) -> boo
         int(args.get("num_bits", 0)) == 8 and args.get("type") == "int" and args.get("symmetric", True)
         and args.get("strategy") == strategy and bool(args.get("dynamic")) == dynamic
     )  # fmt: skip
-
-
-def _ignored(name: str, ignore: list[str]) -> bool:
-    for entry in ignore:
-        if entry.startswith("re:"):
-            if re.match(entry[3:], name):
-                return True
-        elif name == entry or name.endswith("." + entry):
-            return True
-    return False
 
 
 def targeted_linears(model: Any, quantization: str | dict[str, Any]) -> list[tuple[str, Any]]:
@@ -66,7 +57,7 @@ def targeted_linears(model: Any, quantization: str | dict[str, Any]) -> list[tup
         if not groups:
             raise NotImplementedError("consistent mode: a quantization_config without config groups")
         ignore = [str(x) for x in quantization.get("ignore") or []]
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not _ignored(n, ignore)]
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not ignores(ignore, n)]
 
 
 def _forward(module: Any) -> Any:
