@@ -224,12 +224,13 @@ def test_a_moe_demo_quantizes_its_attention_and_leaves_router_and_experts(
 ) -> None:
     """Qwen3-MoE: the router and the routed experts stay bf16 (``ignore``), the attention runs INT8; the contract
     names exactly those linears, every quantized weight equals the trainer's through the scheme (the experts and
-    router compared as plain bf16), and the difference is the quantization cause."""
+    router compared as plain bf16), the difference is the quantization cause, with its share, and each attention
+    linear is within its INT8 function."""
     model = demo_model("qwen3-moe")
     quantized = int8_checkpoint("qwen3-moe")
     ignore = json.loads((quantized / "config.json").read_text())["quantization_config"]["ignore"]
     assert ignore == ["lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.experts.*"]
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=quantized, attribute=False, **SMALL)
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=quantized, **SMALL)
     linears = r["contracts"]["infer"]["quantized_linears"]
     assert linears == "self_attn.q_proj,self_attn.k_proj,self_attn.v_proj,self_attn.o_proj", linears
     weights = r["contracts"]["weights"]
@@ -237,6 +238,12 @@ def test_a_moe_demo_quantizes_its_attention_and_leaves_router_and_experts(
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     assert f"{4 * layers} equal (no stale weight)" in weights["through_quantization"]
     assert [c["kind"] for c in r["causes"] if c["kind"] in ("quantization", "weights", "semantic")] == ["quantization"]
+    (cause,) = [c for c in r["causes"] if c["kind"] == "quantization"]
+    assert cause["share"] is not None and any("int8-w8a8" in e for e in cause["evidence"]), cause
+    for c in r["causes"]:  # the attention linears the scan judged: each within its INT8 function
+        if c["op_kind"] == "linear" and ".self_attn." in c["boundary"] and c.get("conformance"):
+            infer = c["conformance"]["infer"]
+            assert infer["function"].startswith("int8_w8a8_linear") and infer["error"] <= infer["bound"], c
 
 
 @pytest.mark.vllm
