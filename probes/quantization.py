@@ -173,28 +173,3 @@ def fingerprint_through(weight: Any, scheme: str | None) -> str | None:
     from logdiff.kernels.int8 import quantize_weight
 
     return quantized_fingerprint(*quantize_weight(weight))
-
-
-def quantize_tensor(weight: Any, scheme: str) -> tuple[Any, Any]:
-    """(quantized weight, fp32 scale) of one ``[out, in]`` weight under ``scheme``: what ``logdiff quantize`` writes
-    and a weight sync into a quantized engine loads (``sources/vllm/training.py``). INT8 W8A8 is
-    ``kernels/int8.quantize_weight``; FP8 is ``amax / 448`` per tensor or per 128 x 128 block, cast to
-    ``float8_e4m3fn``."""
-    if scheme == "int8-w8a8":
-        from logdiff.kernels.int8 import quantize_weight
-
-        return quantize_weight(weight)
-    import torch
-
-    w = weight.detach().to(torch.float32)
-    if scheme == "fp8-tensor":
-        scale = (w.abs().amax() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny).reshape(1)
-        return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-    rows, cols = w.shape
-    br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
-    padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK, dtype=torch.float32)
-    padded[:rows, :cols] = w
-    tiles = padded.reshape(br, FP8_BLOCK, bc, FP8_BLOCK)
-    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(br * FP8_BLOCK, bc * FP8_BLOCK)
-    return q[:rows, :cols].contiguous().to(torch.float8_e4m3fn), scale

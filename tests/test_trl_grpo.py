@@ -121,25 +121,6 @@ def test_a_synced_step_has_no_weight_cause_and_a_skipped_sync_names_the_stale_we
     assert ("framework_difference", "weights") in _kinds(stale[1]), stale[1]["causes"]
 
 
-def test_a_quantized_colocated_engine_is_the_quantization_cause_at_both_steps(
-        qwen3: Path, int8_checkpoint: Callable[[str], Path], tmp_path: Path) -> None:
-    """TRL's colocated vLLM on logdiff's INT8 W8A8 checkpoint of the demo while the trainer stays bf16
-    (``eager_vllm(checkpoint)``, ``--infer-ckpt``): each sync quantizes the trainer's weights under the engine's
-    scheme. At both steps the gap is TRL's own, the quantization is the ``framework_difference``/``quantization``
-    cause naming the scheme, and every quantized weight equals the trainer's through the scheme (the in-loop
-    comparison re-quantizes the live model's): the sync loaded the trainer's current weights, quantized."""
-    run = _run(qwen3, tmp_path, "--dtype", "bfloat16", "--infer-ckpt", str(int8_checkpoint("qwen3")))
-    assert len(run["steps"]) == 2 and len(run["results"]) == 2
-    for logged, result in zip(run["steps"], run["results"]):
-        assert logged["logdiff/gap_mean"] == pytest.approx(logged[TRL_GAP[0]], abs=1e-5)
-        assert logged["logdiff/gap_max"] == pytest.approx(logged[TRL_GAP[1]], abs=1e-5)
-        assert result["contracts"]["infer"]["quantization"].startswith("int8-w8a8"), result["contracts"]["infer"]
-        assert ("framework_difference", "quantization") in _kinds(result), result["causes"]
-        assert not any(kind in ("weights", "semantic") for _, kind in _kinds(result)), result["causes"]
-        weights = result["contracts"]["weights"]
-        assert weights["differs"] == [] and "28 equal (no stale weight)" in weights["through_quantization"], weights
-
-
 def test_a_compiled_engine_is_one_warning_line(runs) -> None:
     for result in _results(runs("compiled")):
         lines = [w for w in result["warnings"] if "ran its model compiled" in w]

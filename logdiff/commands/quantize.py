@@ -37,7 +37,7 @@ from typing import Any
 from logdiff.errors import InputError
 from logdiff.records.bundle_writer import usual_modes
 from logdiff.probes.arch import adapter_for
-from logdiff.probes.quantization import SCHEMES, quantization_config, quantize_tensor
+from logdiff.probes.quantization import FP8_BLOCK, FP8_MAX, SCHEMES, quantization_config
 
 #: files of MODEL never copied: the weights (rewritten), its config (rewritten), a demo model's metadata
 _NOT_COPIED = ("config.json", "logdiff_demo.json")
@@ -97,6 +97,28 @@ def linear_weights(model: Path, cfg: dict[str, Any], trust_remote_code: bool = F
     return {f"{name}.weight" for name, m in meta.named_modules()
             if isinstance(m, torch.nn.Linear) and m is not head
             and not (moe and re.search(r"mlp\.(gate$|experts\.)", name))}
+
+
+def quantize_tensor(weight: Any, scheme: str) -> tuple[Any, Any]:
+    """(quantized weight, fp32 scale) of one ``[out, in]`` weight under ``scheme``."""
+    if scheme == "int8-w8a8":
+        from logdiff.kernels.int8 import quantize_weight
+
+        return quantize_weight(weight)
+    import torch
+
+    w = weight.detach().to(torch.float32)
+    if scheme == "fp8-tensor":
+        scale = (w.abs().amax() / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny).reshape(1)
+        return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    rows, cols = w.shape
+    br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK, dtype=torch.float32)
+    padded[:rows, :cols] = w
+    tiles = padded.reshape(br, FP8_BLOCK, bc, FP8_BLOCK)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(br * FP8_BLOCK, bc * FP8_BLOCK)
+    return q[:rows, :cols].contiguous().to(torch.float8_e4m3fn), scale
 
 
 def _quantize_file(src: Path, dst: Path, targets: set[str], scheme: str) -> list[str]:

