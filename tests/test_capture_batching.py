@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tiny_batches import PAD, left_padded, tiny_qwen3
 
 SEQS = [[5, 17, 3, 9, 42, 7, 11, 2], [8, 1, 30, 4, 6], [8, 1, 30, 4, 9, 9], [60, 61, 62]]
 OTHER = [SEQS[0], SEQS[3], [5, 17, 3, 9, 42, 7, 11, 3][::-1], [99, 98, 97, 96]]  # two shared, two not
-PAD = 0
 
 
 # ---- the rules, without torch ------------------------------------------------------------------------
@@ -76,17 +76,6 @@ def test_a_cache_step_keeps_absolute_positions_and_a_pad_row_is_no_sequence() ->
 # ---- captured and compared ---------------------------------------------------------------------------
 
 
-def _left(seqs: list[list[int]], position_ids: bool = False) -> tuple[dict[str, Any], list[tuple[int, int]]]:
-    import torch
-
-    n = max(map(len, seqs))
-    mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs])
-    kw: dict[str, Any] = {"input_ids": torch.tensor([[PAD] * (n - len(s)) + s for s in seqs]), "attention_mask": mask}
-    if position_ids:
-        kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
-    return kw, [(b, n - len(s)) for b, s in enumerate(seqs)]
-
-
 def _right(seqs: list[list[int]]) -> tuple[dict[str, Any], list[tuple[int, int]]]:
     import torch
 
@@ -132,20 +121,12 @@ def _capture(model: Any, out: Path, seqs: list[list[int]], batches: list[Any]) -
 
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from logdiff.demo.configs import tiny_config
-
-    torch.manual_seed(0)
-    config = tiny_config("qwen3", 128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = tiny_qwen3()
     root = tmp_path_factory.mktemp("batching")
     out = {
         "ref": _capture(model, root / "ref", SEQS, _single(SEQS)),
-        "left": _capture(model, root / "left", SEQS, [_left(SEQS)]),
-        "left_pos": _capture(model, root / "left_pos", SEQS, [_left(SEQS, position_ids=True)]),
+        "left": _capture(model, root / "left", SEQS, [left_padded(SEQS)]),
+        "left_pos": _capture(model, root / "left_pos", SEQS, [left_padded(SEQS, position_ids=True)]),
         "right": _capture(model, root / "right", SEQS, [_right(SEQS)]),
         "packed": _capture(model, root / "packed", SEQS, [_packed(SEQS)]),
         "other": _capture(model, root / "other", OTHER, _single(OTHER)),

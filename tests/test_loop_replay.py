@@ -14,35 +14,23 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from tiny_batches import left_padded, tiny_qwen3
 
 SEQS = [[5, 17, 3, 9, 42, 7, 11, 2], [8, 1, 30, 4, 6], [60, 61, 62, 63, 64, 65]]
-PAD = 0
 REPRODUCE = "do not reproduce the captured"
 
 
 def _left(position_ids: bool = False, seqs: list[list[int]] = SEQS) -> dict[str, Any]:
-    import torch
-
-    n = max(map(len, seqs))
-    mask = torch.tensor([[0] * (n - len(s)) + [1] * len(s) for s in seqs])
-    kw: dict[str, Any] = {"input_ids": torch.tensor([[PAD] * (n - len(s)) + s for s in seqs]), "attention_mask": mask}
-    if position_ids:
-        kw["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
-    return kw
+    return left_padded(seqs, position_ids)[0]
 
 
 @pytest.fixture(scope="module")
 def loop(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM
 
     import logdiff
-    from logdiff.demo.configs import tiny_config
 
-    torch.manual_seed(0)
-    config = tiny_config("qwen3", 128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = tiny_qwen3()
     root = tmp_path_factory.mktemp("loop-replay")
     with logdiff.capture(model, root / "train", "train", window="all"), torch.no_grad():
         model(**_left())
