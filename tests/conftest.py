@@ -18,7 +18,7 @@ import re
 import shlex
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -288,12 +288,22 @@ def shared_scan() -> Callable[..., dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def trl_sampled(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def trl_runner() -> Iterator[Any]:
+    """The one process that runs every real TRL GRPO configuration of the session (tests/trl_runs.py)."""
+    if importlib.util.find_spec("trl") is None:
+        pytest.skip("trl is not installed (pip install 'logdiff[trl]')")
+    from trl_runs import TrlRunner
+
+    runner = TrlRunner()
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="session")
+def trl_sampled(trl_runner: Any, qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One real TRL GRPO run on the demo Qwen3 in which step N samples under ``trl_runs.SAMPLING_STEPS[N - 1]``
     (tests/trl_runs.py), made once per session: tests/test_trl_sampling.py checks each step's diagnosis,
     tests/test_same_answer.py compares it with the scan's and with ``logdiff compare``'s."""
     from trl_runs import sampled_run
 
-    if importlib.util.find_spec("trl") is None:
-        pytest.skip("trl is not installed (pip install 'logdiff[trl]')")
-    return sampled_run(qwen3, tmp_path_factory.mktemp("trl-sampling"))
+    return sampled_run(trl_runner, qwen3, tmp_path_factory.mktemp("trl-sampling"))

