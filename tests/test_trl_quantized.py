@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trl_runs import TRL_GAP, run_example
+from trl_runs import TRL_GAP
 
 trl_missing = pytest.mark.skipif(importlib.util.find_spec("trl") is None,
                                  reason="trl is not installed (pip install 'logdiff[trl]')")
@@ -30,14 +30,15 @@ SMALL = ("--dtype", "bfloat16", "--max-tokens", "6", "--steps", "2")
 
 
 @pytest.fixture(scope="module")
-def int8_runs(qwen3: Path, int8_checkpoint: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def int8_runs(trl_runner: Any, qwen3: Path, int8_checkpoint: Any,
+              tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """The synced run (with the live engines' diagnosis: the quantization's share) and the ``--no-sync`` control."""
     int8 = int8_checkpoint("qwen3")
     return {
-        "synced": run_example(qwen3, tmp_path_factory.mktemp("trl-int8"), *SMALL, "--infer-ckpt", str(int8),
-                              "--verify-sync", "--diagnosis"),
-        "no-sync": run_example(qwen3, tmp_path_factory.mktemp("trl-int8-no-sync"), *SMALL, "--infer-ckpt", str(int8),
-                               "--verify-sync", "--no-sync"),
+        "synced": trl_runner.run(qwen3, tmp_path_factory.mktemp("trl-int8"), *SMALL, "--infer-ckpt", str(int8),
+                                 "--verify-sync", "--diagnosis"),
+        "no-sync": trl_runner.run(qwen3, tmp_path_factory.mktemp("trl-int8-no-sync"), *SMALL, "--infer-ckpt",
+                                  str(int8), "--verify-sync", "--no-sync"),
     }
 
 

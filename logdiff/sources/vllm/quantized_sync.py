@@ -65,16 +65,9 @@ def unsupported(scheme: str) -> str | None:
 
 def quantized_weight_names(model: Any) -> set[str]:
     """The checkpoint names of the weights the live vLLM ``model`` holds quantized (a packed layer's parts)."""
-    from logdiff.probes.arch import adapter_of
-    from logdiff.sources.vllm.quantized import is_quantized
+    from logdiff.sources.vllm.unquantized import quantized_layers
 
-    packed = adapter_of(model).packed
-    names = set()
-    for name, module in model.named_modules():
-        if is_quantized(module):
-            prefix, _, short = name.rpartition(".")
-            names.update(f"{prefix}.{part}.weight" if prefix else f"{part}.weight" for part in packed.get(short, (short,)))
-    return names
+    return {name for _, names in quantized_layers(model) for name in names}
 
 
 def quantized_tensors(tensors: Iterable[tuple[str, Any]], targets: set[str]) -> Iterator[tuple[str, Any]]:

@@ -62,8 +62,9 @@ def sync_vllm_weights(llm: Any, weights: Any) -> int:
     from logdiff.sources.vllm import quantized_sync
 
     scheme = quantized_sync.engine_scheme(llm)
-    if scheme is not None and quantized_sync.unsupported(scheme):
-        raise NotImplementedError(quantized_sync.unsupported(scheme))
+    refused = quantized_sync.unsupported(scheme) if scheme is not None else None
+    if refused:
+        raise NotImplementedError(refused)
     named = checkpoint_tensors(weights) if hasattr(weights, "state_dict") else weights
     tensors = [(name, t.detach()) for name, t in named]
     expected = {name for name, _ in model.named_parameters()}
