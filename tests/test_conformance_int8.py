@@ -142,7 +142,7 @@ def test_scheme_at_reads_the_contract():
     assert exact_quant.scheme_at({**c, "quantization_ignored": "off"}, "lm_head") == "int8-w8a8"
     assert exact_quant.scheme_at({"quantization": "off"}, "model.layers.0.mlp.down_proj") is None
     assert exact_quant.scheme_at({}, "model.layers.0.mlp.down_proj") is None
-    assert exact_quant.scheme_at({"quantization": "fp8-block: ..."}, "model.layers.0.mlp.down_proj") is None
+    assert exact_quant.scheme_at({"quantization": "fp8-block: ..."}, "model.layers.0.mlp.down_proj") == "fp8-block"
 
 
 def test_conformance_judges_each_side_by_its_own_contract():
@@ -167,3 +167,21 @@ def test_conformance_judges_each_side_by_its_own_contract():
     assert exact.error_units(plain, train, BF16) <= train.bound.units("bfloat16")
     assert exact.error_units(plain, infer, BF16) > 4 * infer.bound.units("bfloat16")  # an engine ignoring its scheme
     assert len(widened) == 2  # one function per (weight, scheme), shared by the sides that use it
+
+
+def test_a_scheme_without_an_exact_function_is_not_judged():
+    """An FP8 side's linear is not judged (no exact function here), rather than against the plain linear, where
+    every correct FP8 linear would be a ``semantic`` cause; the bf16 side's linear is still judged."""
+    from logdiff.diagnosis.conformance import NotCheckable
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(16, 8, bias=False, dtype=torch.bfloat16)
+    check = ConformanceCheck.__new__(ConformanceCheck)
+    check.model = model
+    check.contracts = {"train": {"quantization": "off"}, "infer": {"quantization": "fp8-block: weights fp8 ..."}}
+    b = SimpleNamespace(kind="linear", name="proj", layer=None)
+    assert check._function(b, "train", {})(SimpleNamespace(inputs=[torch.ones(2, 16).bfloat16()])).function.startswith(
+        "linear(")
+    with pytest.raises(NotCheckable, match="no exact function for a fp8-block quantized linear"):
+        check._function(b, "infer", {})
+    assert exact_quant.has_exact_function("int8-w8a8") and not exact_quant.has_exact_function("fp8-block")

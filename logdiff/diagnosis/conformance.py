@@ -270,6 +270,8 @@ class ConformanceCheck:
             mod = self._module(b.name) if kind != "logits" else self.adapter.lm_head(self.model)
             cap = applied(contract.get("final_logit_softcapping")) if kind == "logits" else None  # off: None
             scheme = exact_quant.scheme_at(contract, b.name) if kind != "logits" else None
+            if scheme and not exact_quant.has_exact_function(scheme):
+                raise NotCheckable(f"no exact function for a {scheme} quantized linear here ({under}'s contract)")
             key = (id(mod.weight), cap, scheme)
             if key not in widened:
                 bias = getattr(mod, "bias", None)

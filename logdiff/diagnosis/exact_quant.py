@@ -55,13 +55,19 @@ ALLOWANCE_SPACINGS = 4.0
 
 def scheme_at(contract: dict[str, Any], module: str) -> str | None:
     """The quantization scheme ``contract`` applies at the linear ``module`` (``model.layers.0.mlp.down_proj``):
-    ``INT8_W8A8`` where the contract's ``quantization`` names it and ``quantization_ignored`` does not list the
-    module (a name, a name's last parts, or compressed-tensors' ``re:`` pattern), else None (a plain linear,
-    or a scheme without an exact function here)."""
+    the scheme's name (``int8-w8a8``, ``fp8-block``, ...) where the contract's ``quantization`` names one and
+    ``quantization_ignored`` does not list the module (a name, a name's last parts, or compressed-tensors' ``re:``
+    pattern), else None (a plain linear). Only ``INT8_W8A8`` has an exact function here (``has_exact_function``)."""
     scheme = contract.get("quantization")
-    if not isinstance(scheme, str) or scheme.split(":", 1)[0].strip() != INT8_W8A8:
+    if not isinstance(scheme, str) or scheme.split(":", 1)[0].strip() in ("", "off"):
         return None
-    return None if ignores(str(contract.get("quantization_ignored") or ""), module) else INT8_W8A8
+    return None if ignores(str(contract.get("quantization_ignored") or ""), module) else scheme.split(":", 1)[0].strip()
+
+
+def has_exact_function(scheme: str) -> bool:
+    """Whether a linear quantized under ``scheme`` can be judged here. Another scheme's linear (FP8) is not judged
+    at all: against the plain linear every correct one would fall outside, a wrong ``semantic`` cause per linear."""
+    return scheme == INT8_W8A8
 
 
 def quantized_linear_of(weight: Any, bias: Any | None = None) -> Callable[[Any], Exact]:
