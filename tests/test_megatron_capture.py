@@ -139,6 +139,22 @@ def test_te_spec_names_map_to_hf() -> None:
     assert hf["model.layers.2.mlp.experts.gate_up_proj"][:, 0, 0].tolist() == [0.0, 1.0]
 
 
+def test_the_entry_point_stays_callable_once_its_module_is_loaded(tmp_path: Path) -> None:
+    """``logdiff.sources.megatron.capture`` is a function in a package that holds a module of the same name: the
+    first call loads that module, and every later call, and a later import of the name, still get the function."""
+    import types
+
+    import logdiff.sources.megatron as megatron
+    from logdiff.errors import InputError
+
+    for _ in range(2):
+        with pytest.raises(InputError, match="hf_config"):
+            megatron.capture(None, tmp_path / "bundle", hf_config=3)
+    from logdiff.sources.megatron import capture
+
+    assert callable(capture) and not isinstance(capture, types.ModuleType)
+
+
 def test_a_bad_hf_config_is_one_input_error(tmp_path: Path) -> None:
     from logdiff.errors import InputError
     from logdiff.sources.megatron.capture import _hf_config
