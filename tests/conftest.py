@@ -103,6 +103,7 @@ def demo_model() -> Callable[[str], Path]:
             tmp.rename(path)
         return path
 
+    get.steps = TEST_TRAIN_STEPS  # the default, for a test of what a build's metadata says
     return get
 
 

@@ -15,8 +15,15 @@ import contextlib
 import os
 
 
+_installed = False
+
+
 def install() -> None:
-    """Patch the CUDA assumptions in this process (a spawned test worker)."""
+    """Patch the CUDA assumptions in this process (a spawned test worker); once, however often it is called."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
     import torch
 
     torch.cuda.current_device = lambda: "cpu"  # tensors Megatron allocates "on the current device" go to the CPU
@@ -69,8 +76,8 @@ def _sp_norms() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
-def init(rank: int, world: int, store: str, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
-    """gloo over a file store, then Megatron's parallel state; one thread (a GEMM's bits may depend on it)."""
+def init(rank: int, world: int, store: str) -> None:
+    """gloo over a file store, and the shims; one thread (a GEMM's bits may depend on it)."""
     import torch
     import torch.distributed as dist
 
@@ -78,10 +85,20 @@ def init(rank: int, world: int, store: str, tp: int = 1, pp: int = 1, ep: int = 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     install()
+
+
+@contextlib.contextmanager
+def parallel_state(tp: int = 1, pp: int = 1, ep: int = 1):
+    """Megatron's parallel state over the process group for the block, destroyed after it: one rank runs one
+    layout after another, each in its own groups."""
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  expert_model_parallel_size=ep)
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
 
 
 @contextlib.contextmanager
@@ -113,7 +130,5 @@ def causal_mask(length: int):
 
 def finish() -> None:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -267,6 +267,24 @@ def test_config_and_weight_levers_are_players_too() -> None:
     assert (eps.share, stale.share) == pytest.approx((0.5, 0.3))
 
 
+def test_rescans_on_the_same_engines_run_together_the_scans_own_first() -> None:
+    """A weight lever (another inference checkpoint) and a config lever (another ``--set``) each change the engines a
+    rescan loads; vLLM keeps one per process, so the rescans are grouped by engines: 4 groups (neither, either, both),
+    3 switches (in size order it was 10 of 14). The shares do not depend on the order."""
+    cfg = ScanConfig(model=Path("m"), depth="modules", infer_set={"rms_norm_eps": 0.01}, infer_ckpt=Path("stale.pt"))
+    effects = {"config:rms_norm_eps": 0.5, "weights": 0.3, "kernel:attention": 0.2, "kernel:rope": 0.1}
+    r, seen = _rescanner(cfg, _additive(effects))
+    eps = Cause("model.layers.0.input_layernorm", 0, "norm", "rms_norm", "framework_difference", "config_contract",
+                [], "", differs=["rms_norm_eps"])
+    stale = Cause("model.layers.0.mlp.down_proj", 0, "linear", "linear", "framework_difference", "weights", [], "",
+                  differs=["model.layers.0.mlp.down_proj.weight"])
+    summary = _attribute([eps, stale, _operator_path("attention"), _operator_path("rope")], cfg, r)
+    assert _shares(summary) == pytest.approx(effects)
+    engines = [(("weights" in s), ("config:rms_norm_eps" in s)) for s in seen]
+    assert len(seen) == 2**4 - 1 and sum(a != b for a, b in zip(engines, engines[1:])) == 3, engines
+    assert engines[0] == (False, False)  # the scan's own engines, loaded already, first
+
+
 def test_necessity_is_whether_all_other_levers_leave_a_gap() -> None:
     """rope alone reopens nothing once attention is fixed: not necessary; attention is."""
     r, _ = _rescanner(STOCK, lambda s: 0.0 if "kernel:attention" in s else 1.0)

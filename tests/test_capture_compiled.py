@@ -7,8 +7,8 @@ what the steps held), and ``logdiff compare`` turns it into exactly one warning 
 
 * The real thing (``vllm``, ``slow``): the demo Qwen3 on vLLM's CPU build, compiled (its default here,
   ``DYNAMO_TRACE_ONCE``; about a minute to compile), against the same engine with ``enforce_eager=True``
-  (the negative control: every boundary recorded, no warning). Each runs in a subprocess with
-  ``LOGDIFF_CAPTURE``, as a rollout worker would.
+  (the negative control: every boundary recorded, no warning). Both run, one after the other, in one
+  subprocess with ``LOGDIFF_CAPTURE``, as a rollout worker would.
 * Without vLLM: ``compilation_of`` read from configs shaped like vLLM's, and the warning from bundle
   metadata as the compiled run writes it (the same keys the real run is checked to write), against a plain
   pair of HF captures that must not warn.
@@ -29,14 +29,23 @@ import pytest
 from hf_bundles import capture_hf as _capture
 
 FIX = "LLM(..., enforce_eager=True)"
+#: ``python -c SCRIPT MODEL MODE OUT [MODE OUT ...]``: one engine per mode (``compiled`` or ``eager``), one after
+#: another in one process (importing vLLM costs more than the eager run), each captured into its OUT
+#: (``LOGDIFF_CAPTURE`` is read when an engine loads its model) and shut down before the next
 SCRIPT = """
 import os, sys
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from vllm import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=sys.argv[2] == "eager", seed=0,
-          max_model_len=48, max_num_seqs=2)
-llm.generate([{"prompt_token_ids": [5, 17, 3, 9, 42, 7]}, {"prompt_token_ids": [8, 1, 30, 4]}],
-             SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+from vllm.distributed import parallel_state
+for mode, out in zip(sys.argv[2::2], sys.argv[3::2]):
+    os.environ["LOGDIFF_CAPTURE"] = out
+    llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, enforce_eager=mode == "eager", seed=0,
+              max_model_len=48, max_num_seqs=2)
+    llm.generate([{"prompt_token_ids": [5, 17, 3, 9, 42, 7]}, {"prompt_token_ids": [8, 1, 30, 4]}],
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()  # the worker's shutdown closes its capture
+    del llm
+    parallel_state.cleanup_dist_env_and_memory()
 """
 IDS = [[5, 17, 3, 9, 42, 7, 11, 2], [8, 1, 30, 4, 6, 19, 23]]
 
@@ -99,13 +108,16 @@ def test_compare_warns_once_from_the_bundle_metadata(demo_model: Callable[[str],
     assert _compiled_warnings(compare_bundles(train, compiled).to_dict()) == []
 
 
-def _vllm_bundle(model: Path, out: Path, mode: str) -> Path:
-    env = {**os.environ, "LOGDIFF_CAPTURE": str(out), "LOGDIFF_CAPTURE_WINDOW": "all",
+def _vllm_bundles(model: Path, outs: dict[str, Path]) -> dict[str, Path]:
+    """One capture bundle per mode (``compiled``, ``eager``) of vLLM's in-process engine, from one subprocess: a
+    rollout worker's process, with ``LOGDIFF_CAPTURE`` set from its start."""
+    env = {**os.environ, "LOGDIFF_CAPTURE": str(next(iter(outs.values()))), "LOGDIFF_CAPTURE_WINDOW": "all",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, str(model), mode], capture_output=True, text=True,
+    args = [str(a) for mode_out in outs.items() for a in mode_out]
+    run = subprocess.run([sys.executable, "-c", SCRIPT, str(model), *args], capture_output=True, text=True,
                          timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
-    return out
+    return outs
 
 
 @pytest.mark.vllm
@@ -116,8 +128,8 @@ def test_a_compiled_engine_is_detected_and_an_eager_one_is_not(demo_model: Calla
     from logdiff.records.bundle import Bundle
 
     model = demo_model("qwen3")
-    compiled = Bundle(_vllm_bundle(model, tmp_path / "compiled", "compiled"))
-    eager = Bundle(_vllm_bundle(model, tmp_path / "eager", "eager"))
+    bundles = _vllm_bundles(model, {"compiled": tmp_path / "compiled", "eager": tmp_path / "eager"})
+    compiled, eager = Bundle(bundles["compiled"]), Bundle(bundles["eager"])
     # what the steps held: logits only when compiled, every boundary when eager
     assert all(set(compiled.names(s)) <= {"logits", "log_softmax"} for s in range(compiled.num_steps))
     assert all("model.layers.0.self_attn.q_proj" in eager.names(s) for s in range(eager.num_steps))

@@ -27,7 +27,7 @@ from logdiff.demo.corpus import load_corpus  # noqa: E402
 from logdiff.demo.tokenizer import CHAT_TEMPLATE, train_tokenizer  # noqa: E402
 from logdiff.demo.train import TrainSettings  # noqa: E402
 
-STEPS = 20  # enough to move the loss clearly
+STEPS = 20  # enough to move the loss clearly (the builds made here; ``built`` holds the session's)
 # Small batches keep a build to a few seconds; the pipeline is the default one. One thread:
 # the suite shares two cores with other work, where a second torch thread mostly spin-waits.
 FAST = TrainSettings(seq_len=64, batch_size=4, peak_lr=3e-3, warmup_steps=5, eval_sequences=8, threads=1)
@@ -39,10 +39,11 @@ def build(path, arch, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> dict[str, Path]:
-    """One demo model per arch, trained for STEPS steps."""
-    root = tmp_path_factory.mktemp("demo")
-    return {arch: build(root / arch, arch, seed=0, max_steps=STEPS) for arch in SUPPORTED_DEMO_ARCHS}
+def built(demo_model) -> dict[str, Path]:
+    """One demo model per arch: the session's own (conftest.py's ``demo_model``: the default settings, seed 0,
+    ``TEST_TRAIN_STEPS`` steps, cached), which the rest of the suite builds and reads anyway; so the builder is
+    checked on what it built for every other test, and no model is trained twice for it."""
+    return {arch: demo_model(arch) for arch in SUPPORTED_DEMO_ARCHS}
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +170,10 @@ def test_demo_model_loads_in_transformers_as_bf16(built, arch):
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_DEMO_ARCHS)
-def test_metadata_describes_the_build(built, arch):
+def test_metadata_describes_the_build(built, demo_model, arch):
     meta = read_demo_metadata(built[arch])
     assert meta["arch"] == arch and meta["seed"] == 0
-    assert meta["steps"] == STEPS == len(meta["loss_curve"]) and meta["stopped_by"] == "max_steps"
+    assert meta["steps"] == demo_model.steps == len(meta["loss_curve"]) and meta["stopped_by"] == "max_steps"
     assert meta["tokenizer"]["training_files"] == meta["corpus"]["train_files"] == len(load_corpus().train)
     assert meta["final_loss"] < meta["loss_curve"][0]
     assert meta["heldout_after"]["loss"] < meta["heldout_before"]["loss"]
@@ -188,12 +189,13 @@ def test_training_makes_distributions_peaked(built, untrained, arch):
     assert trained_peak > 5 * control_peak
 
 
-def test_build_is_deterministic_for_seed_and_steps(built, tmp_path):
+def test_build_is_deterministic_for_seed_and_steps(tmp_path):
+    first = build(tmp_path / "first", "qwen3", seed=0, max_steps=STEPS)
     again = build(tmp_path / "again", "qwen3", seed=0, max_steps=STEPS)
     other_seed = build(tmp_path / "seed1", "qwen3", seed=1, max_steps=STEPS)
-    same = (built["qwen3"] / "model.safetensors").read_bytes()
+    same = (first / "model.safetensors").read_bytes()
     assert (again / "model.safetensors").read_bytes() == same
-    assert (again / "tokenizer.json").read_bytes() == (built["qwen3"] / "tokenizer.json").read_bytes()
+    assert (again / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
     assert (other_seed / "model.safetensors").read_bytes() != same  # control: the comparison can fail
 
 

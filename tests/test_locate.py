@@ -167,7 +167,8 @@ def test_vllm_negative_controls(qwen3: Path, tmp_path: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    eps = _scan(qwen3, infer=["vllm"], infer_set={"rms_norm_eps": 0.01}, depth="modules")
+    # where each control lands is located before any diagnosis: attribution's rescans would not change it
+    eps = _scan(qwen3, infer=["vllm"], infer_set={"rms_norm_eps": 0.01}, depth="modules", attribute=False)
     assert _check_first_divergence(eps)["boundary"] == "model.layers.0.input_layernorm"
 
     target = "model.layers.2.mlp.down_proj"
@@ -175,7 +176,7 @@ def test_vllm_negative_controls(qwen3: Path, tmp_path: Path) -> None:
     sd[f"{target}.weight"] = (sd[f"{target}.weight"].float() * 1.05).to(torch.bfloat16)
     ckpt = tmp_path / "perturbed.safetensors"
     save_file(sd, str(ckpt))
-    r = _scan(qwen3, infer=["vllm"], infer_ckpt=ckpt, depth="modules")
+    r = _scan(qwen3, infer=["vllm"], infer_ckpt=ckpt, depth="modules", attribute=False)
     intro = {op["boundary"]: op for op in r["introducing_ops"]}
     assert target in intro
     noise = max(op["local_rel"] or 0.0 for name, op in intro.items() if name != target)

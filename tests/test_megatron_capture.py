@@ -2,8 +2,9 @@
 
 The demo Qwen3 (and the demo Qwen3-MoE) converted to a megatron-core ``GPTModel`` of the local spec
 (``megatron_models.py``), run in float32 on 1 or 2 spawned gloo processes with test-side CUDA shims
-(``megatron_shims.py``), each inside ``logdiff.sources.megatron.capture``. One launch per parallel layout, each
-making all of its captures:
+(``megatron_shims.py``), each inside ``logdiff.sources.megatron.capture``. One launch per world size (starting a
+rank costs more than its forwards), running its parallel layouts one after another, each in a parallel state of
+its own and making all of its captures:
 
 * TP = 1 (one process): Megatron stock and with kernels/collective.py's fixed-order row-parallel reduction;
   the HF model (eager attention, and SDPA) on the same tokens;
@@ -139,6 +140,22 @@ def test_te_spec_names_map_to_hf() -> None:
     assert hf["model.layers.2.mlp.experts.gate_up_proj"][:, 0, 0].tolist() == [0.0, 1.0]
 
 
+def test_the_entry_point_stays_callable_once_its_module_is_loaded(tmp_path: Path) -> None:
+    """``logdiff.sources.megatron.capture`` is a function in a package that holds a module of the same name: the
+    first call loads that module, and every later call, and a later import of the name, still get the function."""
+    import types
+
+    import logdiff.sources.megatron as megatron
+    from logdiff.errors import InputError
+
+    for _ in range(2):
+        with pytest.raises(InputError, match="hf_config"):
+            megatron.capture(None, tmp_path / "bundle", hf_config=3)
+    from logdiff.sources.megatron import capture
+
+    assert callable(capture) and not isinstance(capture, types.ModuleType)
+
+
 def test_a_bad_hf_config_is_one_input_error(tmp_path: Path) -> None:
     from logdiff.errors import InputError
     from logdiff.sources.megatron.capture import _hf_config
@@ -152,7 +169,32 @@ def test_a_bad_hf_config_is_one_input_error(tmp_path: Path) -> None:
 # ---- the parallel runs ----------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, world: int, mode: str, model_dir: str, out: str, store: str) -> None:
+#: the layouts each world size runs, in order, in one launch: (mode, model)
+LAUNCHES = {1: (("tp1", "dense"), ("moe1", "moe")),
+            2: (("tp2", "dense"), ("sp", "dense"), ("pp", "dense"), ("ep", "moe"))}
+
+
+def _worker(rank: int, world: int, layouts: list[tuple[str, str]], root: str, store: str) -> None:
+    """One rank: every layout of ``layouts`` (mode, model directory) in turn, its captures under ``root/mode``."""
+    import megatron_shims as sh
+
+    sh.init(rank, world, store)
+    try:
+        for mode, model_dir in layouts:
+            with sh.parallel_state(**_sizes(mode, world)):
+                _layout(rank, world, mode, model_dir, f"{root}/{mode}")
+    finally:
+        sh.finish()
+
+
+def _sizes(mode: str, world: int) -> dict[str, int]:
+    """The parallel sizes of a layout: tensor, pipeline and expert parallel."""
+    return {"tp": {"tp1": 1, "tp2": 2, "sp": 2}.get(mode, 1), "pp": 2 if mode == "pp" else 1,
+            "ep": world if mode == "ep" else 1}
+
+
+def _layout(rank: int, world: int, mode: str, model_dir: str, out: str) -> None:
+    """One layout's captures, in the parallel state ``_sizes`` gives it."""
     import megatron_models as mm
     import megatron_shims as sh
 
@@ -160,36 +202,32 @@ def _worker(rank: int, world: int, mode: str, model_dir: str, out: str, store: s
 
     ids = _ids()
     mask = sh.causal_mask(len(ids[0]))
-    tp = {"tp1": 1, "tp2": 2, "sp": 2}.get(mode, 1)
-    sh.init(rank, world, store, tp=tp, pp=2 if mode == "pp" else 1, ep=world if mode == "ep" else 1)
-    try:
-        if mode in ("tp1", "tp2", "sp"):
-            model = mm.build(Path(model_dir), tp=tp, sp=mode == "sp")
-            with capture(model, f"{out}/stock", hf_config=model_dir, window="all"):
-                _forward(model, ids, mask)
-            if mode == "sp":
-                return
-            fixed = mm.build(Path(model_dir), tp=tp)
-            _fixed_order(fixed)
-            with capture(fixed, f"{out}/fixed", hf_config=model_dir, window="all"):
-                _forward(fixed, ids, mask)
-            if mode == "tp2":
-                import torch
+    tp = _sizes(mode, world)["tp"]
+    if mode in ("tp1", "tp2", "sp"):
+        model = mm.build(Path(model_dir), tp=tp, sp=mode == "sp")
+        with capture(model, f"{out}/stock", hf_config=model_dir, window="all"):
+            _forward(model, ids, mask)
+        if mode == "sp":
+            return
+        fixed = mm.build(Path(model_dir), tp=tp)
+        _fixed_order(fixed)
+        with capture(fixed, f"{out}/fixed", hf_config=model_dir, window="all"):
+            _forward(fixed, ids, mask)
+        if mode == "tp2":
+            import torch
 
-                with torch.no_grad():  # rank 1's slice of the up half: its local [gate_1; up_1], first up row
-                    fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
-                    if rank == 1:
-                        fc1[fc1.shape[0] // 2] += 0.25
-                with capture(model, f"{out}/planted", hf_config=model_dir, window="all"):
-                    _forward(model, ids, mask)
-            if mode == "tp1":
-                _hf_captures(model_dir, out, ids)
-        elif mode in ("moe1", "ep"):
-            _moe(rank, world, mode, model_dir, out, ids, mask)
-        elif mode == "pp":
-            _pipeline(rank, mm.build(Path(model_dir), pp=2), model_dir, out, ids, mask)
-    finally:
-        sh.finish()
+            with torch.no_grad():  # rank 1's slice of the up half: its local [gate_1; up_1], first up row
+                fc1 = model.decoder.layers[0].mlp.linear_fc1.weight
+                if rank == 1:
+                    fc1[fc1.shape[0] // 2] += 0.25
+            with capture(model, f"{out}/planted", hf_config=model_dir, window="all"):
+                _forward(model, ids, mask)
+        if mode == "tp1":
+            _hf_captures(model_dir, out, ids)
+    elif mode in ("moe1", "ep"):
+        _moe(rank, world, mode, model_dir, out, ids, mask)
+    elif mode == "pp":
+        _pipeline(rank, mm.build(Path(model_dir), pp=2), model_dir, out, ids, mask)
 
 
 def _pipeline(stage: int, model, model_dir: str, out: str, ids: list[list[int]], mask) -> None:
@@ -249,21 +287,29 @@ def _hf_captures(model_dir: str, out: str, ids: list[list[int]], attns: tuple[st
             hf(torch.tensor(ids))
 
 
-def _launch(mode: str, world: int, model_dir: Path, root: Path) -> Path:
+def _launch(world: int, models: dict[str, Path], root: Path) -> None:
+    """Run ``LAUNCHES[world]`` on ``world`` spawned ranks; each layout's captures land in ``root/mode``."""
     import torch.multiprocessing as mp
 
-    out = root / mode
+    layouts = [(mode, str(models[model])) for mode, model in LAUNCHES[world]]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.start_processes(_worker, args=(world, mode, str(model_dir), str(out), str(root / f"store-{mode}")),
+    mp.start_processes(_worker, args=(world, layouts, str(root), str(root / f"store-{world}")),
                        nprocs=world, join=True, start_method="spawn")
-    return out
 
 
 @pytest.fixture(scope="module")
-def dense(demo_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    model_dir = demo_model("qwen3")
+def runs(demo_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every layout's captures (``root/mode``), from two launches: one rank, then two."""
+    models = {"dense": demo_model("qwen3"), "moe": demo_model("qwen3-moe")}
     root = tmp_path_factory.mktemp("megatron")
-    return {"model": model_dir, "tp1": _launch("tp1", 1, model_dir, root), "tp2": _launch("tp2", 2, model_dir, root)}
+    for world in LAUNCHES:
+        _launch(world, models, root)
+    return {**models, **{mode: root / mode for layouts in LAUNCHES.values() for mode, _ in layouts}}
+
+
+@pytest.fixture(scope="module")
+def dense(runs: dict[str, Path]) -> dict[str, Path]:
+    return {"model": runs["dense"], "tp1": runs["tp1"], "tp2": runs["tp2"]}
 
 
 def _compare(train: Path, infer: Path, model: Path | None = None) -> dict:
@@ -373,9 +419,8 @@ def test_a_weight_shard_planted_on_rank_1_is_found_in_its_slice(dense) -> None:
 
 
 @pytest.fixture(scope="module")
-def sp_pp(dense, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("megatron-sp-pp")
-    return {"sp": _launch("sp", 2, dense["model"], root), "pp": _launch("pp", 2, dense["model"], root)}
+def sp_pp(runs: dict[str, Path]) -> dict[str, Path]:
+    return {"sp": runs["sp"], "pp": runs["pp"]}
 
 
 def test_sequence_parallel_rows_rebuild_the_tp2_capture_bitwise(dense, sp_pp) -> None:
@@ -427,10 +472,8 @@ def test_pipeline_stages_record_global_layers_and_join_into_the_tp1_capture(dens
 
 
 @pytest.fixture(scope="module")
-def moe(demo_model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    model_dir = demo_model("qwen3-moe")
-    root = tmp_path_factory.mktemp("megatron-moe")
-    return {"model": model_dir, "ep1": _launch("moe1", 1, model_dir, root), "ep2": _launch("ep", 2, model_dir, root)}
+def moe(runs: dict[str, Path]) -> dict[str, Path]:
+    return {"model": runs["moe"], "ep1": runs["moe1"], "ep2": runs["ep"]}
 
 
 def _routes(path: Path, layer: int, k: int = 2) -> dict[tuple[int, ...], list[set[int]]]:

@@ -216,7 +216,7 @@ def choose_game(cfg: RunSettings, players: list[Lever], patched: Any) -> tuple[s
 def _rescans(wanted: list[Coalition], players: list[Lever], cfg: RunSettings, metrics: Callable, known: Callable,
              progress: Callable[..., None]) -> dict[Coalition, dict]:
     """Each coalition's metrics by an end-to-end rescan (cached: the empty set is the scan itself)."""
-    plan = {s: cfg if not s else apply_levers(cfg, set(s)) for s in wanted}
+    plan = _by_engines({s: cfg if not s else apply_levers(cfg, set(s)) for s in wanted}, cfg)
     total, done, measured = sum(not known(c) for c in plan.values()), 0, {}
     for s, c in plan.items():
         if not known(c):
@@ -225,6 +225,25 @@ def _rescans(wanted: list[Coalition], players: list[Lever], cfg: RunSettings, me
                      step=(done, total))
         measured[s] = metrics(c)
     return measured
+
+
+def _engines(cfg: RunSettings) -> tuple:
+    """What decides the engines a rescan of ``cfg`` loads (``commands.scan.engine_spec``) that a lever changes: the
+    inference checkpoint and each side's ``--set`` (kernel levers patch the loaded engines)."""
+    from logdiff.sources.base import hashable
+
+    return cfg.infer_ckpt, hashable(cfg.train_set), hashable(cfg.infer_set)
+
+
+def _by_engines(plan: dict[Coalition, RunSettings], cfg: RunSettings) -> dict[Coalition, RunSettings]:
+    """``plan`` with the rescans that load the same engines next to each other, those of ``cfg``'s engines (loaded
+    already) first. vLLM keeps one engine per process: a rescan on another checkpoint or ``--set`` evicts it, and
+    the next one on the first reloads it, so coalitions taken in size order (a weight or config lever in every
+    other one) reloaded the engine at nearly every rescan. A coalition's metrics do not depend on the order."""
+    groups = {_engines(cfg): 0}
+    for c in plan.values():
+        groups.setdefault(_engines(c), len(groups))
+    return dict(sorted(plan.items(), key=lambda item: groups[_engines(item[1])]))  # stable: size order in a group
 
 
 def _patched(wanted: list[Coalition], players: list[Lever], game: Any,

@@ -29,7 +29,15 @@ from typing import Any
 
 
 def capture(*args: Any, **kwargs: Any) -> Any:
-    """``logdiff.sources.megatron.capture.capture`` (see there), loaded on first use."""
+    """``logdiff.sources.megatron.capture.capture`` (see there), loaded on first use.
+
+    Loading the submodule binds its name on this package, over this function: the binding is put back, so that
+    ``logdiff.sources.megatron.capture(...)`` and a later ``from logdiff.sources.megatron import capture`` still
+    call it (a second capture in the same process, e.g. the next training step's, got the module)."""
     from logdiff.sources.megatron.capture import capture as run
 
+    globals()["capture"] = _entry_point
     return run(*args, **kwargs)
+
+
+_entry_point = capture
