@@ -225,12 +225,13 @@ def test_a_moe_demo_quantizes_its_attention_and_leaves_router_and_experts(
     """Qwen3-MoE: the router and the routed experts stay bf16 (``ignore``), the attention runs INT8; the contract
     names exactly those linears, every quantized weight equals the trainer's through the scheme (the experts and
     router compared as plain bf16), the difference is the quantization cause, and each attention linear is within
-    its INT8 function (no attribution here: 85 s of the suite; the dense demo's test measures the share)."""
+    its INT8 function. The quantization cause has its share of the gap, as on the dense demo, and consistent mode
+    against the same engine gives logdiff 0."""
     model = demo_model("qwen3-moe")
     quantized = int8_checkpoint("qwen3-moe")
     ignore = json.loads((quantized / "config.json").read_text())["quantization_config"]["ignore"]
     assert ignore == ["lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.experts.*"]
-    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=quantized, attribute=False, **SMALL)  # shares: the dense test
+    r = logdiff.scan(model, infer=["vllm"], infer_ckpt=quantized, **SMALL)
     linears = r["contracts"]["infer"]["quantized_linears"]
     assert linears == "self_attn.q_proj,self_attn.k_proj,self_attn.v_proj,self_attn.o_proj", linears
     weights = r["contracts"]["weights"]
@@ -240,11 +241,18 @@ def test_a_moe_demo_quantizes_its_attention_and_leaves_router_and_experts(
     assert [c["kind"] for c in r["causes"] if c["kind"] in ("quantization", "weights", "semantic")] == ["quantization"]
     (cause,) = [c for c in r["causes"] if c["kind"] == "quantization"]
     assert any("int8-w8a8" in e for e in cause["evidence"]), cause
+    assert cause["share"] is not None and cause["share"] > 0, cause
     judged = [c for c in r["causes"] if c["op_kind"] == "linear" and ".self_attn." in c["boundary"]]
     assert judged, r["causes"]  # the attention linears: each within its INT8 function
     for c in judged:
         infer = c["conformance"]["infer"]
         assert infer["function"].startswith("int8_w8a8_linear") and infer["error"] <= infer["bound"], c
+    # consistent mode against the same engine: the trainer applies its quantization, logdiff is 0 (the scan
+    # above, without it, is the negative control)
+    consistent = logdiff.scan(model, infer=["vllm"], infer_ckpt=quantized, consistent=True,
+                              **{**SMALL, "depth": "logprobs"})
+    assert consistent["verdict"] == "consistent", consistent["causes"]
+    assert all(p["metrics"]["abs_diff_max"] == 0 for p in consistent["pairs"])
 
 
 @pytest.mark.vllm
