@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check = verify_sync(trainer, args) if args.verify_sync else None
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
     return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall, "step_costs": clock.costs,
-            "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}, "sync_check": check}
+            "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}, "sync_check": check,
+            "logdiff_skipped": [] if run is None else run.skipped}  # compare="after": steps a full queue left
 
 
 def verify_sync(trainer: Any, args: argparse.Namespace) -> dict[str, Any]:
