@@ -19,7 +19,8 @@ three steps, a bf16 trainer), as a user runs it:
   writer, the trainer's and the engine's weight fingerprints and contracts), and per hook call. Its ratio in the
   table is the timers' own cost beside the untimed capture's.
 * ``capture + compare after the step``: ``compare="after"``: the comparison in a worker thread after the step
-  (the step copies the model's weights); its own wall and CPU time per step are in the JSON (``compare_s``).
+  (the step copies the model's weights); its own wall and CPU time per step are in the JSON (``compare_s``), and
+  the steps it left uncompared because the worker's queue was full (``skipped``; ``when_full="skip"``).
 
 Rounds alternate the workloads so that load from other processes hurts them alike. Per process: each step's
 wall time and the process's CPU time in it (every thread's: logdiff's writer thread included), from the
@@ -81,6 +82,7 @@ def run_once(model: str, flags: list[str], env: dict[str, str] | None = None) ->
         return {"wall": run["step_wall_s"], "cpu": run["step_cpu_s"], "rss": rss, "costs": run.get("step_costs"),
                 "compare_s": [c.get("compare_s") for c in compared],
                 "compare_cpu_s": [c.get("compare_cpu_s") for c in compared],
+                "skipped": run.get("logdiff_skipped", []),
                 "bundle_bytes_per_step": written / len(steps) if steps else 0}
 
 

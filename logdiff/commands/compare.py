@@ -153,10 +153,12 @@ class BundleSide:
                 "settings": {**layout, "bundle": str(self.meta.get("joined_from") or self.bundle.root)}}
 
 
-def open_bundles(train_dir: Path, infer_dir: Path) -> tuple[Bundle, Bundle]:
-    """Both bundles, recorded from one model (and, where both sketched records, with one sketch digest). Their places say which side each is, whatever role they were
+def open_bundles(train_dir: Path | Bundle, infer_dir: Path | Bundle) -> tuple[Bundle, Bundle]:
+    """Both bundles (each opened here unless given open), recorded from one model (and, where both sketched records,
+    with one sketch digest). Their places say which side each is, whatever role they were
     captured with (a TP=2 trainer against an unsharded one is two ``train`` captures); swapped roles are warned."""
-    train, infer = Bundle(train_dir), Bundle(infer_dir)
+    train, infer = (d if isinstance(d, Bundle) else Bundle(d) for d in (train_dir, infer_dir))
+    train_dir, infer_dir = train.root, infer.root
     ct, ci = train.meta.get("config") or {}, infer.meta.get("config") or {}
     differs = [k for k in SHAPE_KEYS if k in ct and k in ci and ct[k] != ci[k]]
     if train.meta.get("architecture") != infer.meta.get("architecture"):
@@ -200,14 +202,19 @@ def compare_bundles(train_dir: Path, infer_dir: Path, *, model: Path | None = No
                         tables=tables, live=live, rerun=rerun, rescans=rescans)
 
 
-def joined(bundle_dir: Path, scratch: Path) -> Path:
-    """``bundle_dir``, or, for a pipeline-parallel capture, its stages joined into one bundle under ``scratch``."""
+def joined(bundle_dir: Path, scratch: Path) -> Bundle | Path:
+    """The bundle at ``bundle_dir``, opened (once: ``open_bundles`` takes it as it is), or, for a pipeline-parallel
+    capture, its stages joined into one bundle under ``scratch``; what is not a directory as it is (``open_bundles``
+    says why it is no bundle)."""
     from logdiff.records.stages import has_stages, join_stages
 
-    return join_stages(bundle_dir, scratch) if bundle_dir.is_dir() and has_stages(bundle_dir) else bundle_dir
+    if not bundle_dir.is_dir():
+        return bundle_dir
+    bundle = Bundle(bundle_dir)
+    return Bundle(join_stages(bundle, scratch)) if has_stages(bundle) else bundle
 
 
-def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_threshold: float, progress: Progress,
+def _compare(train_dir: Path | Bundle, infer_dir: Path | Bundle, *, model: Path | None, is_threshold: float, progress: Progress,
              tables: dict[str, Any] | None, live: Any, rerun: Callable[[], Any] | None = None,
              rescans: Callable[[list[Sequence]], Any] | None = None) -> ScanResult:
     from logdiff.comparison.locate import localize
@@ -219,6 +226,7 @@ def _compare(train_dir: Path, infer_dir: Path, *, model: Path | None, is_thresho
     progress = Phases.of(progress)
     progress("reading the bundles and matching their sequences by token ids", phase="stage")
     tb, ib = open_bundles(train_dir, infer_dir)
+    train_dir = tb.root
     train_table, infer_table = tb.sequence_table(), ib.sequence_table()
     _check_vocabulary(tb, ib, {"train": train_table, "infer": infer_table})
     matching = match_sequences(train_table, infer_table)

@@ -100,10 +100,6 @@ def feed(bundle: Bundle, common: dict[Key, int], ids: list[list[int]], sinks: It
     A sketched record goes to the sinks as ``name#sketch`` (``sketch.SUFFIX``); a whole record as ``name``
     and, when ``sketch_also`` names it (the other side only sketched it), its sketch as well, with ``digest``
     (the other side's, ``Bundle.sketch_digest``; this one's by default)."""
-    import torch
-
-    from logdiff.records.sketch import SUFFIX, sketch
-
     sinks = list(sinks)
     width = max(len(s) for s in ids)
     known = np.full((len(ids), width), -1, dtype=np.int64)
@@ -113,24 +109,36 @@ def feed(bundle: Bundle, common: dict[Key, int], ids: list[list[int]], sinks: It
     for group in bundle.groups():
         part = bundle.part_of(group)
         for step in range(len(part.steps)):
-            table = part.table(step)
-            rmap, bad = _row_map(table, group, common, known)
-            misaligned += bad
-            for name, entry in part.steps[step]["records"].items():
-                index = bundle.record_rows(step, name, group)
-                rows_map = rmap.take(index) if index is not None else rmap
-                if not rows_map.valid.any():
-                    continue
-                value = bundle.logical(step, name, group)[group].value.reshape(len(rows_map), -1)
-                out = [(name + SUFFIX, torch.from_numpy(np.ascontiguousarray(value)))] if entry.get("sketch") else [
-                    (name, as_torch(value, entry["dtype"]))]
-                if name in sketch_also and not entry.get("sketch"):
-                    columns = np.arange(value.shape[1], dtype=np.int64)
-                    kept = sketch(value, entry["dtype"], columns, digest or bundle.sketch_digest)
-                    out.append((name + SUFFIX, torch.from_numpy(kept)))
-                for record, rows in out:
-                    for sink in sinks:
-                        sink.emit(record, rows, rows_map)
+            with bundle.reading(step, group):  # the step's file opened once for all its records
+                misaligned += _feed_step(bundle, group, step, common, known, sinks, sketch_also, digest)
+    return misaligned
+
+
+def _feed_step(bundle: Bundle, group: tuple[int, ...], step: int, common: dict[Key, int], known: np.ndarray,
+               sinks: list[Any], sketch_also: Collection[str], digest: str | None) -> int:
+    """``feed`` of one step of ``group``: its records into ``sinks``; how many of its rows were misaligned."""
+    import torch
+
+    from logdiff.records.sketch import SUFFIX, sketch
+
+    part = bundle.part_of(group)
+    table = part.table(step)
+    rmap, misaligned = _row_map(table, group, common, known)
+    for name, entry in part.steps[step]["records"].items():
+        index = bundle.record_rows(step, name, group)
+        rows_map = rmap.take(index) if index is not None else rmap
+        if not rows_map.valid.any():
+            continue
+        value = bundle.logical(step, name, group)[group].value.reshape(len(rows_map), -1)
+        out = [(name + SUFFIX, torch.from_numpy(np.ascontiguousarray(value)))] if entry.get("sketch") else [
+            (name, as_torch(value, entry["dtype"]))]
+        if name in sketch_also and not entry.get("sketch"):
+            columns = np.arange(value.shape[1], dtype=np.int64)
+            kept = sketch(value, entry["dtype"], columns, digest or bundle.sketch_digest)
+            out.append((name + SUFFIX, torch.from_numpy(kept)))
+        for record, rows in out:
+            for sink in sinks:
+                sink.emit(record, rows, rows_map)
     return misaligned
 
 

@@ -57,7 +57,8 @@ def linear_of(weight: Any, bias: Any | None = None, softcap: float | None = None
     """``linear`` with the weight widened once, for many calls on the same weight (both sides' rows)."""
     import torch
 
-    w64, w_abs = _f64(weight), weight.detach().float().abs()
+    # |W| in fp32 made in place on its own copy (``float()`` alone would return an fp32 weight itself)
+    w64, w_abs = _f64(weight), weight.detach().to(torch.float32, copy=True).abs_()
     b64 = _f64(bias) if bias is not None else None
     k = int(w64.shape[1])
 

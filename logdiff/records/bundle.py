@@ -43,8 +43,10 @@ ranks against the rank directories on disk; anything wrong is one ``InputError``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,15 +81,38 @@ class RankPart:
     #: each step file's arrays and their shapes, from its header (``bundle_input.check_step_files``)
     shapes: list[dict[str, list[int]]] = field(default_factory=list, repr=False)
     _rows: dict[int, int] = field(default_factory=dict, repr=False)
+    _files: dict[int, Path] = field(default_factory=dict, repr=False)  # each step's file, resolved once
+    _open: dict[int, checked.StepFile] = field(default_factory=dict, repr=False)  # the steps ``reading`` holds open
 
     def file(self, step: int) -> Path:
-        """Step ``step``'s file, inside the rank directory and the bundle (``untrusted.InputRoot.child``)."""
-        return self.source.child(self.dir, self.steps[step]["file"], f"{self.dir / 'manifest.json'}: step {step}",
-                                 within="its rank directory")
+        """Step ``step``'s file, inside the rank directory and the bundle (``untrusted.InputRoot.child``; resolved
+        once per step: every record of the step names it)."""
+        if step not in self._files:
+            self._files[step] = self.source.child(self.dir, self.steps[step]["file"],
+                                                  f"{self.dir / 'manifest.json'}: step {step}",
+                                                  within="its rank directory")
+        return self._files[step]
 
     def load(self, step: int, names: list[str]) -> dict[str, np.ndarray]:
-        """Arrays ``names`` of step ``step``, each checked against the manifest (``bundle_input.read_step``)."""
+        """Arrays ``names`` of step ``step``, each checked against the manifest (``bundle_input.read_step``), from
+        the step's open file while ``reading(step)`` holds it."""
+        held = self._open.get(step)
+        if held is not None:
+            return held.read(names, self.steps[step]["records"])
         return checked.read_step(self.file(step), names, self.steps[step]["records"])
+
+    @contextlib.contextmanager
+    def reading(self, step: int) -> Iterator[None]:
+        """While the block runs, step ``step``'s file stays open and each ``load`` of it reads only its arrays (its
+        header parsed once: a reader of every record of a step would otherwise open the file per record)."""
+        if step in self._open:
+            yield
+            return
+        self._open[step] = checked.StepFile(self.file(step))
+        try:
+            yield
+        finally:
+            self._open.pop(step).close()
 
     def names(self, step: int) -> set[str]:
         """Every array in the step's file (from its header, read when the bundle opened)."""
@@ -186,6 +211,16 @@ class Bundle:
         """The first rank's metadata (every rank of a capture writes the same model facts)."""
         return self.ranks[0].meta
 
+    @contextlib.contextmanager
+    def reading(self, step: int, group: tuple[int, ...]) -> Iterator[None]:
+        """While the block runs, the step files of step ``step`` of every rank of ``group`` stay open
+        (``RankPart.reading``): ``record_rows`` and ``logical`` of that step read from them."""
+        with contextlib.ExitStack() as stack:
+            for part in self.ranks:
+                if part.layout.group("tp") == group and step < len(part.steps):
+                    stack.enter_context(part.reading(step))
+            yield
+
     def groups(self) -> list[tuple[int, ...]]:
         """The ``tp`` groups, in rank order: each holds its own sequences."""
         return list(dict.fromkeys(part.layout.group("tp") for part in self.ranks))
@@ -267,9 +302,8 @@ class Bundle:
         entries = [part.steps[step]["records"].get(name) if step < len(part.steps) else None for part in ranks]
         if any(e is None for e in entries):
             raise InputError(f"{self.root}: step {step} has no record {name!r} on every rank")
-        placements = {json.dumps(e["placement"], sort_keys=True) for e in entries}
-        dtypes = {e["dtype"] for e in entries}
-        if len(placements) > 1 or len(dtypes) > 1:
+        if len(entries) > 1 and (len({json.dumps(e["placement"], sort_keys=True) for e in entries}) > 1
+                                 or len({e["dtype"] for e in entries}) > 1):  # one rank agrees with itself
             raise InputError(f"{self.root}: ranks disagree on how {name!r} is placed or typed")
         pieces = [(part.layout, part.load(step, [name])[name]) for part in ranks]
         placement = Placement.from_json(entries[0]["placement"])

@@ -14,8 +14,10 @@ what is wrong (exit 2), never a crash.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,31 +145,63 @@ def _stored_dtype(name: str) -> np.dtype | None:
 def read_step(file: Path, names: list[str], entries: dict[str, Any]) -> dict[str, np.ndarray]:
     """Arrays ``names`` of step file ``file``, each checked against its manifest entry in ``entries`` (records)
     and the step's rows (``#rows`` indices)."""
-    from safetensors import safe_open
+    with StepFile(file) as f:
+        return f.read(names, entries)
 
-    try:
-        with safe_open(str(file), framework="numpy") as f:
-            keys = set(f.keys())
-            absent = [n for n in names if n not in keys]
-            if absent:
-                raise InputError(f"{file}: no array {absent[0]!r} in the step file (its manifest lists it)")
-            out = {n: f.get_tensor(n) for n in names}
-            rows = f.get_slice("tokens").get_shape()[0] if "tokens" in keys else None
-    except InputError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors' own errors (a truncated or corrupt file) are the input's
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise InputError(f"{file}: not a readable safetensors step file ({type(e).__name__}: {reason})") from None
-    for n, array in out.items():
-        entry = entries.get(n)
-        if entry is not None:
-            want = _stored_dtype(entry["dtype"]) if not entry.get("sketch") else None
-            if list(array.shape) != entry["shape"] or (want is not None and array.dtype != want):
-                raise InputError(f"{file}: array {n!r} is stored as {stored_as(str(array.dtype))}"
-                                 f"{list(array.shape)}, its manifest says {entry['dtype']}{entry['shape']}")
-        elif n.endswith("#rows") and rows is not None and not _within(array, rows):
-            raise InputError(f"{file}: row index {n!r} points outside the step's {rows} rows")
-    return out
+
+class StepFile:
+    """One step file open for many reads (``RankPart.reading``): its safetensors header is parsed once, not once per
+    record (a step file holds every record of a pass, and opening it costs as much as its header is long); each
+    ``read`` checks what it returns as ``read_step`` does."""
+
+    def __init__(self, file: Path):
+        from safetensors import safe_open
+
+        self.file = file
+        with self._input_errors():
+            self._handle = safe_open(str(file), framework="numpy")
+            self.keys = set(self._handle.keys())
+            self.rows = self._handle.get_slice("tokens").get_shape()[0] if "tokens" in self.keys else None
+
+    def __enter__(self) -> "StepFile":
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        with self._input_errors():
+            self._handle.__exit__(None, None, None)
+
+    def read(self, names: list[str], entries: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Arrays ``names``, each checked against its manifest entry in ``entries`` and the step's rows."""
+        absent = [n for n in names if n not in self.keys]
+        if absent:
+            raise InputError(f"{self.file}: no array {absent[0]!r} in the step file (its manifest lists it)")
+        with self._input_errors():
+            out = {n: self._handle.get_tensor(n) for n in names}
+        for n, array in out.items():
+            entry = entries.get(n)
+            if entry is not None:
+                want = _stored_dtype(entry["dtype"]) if not entry.get("sketch") else None
+                if list(array.shape) != entry["shape"] or (want is not None and array.dtype != want):
+                    raise InputError(f"{self.file}: array {n!r} is stored as {stored_as(str(array.dtype))}"
+                                     f"{list(array.shape)}, its manifest says {entry['dtype']}{entry['shape']}")
+            elif n.endswith("#rows") and self.rows is not None and not _within(array, self.rows):
+                raise InputError(f"{self.file}: row index {n!r} points outside the step's {self.rows} rows")
+        return out
+
+    @contextlib.contextmanager
+    def _input_errors(self) -> Iterator[None]:
+        """safetensors' own errors (a truncated or corrupt file) are the input's: one ``InputError``."""
+        try:
+            yield
+        except InputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever safetensors raises on a bad file
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise InputError(f"{self.file}: not a readable safetensors step file ({type(e).__name__}: {reason})"
+                             ) from None
 
 
 def _within(index: np.ndarray, rows: int) -> bool:

@@ -24,21 +24,25 @@ import numpy as np
 from logdiff.errors import InputError
 
 
-def has_stages(bundle_dir: str | Path) -> bool:
-    """Whether the bundle at ``bundle_dir`` was recorded with pipeline stages (a ``pp`` group of several ranks)."""
+def has_stages(bundle_dir: str | Path | Any) -> bool:
+    """Whether the bundle at ``bundle_dir`` (or that ``Bundle``, open) was recorded with pipeline stages (a ``pp``
+    group of several ranks)."""
     from logdiff.records.bundle import Bundle
 
-    return any(len(p.layout.group("pp")) > 1 for p in Bundle(bundle_dir).ranks)
+    bundle = bundle_dir if isinstance(bundle_dir, Bundle) else Bundle(bundle_dir)
+    return any(len(p.layout.group("pp")) > 1 for p in bundle.ranks)
 
 
-def join_stages(bundle_dir: str | Path, out_dir: str | Path) -> Path:
-    """The bundle at ``bundle_dir`` with its pipeline stages joined, written to ``out_dir``; returns ``out_dir``."""
+def join_stages(bundle_dir: str | Path | Any, out_dir: str | Path) -> Path:
+    """The bundle at ``bundle_dir`` (or that ``Bundle``, open) with its pipeline stages joined, written to ``out_dir``;
+    returns ``out_dir``."""
     from safetensors.numpy import save_file
 
     from logdiff.records.bundle import Bundle
     from logdiff.records.bundle_writer import write_json
 
-    bundle, out = Bundle(bundle_dir), Path(out_dir)
+    bundle = bundle_dir if isinstance(bundle_dir, Bundle) else Bundle(bundle_dir)
+    out = Path(out_dir)
     parts = {p.layout.rank: p for p in bundle.ranks}
     firsts = sorted({p.layout.group("pp")[0] for p in bundle.ranks})
     renumber = {r: i for i, r in enumerate(firsts)}

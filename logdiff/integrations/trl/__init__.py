@@ -30,8 +30,10 @@ step copies the trainer's model as it is (``background.snapshot``: the weights t
 the replay runs, which the step's optimizer update is about to change) and hands the comparison to one worker
 thread (``background.py``: why a thread, and what keeps it apart from the training); the step waits for nothing
 but its capture, and the bundles' writers finish in the worker too. At most ``queue`` comparisons wait behind
-the one running; a step that finds the queue full waits for a slot, with one log line (every captured step is
-compared; choose ``every`` so that this never happens). When a comparison is done, ``result.json`` and
+the one running; a step that finds the queue full is not compared and does not wait (``when_full="skip"``, the
+default): one log line names it and the ``logdiff compare`` that reads its bundles later, and ``run.skipped``
+lists it (``when_full="wait"``: it waits for a slot instead, with one line; choose ``every`` so that neither
+happens). When a comparison is done, ``result.json`` and
 ``report.html`` go beside the bundles, one line points to them, and the trainer's **next log** carries logdiff's
 numbers (``logdiff/gap_max``, ``logdiff/gap_mean``, ``logdiff/first_divergence_layer``, ``logdiff/causes/<class>``)
 with ``logdiff/step``, the step they describe, whose TRL ``sampling/sampling_logp_difference/*`` they equal. A
@@ -140,7 +142,8 @@ class Instrument:
     """The wrappers ``instrument`` installs on one trainer, and the comparisons of the steps captured so far."""
 
     def __init__(self, trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
-                 compare: bool | str = True, strict: bool = False, queue: int = 1, diagnosis: bool = False):
+                 compare: bool | str = True, strict: bool = False, queue: int = 1, diagnosis: bool = False,
+                 when_full: str = "skip"):
         if every < 1:
             raise ValueError(f"instrument: every={every}, expected a step interval of at least 1")
         if compare not in (True, False, "step", "after"):
@@ -159,7 +162,8 @@ class Instrument:
         self.strict = strict
         self._armed: int | None = None  # the step whose rollout was captured and whose trainer pass is next
         self._writing: list[Any] = []  # the captures whose bundles may still be being written (``wait``)
-        self._worker = Worker(queue)  # the comparisons after their step (``background.py``)
+        self._worker = Worker(queue, when_full=when_full)  # the comparisons after their step (``background.py``)
+        self.skipped: list[int] = []  # steps captured but not compared: the worker's queue was full
         self._unlogged: collections.deque[int] = collections.deque()  # compared steps no trainer log carried yet
         self._patches = Patches()
         generation = trainer.vllm_generation
@@ -295,9 +299,16 @@ class Instrument:
             return job
 
         try:
-            self._worker.submit(f"step {step}", prepare)
+            queued = self._worker.submit(f"step {step}", prepare)
         except Exception as e:  # noqa: BLE001 - no copy of the model: no comparison, the run goes on
             self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
+            return
+        if not queued:
+            self.skipped.append(step)
+            root = self.step_dir(step)
+            log.warning("logdiff step %d: not compared, %d comparison(s) still running or queued (queue=%d); its "
+                        "bundles stay for `logdiff compare %s %s` (a larger every= compares every captured step)",
+                        step, self._worker.queue + 1, self._worker.queue, root / "train", root / "infer")
 
     def _log(self, log_fn: Any) -> Any:
         """TRL's ``log`` with the oldest comparison no log has carried yet added to its metrics (in the trainer's
@@ -381,15 +392,17 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def instrument(trainer: Any, out_dir: str | Path, every: int = 1, window: int | str = 2,
-               compare: bool | str = True, strict: bool = False, queue: int = 1, diagnosis: bool = False) -> Instrument:
+               compare: bool | str = True, strict: bool = False, queue: int = 1, diagnosis: bool = False,
+               when_full: str = "skip") -> Instrument:
     """Capture ``trainer`` (a ``GRPOTrainer`` with vLLM colocated) every ``every`` steps into ``out_dir``
     (see the module docstring); ``window``: the decoder layers kept whole (``logdiff.capture``'s). ``compare``:
     True (or ``"step"``) compares each captured step inside it; ``"after"`` after it, in a worker thread (at most
-    ``queue`` waiting behind the one running; a step that finds them all taken waits; see the module docstring);
+    ``queue`` waiting behind the one running; a step that finds them all taken is not compared, with one log line,
+    or, with ``when_full="wait"``, waits for a slot; see the module docstring);
     False not at all. A capture or
     comparison that fails is one log line and an entry in ``Instrument.errors``, and the run goes on
     (``strict=True`` raises instead, in the trainer's thread: at the next captured step or ``finish``).
     ``diagnosis=True`` (with the comparison inside the step): each comparison also runs the checks that need the
     live engines, on the trainer's model and the colocated vLLM engine (``logdiff/integrations/live.py``: the
     reference-kernel rerun and attribution), and says in one line what ran and what did not."""
-    return Instrument(trainer, out_dir, every, window, compare, strict, queue, diagnosis)
+    return Instrument(trainer, out_dir, every, window, compare, strict, queue, diagnosis, when_full)

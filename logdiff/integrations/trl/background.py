@@ -11,10 +11,17 @@ at a time (``logdiff/probes/record.py``): a captured step's recording waits for 
 trainer's other forwards pass through. numpy and torch release the GIL in their kernels; the comparison's own
 Python does not, and shares the trainer's cores (``bench/bench_trl_step.py`` measures both).
 
-The bound: at most ``queue`` comparisons wait behind the one running. A step that finds them all taken **waits**
-for one to finish (one log line says so and names ``every``): every captured step is compared, and the copies of
-the model held at once stay at ``queue + 1``. Choose ``every`` so that a comparison finishes within ``every``
-steps and no step ever waits.
+The bound: at most ``queue`` comparisons wait behind the one running, so the copies of the model held at once stay
+at ``queue + 1``. A step that finds them all taken is **not compared** (``when_full="skip"``, the default): it
+does not wait, one log line says which step and where its bundles stay for an offline ``logdiff compare`` (written
+whole all the same), and the step is in ``Instrument.skipped``. The step waits for nothing but its capture (and,
+for a step compared, its copy of the model). ``when_full="wait"`` keeps every captured step compared instead: a
+step that finds the queue full waits for a slot, with one line. Either way, choose ``every`` so that a comparison
+finishes within ``every`` steps.
+
+The worker thread runs at the lowest CPU priority (``lower_priority``: nice 19 for that thread alone, Linux only;
+the threads torch starts for its kernels inherit it): where it and the training want the same cores, the training
+gets them, and the comparison takes what the training leaves.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import os
+import sys
 import queue as queues
 import threading
 import time
@@ -122,23 +131,34 @@ def _rebound(value: Any, memo: dict[int, Any], seen: dict[int, Any]) -> Any:
     return value
 
 
-class Worker:
-    """One daemon thread running jobs in the order given; ``submit`` waits while ``queue`` jobs wait already."""
+WHEN_FULL = ("skip", "wait")  # what a job submitted to a full queue does: not run, or wait for a slot
 
-    def __init__(self, queue: int, name: str = "logdiff-compare"):
+
+class Worker:
+    """One daemon thread, at the lowest CPU priority, running jobs in the order given; at most ``queue`` wait behind
+    the one running. ``submit`` to a full queue skips the job (``when_full="skip"``) or waits for a slot."""
+
+    def __init__(self, queue: int, name: str = "logdiff-compare", when_full: str = "skip"):
         if queue < 0:
             raise ValueError(f"instrument: queue={queue}, expected 0 or more comparisons waiting")
-        self.queue, self.name = queue, name
+        if when_full not in WHEN_FULL:
+            raise ValueError(f"instrument: when_full={when_full!r}, expected one of {', '.join(WHEN_FULL)}")
+        self.queue, self.name, self.when_full = queue, name, when_full
         self._slots = threading.Semaphore(queue + 1)  # the running job and the waiting ones
         self._jobs: queues.Queue[Callable[[], None] | None] = queues.Queue()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # a job's exception, raised by ``raise_error`` in the caller's thread
-        self.waited_s = 0.0  # how long steps waited for a free slot, all together
+        self.waited_s = 0.0  # how long steps waited for a free slot, all together (``when_full="wait"``)
+        self.skipped = 0  # jobs not run: the queue was full (``when_full="skip"``)
 
-    def submit(self, what: str, prepare: Callable[[], Callable[[], None]]) -> None:
+    def submit(self, what: str, prepare: Callable[[], Callable[[], None]]) -> bool:
         """Run ``prepare()`` here once a slot is free (it makes what the job needs from the step: the model's copy),
-        then its job in the worker. Waits, with one line, while every slot is taken."""
+        then its job in the worker; True. With every slot taken: False at once, nothing prepared or run
+        (``when_full="skip"``: the caller says what is left undone), or wait for a slot with one line."""
         if not self._slots.acquire(blocking=False):
+            if self.when_full == "skip":
+                self.skipped += 1
+                return False
             log.warning("logdiff %s waits: %d comparison(s) still running or queued (queue=%d); capture less often "
                         "(a larger every=) so that one finishes between two captures", what, self.queue + 1,
                         self.queue)
@@ -154,6 +174,7 @@ class Worker:
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
             self._thread.start()
         self._jobs.put(functools.partial(contextvars.copy_context().run, job))  # the step's context variables
+        return True
 
     def pending(self) -> int:
         """Jobs submitted and not finished."""
@@ -178,6 +199,7 @@ class Worker:
             raise error
 
     def _run(self) -> None:
+        lower_priority()
         while True:
             job = self._jobs.get()
             try:
@@ -190,6 +212,18 @@ class Worker:
                 if job is not None:
                     self._slots.release()
                 self._jobs.task_done()
+
+
+def lower_priority() -> None:
+    """The calling thread, and the threads it starts from now on, at the lowest CPU priority (nice 19). Linux only:
+    there a thread has a nice value of its own (``setpriority`` on its thread id); elsewhere the call would renice
+    the whole process, and nothing is done. A kernel that refuses (a sandbox) leaves the priority as it is."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError as e:
+        log.debug("logdiff: the comparison thread keeps its CPU priority (%s)", e)
 
 
 class TrainEnd:
