@@ -328,7 +328,7 @@ def test_control_planted_layer_crossings_are_reported(graph: dict[str, set[str]]
     planted["logdiff.comparison.locate"].add("logdiff.sources.hf")  # the comparison naming a source
     planted["logdiff.sources.msprobe.convert"].add("logdiff.commands.scan")  # a source importing a command
     planted["logdiff.sources.msprobe.convert"].add("logdiff.comparison.metrics")  # a source importing the comparison
-    planted["logdiff.sources.msprobe.convert"].add("logdiff.sources.megatron.capture")  # a source touching another
+    planted["logdiff.sources.msprobe.convert"].add("logdiff.sources.megatron.recording")  # a source touching another
     planted["logdiff.records.bundle"].add("logdiff.probes.session")  # records importing the probes above them
     planted["logdiff.diagnosis.diagnose"].add("logdiff.commands.config")  # the diagnosis taking the scan's config
     planted["logdiff.probes.arch.deepseek_v2"].add("logdiff")  # an adapter importing the package root
@@ -338,7 +338,7 @@ def test_control_planted_layer_crossings_are_reported(graph: dict[str, set[str]]
     expected = ["logdiff.comparison.locate (comparison) imports logdiff.sources.hf (source)",
                 "logdiff.sources.msprobe.convert (source) imports logdiff.commands.scan (entry)",
                 "logdiff.sources.msprobe.convert (source) imports logdiff.comparison.metrics (comparison)",
-                "logdiff.sources.msprobe.convert imports logdiff.sources.megatron.capture: a source is one folder",
+                "logdiff.sources.msprobe.convert imports logdiff.sources.megatron.recording: a source is one folder",
                 "logdiff.records.bundle (records) imports logdiff.probes.session (probes)",
                 "logdiff.diagnosis.diagnose (diagnosis) imports logdiff.commands.config (entry)",
                 "logdiff.probes.arch.deepseek_v2 (probes) imports logdiff (top)",

@@ -141,8 +141,8 @@ def test_te_spec_names_map_to_hf() -> None:
 
 
 def test_the_entry_point_stays_callable_once_its_module_is_loaded(tmp_path: Path) -> None:
-    """``logdiff.sources.megatron.capture`` is a function in a package that holds a module of the same name: the
-    first call loads that module, and every later call, and a later import of the name, still get the function."""
+    """``logdiff.sources.megatron.capture`` loads its module on the first call; every later call, and a later import
+    of the name, still get the function (a submodule of the same name once replaced it on the package)."""
     import types
 
     import logdiff.sources.megatron as megatron
@@ -158,7 +158,7 @@ def test_the_entry_point_stays_callable_once_its_module_is_loaded(tmp_path: Path
 
 def test_a_bad_hf_config_is_one_input_error(tmp_path: Path) -> None:
     from logdiff.errors import InputError
-    from logdiff.sources.megatron.capture import _hf_config
+    from logdiff.sources.megatron.recording import _hf_config
 
     with pytest.raises(InputError, match="cannot read the HF config"):
         _hf_config(tmp_path / "missing.json")

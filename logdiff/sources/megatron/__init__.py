@@ -16,7 +16,7 @@ Modules, one job each:
 * ``weights``: the HF <-> Megatron weight mapping (QKV per query group, gate/up), gathering a rank's
   shards into logical tensors, and their fingerprints under HF names;
 * ``contract``: the effective contract read from Megatron's ``TransformerConfig``;
-* ``capture``: the hooks and the bundle writer;
+* ``recording``: the hooks and the bundle writer (``capture``, re-exported here);
 * ``te``: the Transformer Engine spec's module names (coded, not run).
 
 It never imports the comparison, and it never patches Megatron: the CUDA shims a CPU run needs live in
@@ -29,15 +29,7 @@ from typing import Any
 
 
 def capture(*args: Any, **kwargs: Any) -> Any:
-    """``logdiff.sources.megatron.capture.capture`` (see there), loaded on first use.
+    """``logdiff.sources.megatron.recording.capture`` (see there), loaded on first use."""
+    from logdiff.sources.megatron.recording import capture as run
 
-    Loading the submodule binds its name on this package, over this function: the binding is put back, so that
-    ``logdiff.sources.megatron.capture(...)`` and a later ``from logdiff.sources.megatron import capture`` still
-    call it (a second capture in the same process, e.g. the next training step's, got the module)."""
-    from logdiff.sources.megatron.capture import capture as run
-
-    globals()["capture"] = _entry_point
     return run(*args, **kwargs)
-
-
-_entry_point = capture
