@@ -79,11 +79,64 @@ def run_once(model: str, flags: list[str], env: dict[str, str] | None = None) ->
         written = sum(f.stat().st_size for step in steps for side in ("train", "infer")
                       for f in (step / side).rglob("*") if f.is_file())  # fmt: skip
         compared = list((run.get("logdiff") or {}).values())
+        rows, layers = _rows_and_layers(steps)
         return {"wall": run["step_wall_s"], "cpu": run["step_cpu_s"], "rss": rss, "costs": run.get("step_costs"),
                 "compare_s": [c.get("compare_s") for c in compared],
                 "compare_cpu_s": [c.get("compare_cpu_s") for c in compared],
                 "skipped": run.get("logdiff_skipped", []),
-                "bundle_bytes_per_step": written / len(steps) if steps else 0}
+                "bundle_bytes_per_step": written / len(steps) if steps else 0,
+                "rows_per_step": rows, "layers": layers}
+
+
+def _rows_and_layers(steps: list[Path]) -> tuple[float, int]:
+    """The rows (tokens) both sides' bundles recorded per captured step, summed over their forwards (a rollout
+    engine's prefill and each decode step), and the model's decoder layers: what a capture's cost scales with."""
+    rows, layers = 0, 0
+    for step in steps:
+        for side in ("train", "infer"):
+            manifest = json.loads((step / side / "rank-00000" / "manifest.json").read_text())
+            layers = int((manifest["meta"].get("config") or {}).get("num_hidden_layers") or 0)
+            rows += sum(max((r["shape"][0] for r in entry["records"].values()), default=0)
+                        for entry in manifest["steps"])
+    return (rows / len(steps) if steps else 0.0), layers
+
+
+def plan(rows: dict[str, dict[str, Any]], seen: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """The cost as a user plans it (docs/capture.md, "Choosing every"): a captured step's overhead, a step's between
+    captures, the amortized ratio at ``every`` = 10 and 100 (``(captured + (every - 1) x between) / every`` over
+    TRL alone), and the captured overhead in ms per decoder layer per 1,000 recorded tokens (both sides)."""
+    captured, between = rows.get("capture (default window)"), rows.get("instrumented (step not captured)")
+    if captured is None:
+        return None
+    plain = rows[PLAIN]["wall_s"]
+    ratio_between = between["wall_ratio"] if between else 1.0
+    runs = seen["capture (default window)"]
+    tokens, layers = statistics.median(r["rows_per_step"] for r in runs), runs[0]["layers"]
+    overhead = captured["wall_s"] - plain
+    out = {"captured_ratio": captured["wall_ratio"], "between_ratio": ratio_between,
+           "captured_overhead_ms": 1e3 * overhead, "tokens_per_step": tokens, "layers": layers,
+           "ms_per_layer_per_1k_tokens": 1e3 * overhead / (layers * tokens / 1e3) if layers and tokens else None}
+    for every in (10, 100):
+        out[f"amortized_every_{every}"] = (captured["wall_ratio"] + (every - 1) * ratio_between) / every
+    after = rows.get("capture + compare after the step")
+    if after is not None:
+        cpu = [c for r in seen["capture + compare after the step"] for c in r["compare_cpu_s"] if c is not None]
+        out["compare_after_ratio"] = after["wall_ratio"]
+        out["comparison_cpu_s"] = statistics.median(cpu) if cpu else None
+    return out
+
+
+def print_plan(p: dict[str, Any]) -> None:
+    per = p["ms_per_layer_per_1k_tokens"]
+    print(f"\nas a user plans it: a captured step {p['captured_ratio']:.2f}x (+{p['captured_overhead_ms']:.0f} ms; "
+          f"{per:.1f} ms per layer per 1k tokens, {p['layers']} layers, {p['tokens_per_step']:.0f} tokens recorded "
+          f"per step by both sides), a step between captures {p['between_ratio']:.2f}x; amortized: every=10 "
+          f"{p['amortized_every_10']:.3f}x, every=100 {p['amortized_every_100']:.3f}x" if per is not None else
+          f"\nas a user plans it: a captured step {p['captured_ratio']:.2f}x")
+    if "compare_after_ratio" in p:
+        cpu = p["comparison_cpu_s"]
+        print(f"with compare='after': the captured step {p['compare_after_ratio']:.2f}x; each comparison's own CPU "
+              + (f"{cpu:.2f} s (the worker thread's), off the step" if cpu is not None else "not reported"))
 
 
 def _figure(run: dict[str, Any], clock: str, steps: tuple[int, ...]) -> float:
@@ -175,11 +228,16 @@ def main(argv: list[str] | None = None) -> int:
     parts = breakdown(seen[TIMED], WORKLOADS[TIMED][1]) if TIMED in seen else None
     if parts:
         print_breakdown(parts, rows)
-    if args.json:
-        from logdiff.isa import host_isa
+    planned = plan(rows, seen)
+    if planned:
+        print_plan(planned)
+    from logdiff.isa import host_isa
 
+    print(f"host ISA: {host_isa()}")
+    if args.json:
         args.json.write_text(json.dumps({"model": args.model, "repeats": args.repeats, "isa": host_isa(),
-                                         "table": rows, "breakdown": parts, "runs": seen}, indent=1))
+                                         "table": rows, "breakdown": parts, "plan": planned, "runs": seen},
+                                        indent=1))
     return 0
 
 

@@ -16,6 +16,8 @@ the capture's writer, whose host copies are bounded by a share of it (``bundle_w
 environment sets ``LOGDIFF_COSTS=1`` when this module is first imported; then each ``timed(part)`` block adds its
 calls, wall seconds and its own thread's CPU seconds to ``COSTS[part]`` (any thread: the writer's too). Off, a
 timed block costs one global test: the hooks it wraps run hundreds of times per step.
+
+``lower_priority``: the thread that calls it (logdiff's own, beside a training step) at the lowest CPU priority.
 """
 
 from __future__ import annotations
@@ -148,3 +150,20 @@ def costs_since(before: dict[str, list[float]]) -> dict[str, dict[str, float]]:
 def costs_copy() -> dict[str, list[float]]:
     with _COSTS_LOCK:
         return {k: list(v) for k, v in COSTS.items()}
+
+
+def lower_priority() -> None:
+    """The calling thread, and the threads it starts from now on, at the lowest CPU priority (nice 19). Linux only:
+    there a thread has a nice value of its own (``setpriority`` on its thread id); elsewhere the call would renice
+    the whole process, and nothing is done. A kernel that refuses (a sandbox) leaves the priority as it is.
+
+    Two of logdiff's threads run beside a training step, and take what CPU the step leaves: the bundle writers
+    (``records/bundle_writer.py``) and the TRL comparisons (``integrations/trl/background.py``)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError as e:
+        import logging
+
+        logging.getLogger("logdiff").debug("logdiff: a thread keeps its CPU priority (%s)", e)

@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from logdiff.probes.replay import row_index
 
 from logdiff.records.bundle_writer import BundleWriter
 from logdiff.records.layout import REPLICATE, ParallelLayout, Placement, placement_of, shard
@@ -81,15 +80,31 @@ class BundleSink:
         placement = None
         if hasattr(rows, "to_local"):  # a DTensor (a row-parallel layer's input, say): it states its placement
             placement, rows = placement_of(rows), rows.to_local()
+        kept = self.capture._kept_rows(rmap)
+        if kept is None:
+            return
+        # a run of rows is a view (the writer copies or sketches it at once); a gather (a left-padded batch's valid
+        # rows) is a copy already: the writer keeps it, no second copy
+        run = isinstance(kept.rows, slice)
+        taken = rows[kept.rows] if run else rows[kept.rows.to(rows.device)]
+        self.capture._private = None if run else taken
+        self.capture._record(name, taken, kept.seq, kept.pos, placement, kept.index)
+        self.capture._private = None
+
+
+class _KeptRows:
+    """Which rows of a forward's tensors a capture keeps (its row map's valid ones) and their places in the step:
+    the same for every boundary of the forward, so found once per row map (``Capture._kept_rows``)."""
+
+    def __init__(self, rmap: Any, keys: np.ndarray, order: np.ndarray):
+        import torch
+
         idx = np.nonzero(rmap.valid)[0]
-        if len(idx):  # a run of rows (np.nonzero: sorted, unique) is a view (the writer copies or sketches it at once)
-            first, last = int(idx[0]), int(idx[-1])
-            run = last - first == len(idx) - 1
-            kept = rows[first : last + 1] if run else rows[row_index(idx, rows.device)]
-            # a gather (a left-padded batch's valid rows) is a copy already: the writer keeps it, no second copy
-            self.capture._private = None if run else kept
-            self.capture._record(name, kept, rmap.seq[idx], rmap.pos[idx], placement)
-            self.capture._private = None
+        first, last = int(idx[0]), int(idx[-1])
+        # a run of rows (np.nonzero: sorted, unique) as a slice, else the rows to gather
+        self.rows: slice | Any = slice(first, last + 1) if last - first == len(idx) - 1 else torch.as_tensor(idx)
+        self.seq, self.pos = rmap.seq[idx], rmap.pos[idx]
+        self.index = order[np.searchsorted(keys, row_keys(self.seq, self.pos))]  # each row's place in the step
 
 
 class Capture:
@@ -119,6 +134,7 @@ class Capture:
         self._placements: dict[str, Placement] = {}
         self._columns: dict[tuple[Placement, int], np.ndarray | None] = {}  # ``_sketched``'s, per placement and width
         self._keys = self._order = np.zeros(0, dtype=np.int64)  # the step's rows by (sequence, position)
+        self._rows_kept: tuple[Any, np.ndarray, _KeptRows | None] | None = None  # ``_kept_rows``' last
         self._grid: tuple[np.ndarray, ...] | None = None  # the step's (ids, seq, pos, valid) as [batch, length]
         self._batch: Any = None  # the running forward's rows as (sequence, position in it), from ``_begin_step``
         self._recorder: Any = None
@@ -296,8 +312,21 @@ class Capture:
             raise RuntimeError("a forward the capture did not announce")
         return RowMap(rows.seq.copy(), rows.pos.copy(), rows.valid.copy())
 
-    def _record(self, name: str, rows: Any, seq: np.ndarray, pos: np.ndarray, placement: Placement | None) -> None:
-        index = self._order[np.searchsorted(self._keys, row_keys(seq, pos))]  # each row's place in the step
+    def _kept_rows(self, rmap: Any) -> _KeptRows | None:
+        """The rows of ``rmap`` the capture keeps, or None where it holds no valid row; found once per row map (a
+        forward's boundaries share one) and step (``_begin_step`` sets the step's row keys)."""
+        cached = self._rows_kept
+        if cached is not None and cached[0] is rmap and cached[1] is self._keys:
+            return cached[2]
+        kept = _KeptRows(rmap, self._keys, self._order) if rmap.valid.any() else None
+        self._rows_kept = (rmap, self._keys, kept)
+        return kept
+
+    def _record(self, name: str, rows: Any, seq: np.ndarray, pos: np.ndarray, placement: Placement | None,
+                index: np.ndarray | None = None) -> None:
+        """Record ``rows``, the step's rows ``(seq, pos)`` (``index``: their places in the step, where known)."""
+        if index is None:
+            index = self._order[np.searchsorted(self._keys, row_keys(seq, pos))]  # each row's place in the step
         placement = placement or self._placement(name, rows.shape[-1])
         self._placements[name] = placement
         self.writer.record(name, rows, placement, rows=index, sketch_columns=self._sketched(name, placement, rows),

@@ -165,7 +165,7 @@ class Recorder:
         self.rmap: RowMap | None = None  # rows of the forward running now
         self.last_rmap: RowMap | None = None  # rows of the last forward (what logits and log_softmax run after)
         self._paused = False
-        self._tap_cache: dict[tuple[str, str], list[tuple[Tap, int | None]]] = {}
+        self._tap_cache: dict[tuple[str, str], list[tuple[Tap, list[str | None]]]] = {}
         self._compiled = [(t, t.regex()) for t in self.probes.taps(cmap)]
         self._child_names: dict[tuple[int, int], str | None] = {}
         self._roots: set[int] = set()  # the modules whose forward is a step: the model's, its decoder's
@@ -332,7 +332,9 @@ class Recorder:
                 self.tracer.exit(name)
         return None
 
-    def _matching(self, name: str, source: str, module: Any) -> list[tuple[Tap, int | None]]:
+    def _matching(self, name: str, source: str, module: Any) -> list[tuple[Tap, list[str | None]]]:
+        """The taps module ``name``'s ``source`` side feeds, each with the boundary names it yields there (None: a
+        name the adapter does not map); found once per module and side (the hooks run per module call)."""
         key = (name, source)
         hit = self._tap_cache.get(key)
         if hit is None:
@@ -345,23 +347,27 @@ class Recorder:
                 m = rx.match(name)
                 if m:
                     layer = m.groupdict().get("N")
-                    hit.append((tap, int(layer) if layer is not None else None))
+                    names = self.cmap.names_for(tap, int(layer) if layer is not None else None, name)
+                    hit.append((tap, [None if self.cmap.mapped and n is not None and self.cmap.get(n) is None else n
+                                      for n in names]))
             self._tap_cache[key] = hit
         return hit
 
     def _taps(self, name: str, module: Any, source: str, value: Any, args: tuple, kwargs: dict) -> None:
-        for tap, layer in self._matching(name, source, module):
+        matching = self._matching(name, source, module)
+        if not matching:
+            return
+        replays = self.wants_replay
+        for tap, names in matching:
             tensors = self.select(tap.select, value)
             if tensors is None:
                 continue
-            for bname, t in zip(self.cmap.names_for(tap, layer, name), tensors):
+            for bname, t in zip(names, tensors):
                 if bname is None or t is None:
-                    continue
-                if self.cmap.mapped and self.cmap.get(bname) is None:
                     continue
                 self.context[bname] = t
                 if tap.emit:
-                    spec = self.probes.replay(self, bname, module, args, tap, t)
+                    spec = self.probes.replay(self, bname, module, args, tap, t) if replays else None
                     # an input tap reads a value its parent computed (a residual add, act * up)
                     owner = self.stack[-2][0] if source == "input" and len(self.stack) >= 2 else name
                     layout = HEADS_FIRST if tap.select == "heads_first" else PLAIN

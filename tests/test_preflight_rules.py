@@ -36,6 +36,20 @@ def test_an_unverified_tensor_is_listed_not_hashed() -> None:
     assert missing["unverified"] == ["experts.gate_up_proj"]
 
 
+def test_a_fingerprint_of_another_hash_is_unverified_never_different() -> None:
+    """A bundle written before XXH3 holds blake2b's 16 hex digits: against today's it is unverified; today's against
+    today's still differ where the tensors do (the control)."""
+    import torch
+
+    from logdiff.probes.contracts import fingerprint
+
+    one, other = fingerprint(torch.ones(3)), fingerprint(torch.zeros(3))
+    assert len(one) == 32 and one != other and fingerprint(torch.ones(3)) == one
+    w = compare_fingerprints({"old.weight": "0123456789abcdef", "new.weight": one},
+                             {"old.weight": one, "new.weight": other})
+    assert w["unverified"] == ["old.weight"] and w["differs"] == ["new.weight"]
+
+
 def _contracts(unverified: list[str]) -> dict:
     same = {"rms_norm_eps": 1e-6}
     return {"train": same, "infer": same, "differs": [],

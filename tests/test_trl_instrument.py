@@ -210,3 +210,18 @@ def test_the_snapshot_runs_its_own_modules_where_a_forward_wrapper_closes_over_t
     with torch.no_grad():
         model[0].weight.add_(1.0)  # the optimizer's step after the snapshot: the copy keeps the step's weights
     assert not torch.equal(frozen(x), model(x))
+    # the next compared step refreshes that copy in place: the live weights now, its own modules still
+    from logdiff.integrations.trl.background import Snapshots, refresh
+
+    assert refresh(frozen, model) and torch.equal(frozen(x), model(x)) and ran(frozen, x) == ["copy"]
+    pool = Snapshots()
+    first = pool.take(model)
+    second = pool.take(model)  # the first is still held by a comparison: a copy of its own
+    assert second is not first
+    pool.give_back(first)
+    with torch.no_grad():
+        model[0].weight.mul_(-2.0)
+    again = pool.take(model)
+    assert again is first and torch.equal(again(x), model(x)) and not torch.equal(second(x), model(x))
+    model.add_module("extra", torch.nn.Identity())  # another model now: not refreshed, a new snapshot instead
+    assert not refresh(first, model) and pool.take(model) is not first

@@ -79,7 +79,9 @@ class SideWeights:
 def model_warning(live: dict[str, str | None], captured: dict[str, str | None]) -> str | None:
     """One line when ``--model``'s live weights (``live``) are not those the training bundle's step ran with
     (``captured``, its fingerprints); None when every weight both name agrees (or none can be compared)."""
-    common = [n for n, v in captured.items() if v is not None and live.get(n) is not None]
+    from logdiff.probes.contracts import same_hash
+
+    common = [n for n, v in captured.items() if v is not None and live.get(n) is not None and same_hash(v, live[n])]
     differs = [n for n in common if live[n] != captured[n]]
     if not differs:
         return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from logdiff.probes.contracts import IMPLEMENTATION_KEYS, is_off
+from logdiff.probes.contracts import IMPLEMENTATION_KEYS, is_off, same_hash
 from logdiff.sources.base import Engine
 
 
@@ -130,9 +130,10 @@ def compare_fingerprints(ft: dict[str, str | None], fi: dict[str, str | None]) -
     """
     from logdiff.diagnosis.quantization import is_quantized_print
 
-    # a quantized tensor is compared only with a quantized one (the other side's weight through the scheme)
+    # a quantized tensor is compared only with a quantized one (the other side's weight through the scheme), and a
+    # fingerprint only with one of the same hash (an older bundle's: unverified)
     verified = [k for k in ft if ft[k] is not None and fi.get(k) is not None
-                and is_quantized_print(ft[k]) == is_quantized_print(fi[k])]
+                and is_quantized_print(ft[k]) == is_quantized_print(fi[k]) and same_hash(ft[k], fi[k])]
     out = {
         "fingerprint_train": _combined({k: ft[k] for k in verified}),
         "fingerprint_infer": _combined({k: fi[k] for k in verified}),

@@ -47,6 +47,7 @@ calling thread.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -58,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from logdiff.phases import timed
+from logdiff.phases import lower_priority, timed
 from logdiff.records.layout import ParallelLayout, Placement
 from logdiff.records.sketch import WIDTH
 
@@ -67,7 +68,7 @@ VERSION = 1
 ROLES = ("train", "infer")
 RESERVED = ("tokens", "positions", "sequences", "valid")
 #: steps recorded but not yet written that a background writer holds before ``end_step`` waits
-PENDING = 2
+PENDING = 16
 #: the share of the process's peak resident memory at its start a background writer may hold in host copies
 HOLD_SHARE = 0.1
 #: an open writer's log of its written steps' manifest entries (one JSON object per line), beside manifest.json
@@ -177,6 +178,12 @@ def _default_hold() -> int:
     return int(HOLD_SHARE * (peak_rss_bytes() or 0))
 
 
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` as ``bfloat16`` (a record's dtype name; once per dtype: the hooks run per record)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | None, defer: int,
               private: bool = False) -> _Kept:
     """What a record keeps of ``tensor`` until the writer stores it, never waiting for a device: on an accelerator
@@ -195,9 +202,9 @@ def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | No
     t = tensor.detach()
     if hasattr(t, "to_local"):
         t = t.to_local()
-    dtype = str(t.dtype).removeprefix("torch.")
+    dtype = _dtype_name(t.dtype)
     rows = t.reshape(t.shape[0], -1) if sketched else t
-    host = t.device.type == "cpu"
+    host = t.is_cpu
     nbytes = t.numel() * t.element_size() if host else 0
     if sketched and host and nbytes > defer:  # sketched now, by numpy (on a CPU, faster than ``sketch_rows``)
         from logdiff.records.sketch import sketch
@@ -217,8 +224,7 @@ def _snapshot(tensor: Any, placement: Placement, sketch_columns: np.ndarray | No
         with timed("copies (in the hook)" if host else "copies (on the device)"):
             copy = rows.clone(memory_format=torch.contiguous_format)  # the engine may overwrite ``t`` later
     if sketched:
-        columns = np.asarray(sketch_columns, dtype=np.int64)
-        return _Kept(copy, dtype, placement, True, [int(rows.shape[0]), WIDTH], columns, nbytes)
+        return _Kept(copy, dtype, placement, True, [int(rows.shape[0]), WIDTH], sketch_columns, nbytes)
     return _Kept(copy, dtype, placement, False, list(copy.shape), nbytes=nbytes)
 
 
@@ -396,6 +402,7 @@ class BundleWriter:
             self._freed.notify_all()
 
     def _drain(self) -> None:
+        lower_priority()  # the step's own threads get the cores first
         with timed("writer thread (its CPU; wall: its life)"):
             self._drain_all()
 

@@ -26,8 +26,8 @@ one bundle pair is written under ``DIR/step-{global_step:06d}/``:
 
 Then ``logdiff compare`` runs on the pair: inside the step (``compare=True``, the default, or ``"step"``), or,
 with ``compare="after"``, **after the step, off its path**: the
-step copies the trainer's model as it is (``background.snapshot``: the weights the conformance check reads and
-the replay runs, which the step's optimizer update is about to change) and hands the comparison to one worker
+step copies the trainer's model as it is (``background.snapshot``, made once and then refreshed in place: the
+weights the conformance check reads and the replay runs, which the step's optimizer update is about to change) and hands the comparison to one worker
 thread (``background.py``: why a thread, and what keeps it apart from the training); the step waits for nothing
 but its capture, and the bundles' writers finish in the worker too. At most ``queue`` comparisons wait behind
 the one running; a step that finds the queue full is not compared and does not wait (``when_full="skip"``, the
@@ -56,7 +56,7 @@ What a captured step costs (``bench/bench_trl_step.py``; docs/capture.md, "What 
 the hooks copy each kept record and nothing else (``logdiff/records/bundle_writer.py``): row sketches, the host copies
 and the files are made by each bundle's writer thread while the step goes on, and the step never waits for them
 (the comparison's worker does, ``run.wait()`` or ``run.close()`` does). With ``compare="after"`` the step also
-copies the model's weights once (``snapshot``). The rollout's weight fingerprints are taken as the captured
+copies the model's weights into a copy made before (``Snapshots``). The rollout's weight fingerprints are taken as the captured
 step's weight sync packs each weight (``fingerprint_at_dispatch``), not by reading every packed matrix back
 through identity GEMMs afterwards; the trainer's are hashed once per captured step. The two captures are
 ``captures.py``'s.
@@ -94,7 +94,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from logdiff.integrations.trl.background import TrainEnd, Worker, snapshot
+from logdiff.integrations.trl.background import Snapshots, TrainEnd, Worker
 from logdiff.integrations.trl.captures import Rerun, engine_capture, trainer_capture
 from logdiff.integrations.trl.consistent import consistent
 from logdiff.integrations.trl.fused_head import fused_head_temperature
@@ -171,6 +171,7 @@ class Instrument:
         self._armed: int | None = None  # the step whose rollout was captured and whose trainer pass is next
         self._writing: list[Any] = []  # the captures whose bundles may still be being written (``wait``)
         self._worker = Worker(queue, when_full=when_full)  # the comparisons after their step (``background.py``)
+        self._snapshots = Snapshots()  # the model's copies they read, refreshed in place at each compared step
         self.skipped: list[int] = []  # steps captured but not compared: the worker's queue was full
         self._unlogged: collections.deque[int] = collections.deque()  # compared steps no trainer log carried yet
         self._patches = Patches()
@@ -290,7 +291,7 @@ class Instrument:
         self._worker.raise_error()  # a strict run stops at the step after the comparison that failed
 
         def prepare() -> Any:
-            live = snapshot(self.trainer.accelerator.unwrap_model(self.trainer.model))
+            live = self._snapshots.take(self.trainer.accelerator.unwrap_model(self.trainer.model))
             writing, self._writing = self._writing, []
 
             def job() -> None:
@@ -300,6 +301,8 @@ class Instrument:
                     self._compare(step, live, Rerun(lambda: call(live), captured))
                 except Exception as e:  # noqa: BLE001 - a comparison that fails must not stop the training run
                     self._failed(f"step {step}: no comparison ({type(e).__name__}: {e})", e)
+                finally:
+                    self._snapshots.give_back(live)
 
             return job
 

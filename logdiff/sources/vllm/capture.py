@@ -456,10 +456,11 @@ class VllmCapture(Capture):
 
     # ---- records -----------------------------------------------------------------------------
 
-    def _record(self, name: str, rows: Any, seq: np.ndarray, pos: np.ndarray, placement: Placement | None) -> None:
+    def _record(self, name: str, rows: Any, seq: np.ndarray, pos: np.ndarray, placement: Placement | None,
+                index: np.ndarray | None = None) -> None:
         if name in ("logits", "log_softmax") and self.vocab and rows.shape[-1] > self.vocab:
             rows = rows[..., : self.vocab]  # a vocabulary padded past the config's
-        super()._record(name, rows, seq, pos, placement)
+        super()._record(name, rows, seq, pos, placement, index)
         if self._step_names is not None:
             self._step_names.add(name)
 
