@@ -1,7 +1,7 @@
 """What logdiff costs inside a real RL loop: TRL GRPO steps uninstrumented, captured and compared, side by side.
 
 Each workload is ``examples/trl_grpo.py`` in its own process (TRL's ``GRPOTrainer``, vLLM colocated and eager,
-three steps, a bf16 trainer), as a user runs it:
+three steps unless said, a bf16 trainer), as a user runs it:
 
 * ``TRL alone``: no logdiff (``--no-capture``);
 * ``instrumented (step not captured)``: ``instrument(..., every=10)``: the third step is one logdiff leaves
@@ -21,6 +21,15 @@ three steps, a bf16 trainer), as a user runs it:
 * ``capture + compare after the step``: ``compare="after"``: the comparison in a worker thread after the step
   (the step copies the model's weights); its own wall and CPU time per step are in the JSON (``compare_s``), and
   the steps it left uncompared because the worker's queue was full (``skipped``; ``when_full="skip"``).
+* ``capture every=10 (amortized)`` and ``capture + compare after at every=10 (amortized)``: eleven steps of
+  ``every=10`` (captured: steps 1 and 11), the figure the mean of steps 2 to 11 against TRL alone's (which runs
+  eleven steps in every round): what a run pays per step, the bundles' writing and the comparison left to the steps
+  after a capture included, measured rather than computed.
+
+Below the table, the cost **as a user plans it**: a captured step's ratio and overhead (also in ms per decoder
+layer per 1,000 tokens both sides recorded, which carries over to other models and hosts), a step's between
+captures, the amortized ratio at ``every`` = 10 and 100 computed from those two, the measured every=10 rows, each
+comparison's own CPU time with ``compare="after"``, and the host's ISA (``logdiff.isa``).
 
 Rounds alternate the workloads so that load from other processes hurts them alike. Per process: each step's
 wall time and the process's CPU time in it (every thread's: logdiff's writer thread included), from the
@@ -52,27 +61,34 @@ from run import quiet_child  # bench/run.py, beside this file
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "trl_grpo.py"
 PLAIN = "TRL alone"
 TIMED = "capture (default window; parts timed)"
-#: workload -> (the example's flags, the steps its figure averages: indices into the 3 steps)
-WORKLOADS: dict[str, tuple[list[str], tuple[int, ...]]] = {
-    PLAIN: (["--no-capture"], (1, 2)),
-    "instrumented (step not captured)": (["--every", "10", "--no-compare"], (2,)),
-    "capture (default window)": (["--no-compare"], (1, 2)),
-    "capture (every record whole)": (["--no-compare", "--window", "all"], (1, 2)),
-    "capture + compare": ([], (1, 2)),
-    "capture + compare after the step": (["--compare-after"], (1, 2)),
-    TIMED: (["--no-compare"], (1, 2)),
+AMORTIZED = "capture every=10 (amortized)"
+AMORTIZED_AFTER = "capture + compare after at every=10 (amortized)"
+#: the steps every process runs: TRL alone runs them all, so that each workload's figure has TRL alone's same steps
+STEPS = 11
+#: workload -> (the example's flags, the steps its figure averages: indices into the steps it runs, how many it runs)
+WORKLOADS: dict[str, tuple[list[str], tuple[int, ...], int]] = {
+    PLAIN: (["--no-capture"], (1, 2), STEPS),
+    "instrumented (step not captured)": (["--every", "10", "--no-compare"], (2,), 3),
+    "capture (default window)": (["--no-compare"], (1, 2), 3),
+    "capture (every record whole)": (["--no-compare", "--window", "all"], (1, 2), 3),
+    "capture + compare": ([], (1, 2), 3),
+    "capture + compare after the step": (["--compare-after"], (1, 2), 3),
+    TIMED: (["--no-compare"], (1, 2), 3),
+    # steps 2 to 11 of every=10: nine between captures (the two after step 1's capture finish its bundles) and the
+    # captured step 11: what a run pays per step, measured rather than computed
+    AMORTIZED: (["--every", "10", "--no-compare"], tuple(range(1, STEPS)), STEPS),
+    AMORTIZED_AFTER: (["--every", "10", "--compare-after"], tuple(range(1, STEPS)), STEPS),
 }
 #: workloads run with ``LOGDIFF_COSTS=1`` (their step parts timed, ``logdiff.phases.COSTS``)
 TIMED_ENV = {TIMED: {"LOGDIFF_COSTS": "1"}}
-STEPS = 3
 
 
-def run_once(model: str, flags: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_once(model: str, flags: list[str], env: dict[str, str] | None = None, steps: int = 3) -> dict[str, Any]:
     """One process: its steps' wall and CPU seconds, its peak RSS (bytes) and its bundles' bytes."""
     with tempfile.TemporaryDirectory(prefix="logdiff-bench-trl-") as tmp:
         out = Path(tmp)
         argv = [sys.executable, str(EXAMPLE), model, "--out", str(out / "runs"), "--dtype", "bfloat16", "--steps",
-                str(STEPS), "--json", str(out / "run.json"), *flags]
+                str(steps), "--json", str(out / "run.json"), *flags]
         rss = quiet_child(argv, env if env is not None else dict(os.environ))
         run = json.loads((out / "run.json").read_text())
         steps = sorted((out / "runs").glob("step-*")) if (out / "runs").is_dir() else []
@@ -118,6 +134,9 @@ def plan(rows: dict[str, dict[str, Any]], seen: dict[str, list[dict[str, Any]]])
            "ms_per_layer_per_1k_tokens": 1e3 * overhead / (layers * tokens / 1e3) if layers and tokens else None}
     for every in (10, 100):
         out[f"amortized_every_{every}"] = (captured["wall_ratio"] + (every - 1) * ratio_between) / every
+    for name, key in ((AMORTIZED, "measured_every_10"), (AMORTIZED_AFTER, "measured_every_10_compare_after")):
+        if name in rows:
+            out[key] = rows[name]["wall_ratio"]
     after = rows.get("capture + compare after the step")
     if after is not None:
         cpu = [c for r in seen["capture + compare after the step"] for c in r["compare_cpu_s"] if c is not None]
@@ -133,6 +152,9 @@ def print_plan(p: dict[str, Any]) -> None:
           f"per step by both sides), a step between captures {p['between_ratio']:.2f}x; amortized: every=10 "
           f"{p['amortized_every_10']:.3f}x, every=100 {p['amortized_every_100']:.3f}x" if per is not None else
           f"\nas a user plans it: a captured step {p['captured_ratio']:.2f}x")
+    for key, what in (("measured_every_10", "capture"), ("measured_every_10_compare_after", "capture + compare after")):
+        if key in p:
+            print(f"measured, every=10 over steps 2-11 ({what}): {p[key]:.3f}x")
     if "compare_after_ratio" in p:
         cpu = p["comparison_cpu_s"]
         print(f"with compare='after': the captured step {p['compare_after_ratio']:.2f}x; each comparison's own CPU "
@@ -217,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         seen: dict[str, list[dict[str, Any]]] = {name: [] for name in chosen}
         for _ in range(args.repeats):
             for name in chosen:
-                seen[name].append(run_once(args.model, WORKLOADS[name][0], envs[name]))
+                flags, _, steps = WORKLOADS[name]
+                seen[name].append(run_once(args.model, flags, envs[name], steps))
     rows = table(seen)
     print(f"{'workload':<40} {'steps':>5} {'wall s':>7} {'x plain':>8} {'cpu s':>7} {'x plain':>8} {'peak RSS':>9} "
           f"{'x plain':>8} {'bundles/step':>12}")

@@ -156,6 +156,35 @@ def test_small_records_sketched_together_are_each_records_own_sketches(tmp_path:
             assert np.array_equal(got[name], expected, equal_nan=True), name
 
 
+def test_the_writer_thread_runs_at_the_lowest_priority_and_the_recording_thread_keeps_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer's thread writes at nice 19 (a training step's threads get the cores first); the thread that
+    records is left as it was, and the bundle reads back as written."""
+    import os
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("a thread's own nice value is Linux's")
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen, write = [], BundleWriter._write
+
+    def spying(self: BundleWriter, *args: object) -> None:
+        seen.append(nice())
+        write(self, *args)
+
+    monkeypatch.setattr(BundleWriter, "_write", spying)
+    before = nice()
+    writer = BundleWriter(tmp_path / "b", "train", ParallelLayout(), background=True)
+    writer.begin_step(torch.arange(9), torch.arange(9))
+    writer.record("h", _values(torch.float32), REPLICATE)
+    writer.close()
+    assert seen == [19] and nice() == before
+    assert Bundle(tmp_path / "b").ranks[0].load(0, ["h"])["h"].shape == (9, 40)
+
+
 def test_a_failing_writer_thread_is_one_error_and_the_bundle_lists_only_written_steps(tmp_path: Path) -> None:
     import time
 

@@ -15,7 +15,10 @@ splits a record in two:
   (numpy's blocked sketch: no copy);
 * **in the writer's thread** (``background=True``): the device-to-host copies,
   the host sketches, bfloat16's bit view, the step's safetensors file and the
-  manifest. Steps are queued in order and written in order.
+  manifest. Steps are queued in order and written in order. The thread runs at
+  the lowest CPU priority (``phases.lower_priority``): where the training fills
+  every core, the steps after a capture lend it what they leave, and the step
+  that recorded does not wait for it.
 
 Memory stays bounded on two counts: at most ``pending`` steps wait, and the host
 copies of the steps recorded but not written stay within ``hold_bytes`` (by
@@ -67,7 +70,8 @@ FORMAT = "logdiff-capture"
 VERSION = 1
 ROLES = ("train", "infer")
 RESERVED = ("tokens", "positions", "sequences", "valid")
-#: steps recorded but not yet written that a background writer holds before ``end_step`` waits
+#: steps recorded but not yet written that a background writer holds before ``end_step`` waits: a rollout engine
+#: records one per decode step, a few rows each (memory is bounded by ``hold_bytes`` all the same)
 PENDING = 16
 #: the share of the process's peak resident memory at its start a background writer may hold in host copies
 HOLD_SHARE = 0.1
