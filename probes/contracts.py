@@ -121,10 +121,14 @@ def fingerprint(tensor: Any) -> str:
     return xxhash.xxh3_128_hexdigest(memoryview(raw.numpy()))  # the bytes in place, not a copy
 
 
-def same_hash(a: str, b: str) -> bool:
+def same_hash(a: Any, b: Any) -> bool:
     """Whether two fingerprints (or prints made of them: ``q:...;s:...``, ``mixed:a/b``) were made by the same hash,
     read from their last run of hex digits: a bundle written before XXH3 holds blake2b's 16 digits, and its
-    weights are then unverified against today's, never called different."""
+    weights are then unverified against today's, never called different. What is no string (a damaged bundle's)
+    is no fingerprint: unverified too."""
+    if not (isinstance(a, str) and isinstance(b, str)):
+        return False
+
     def digits(fingerprint: str) -> int:
         return len(fingerprint) - len(fingerprint.rstrip("0123456789abcdef"))
 

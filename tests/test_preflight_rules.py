@@ -48,6 +48,8 @@ def test_a_fingerprint_of_another_hash_is_unverified_never_different() -> None:
     w = compare_fingerprints({"old.weight": "0123456789abcdef", "new.weight": one},
                              {"old.weight": one, "new.weight": other})
     assert w["unverified"] == ["old.weight"] and w["differs"] == ["new.weight"]
+    damaged = compare_fingerprints({"a.weight": one, "b.weight": one}, {"a.weight": [one], "b.weight": 7})
+    assert damaged["unverified"] == ["a.weight", "b.weight"] and damaged["differs"] == []
 
 
 def _contracts(unverified: list[str]) -> dict:
