@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 
+from logdiff.probes.replay import row_index
 from logdiff.records.bundle_writer import BundleWriter
 from logdiff.records.layout import REPLICATE, ParallelLayout, Placement, placement_of, shard
 from logdiff.records.sketch import Window, local_columns
@@ -86,7 +87,7 @@ class BundleSink:
         # a run of rows is a view (the writer copies or sketches it at once); a gather (a left-padded batch's valid
         # rows) is a copy already: the writer keeps it, no second copy
         run = isinstance(kept.rows, slice)
-        taken = rows[kept.rows] if run else rows[kept.rows.to(rows.device)]
+        taken = rows[kept.rows] if run else rows[row_index(kept.rows, rows.device)]
         self.capture._private = None if run else taken
         self.capture._record(name, taken, kept.seq, kept.pos, placement, kept.index)
         self.capture._private = None
@@ -96,15 +97,13 @@ class _KeptRows:
     """Which rows of a forward's tensors a capture keeps (its row map's valid ones) and their places in the step:
     the same for every boundary of the forward, so found once per row map (``Capture._kept_rows``)."""
 
-    def __init__(self, rmap: Any, keys: np.ndarray, order: np.ndarray):
-        import torch
-
+    def __init__(self, rmap: Any, capture: Capture):
         idx = np.nonzero(rmap.valid)[0]
         first, last = int(idx[0]), int(idx[-1])
         # a run of rows (np.nonzero: sorted, unique) as a slice, else the rows to gather
-        self.rows: slice | Any = slice(first, last + 1) if last - first == len(idx) - 1 else torch.as_tensor(idx)
+        self.rows: slice | np.ndarray = slice(first, last + 1) if last - first == len(idx) - 1 else idx
         self.seq, self.pos = rmap.seq[idx], rmap.pos[idx]
-        self.index = order[np.searchsorted(keys, row_keys(self.seq, self.pos))]  # each row's place in the step
+        self.index = capture._places(self.seq, self.pos)
 
 
 class Capture:
@@ -247,7 +246,7 @@ class Capture:
         b, k = np.nonzero(ok)
         rows = lp.float().cpu()[torch.as_tensor(b), torch.as_tensor(k)][:, None].contiguous()
         prev = cols[k] - 1  # the row whose prediction each logprob is
-        index = self._order[np.searchsorted(self._keys, row_keys(seq[b, prev], pos[b, prev]))]
+        index = self._places(seq[b, prev], pos[b, prev])
         self.writer.record(TOKEN_LOGPROBS, rows, REPLICATE, rows=index)
         return logprobs
 
@@ -312,13 +311,17 @@ class Capture:
             raise RuntimeError("a forward the capture did not announce")
         return RowMap(rows.seq.copy(), rows.pos.copy(), rows.valid.copy())
 
+    def _places(self, seq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Each row ``(seq, pos)``'s place in the step's rows (``_begin_step``'s keys)."""
+        return self._order[np.searchsorted(self._keys, row_keys(seq, pos))]
+
     def _kept_rows(self, rmap: Any) -> _KeptRows | None:
         """The rows of ``rmap`` the capture keeps, or None where it holds no valid row; found once per row map (a
         forward's boundaries share one) and step (``_begin_step`` sets the step's row keys)."""
         cached = self._rows_kept
         if cached is not None and cached[0] is rmap and cached[1] is self._keys:
             return cached[2]
-        kept = _KeptRows(rmap, self._keys, self._order) if rmap.valid.any() else None
+        kept = _KeptRows(rmap, self) if rmap.valid.any() else None
         self._rows_kept = (rmap, self._keys, kept)
         return kept
 
@@ -326,7 +329,7 @@ class Capture:
                 index: np.ndarray | None = None) -> None:
         """Record ``rows``, the step's rows ``(seq, pos)`` (``index``: their places in the step, where known)."""
         if index is None:
-            index = self._order[np.searchsorted(self._keys, row_keys(seq, pos))]  # each row's place in the step
+            index = self._places(seq, pos)
         placement = placement or self._placement(name, rows.shape[-1])
         self._placements[name] = placement
         self.writer.record(name, rows, placement, rows=index, sketch_columns=self._sketched(name, placement, rows),
