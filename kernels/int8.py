@@ -30,6 +30,8 @@ checked here; the exact function and its bound hold for it as for any implementa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 Q_MIN, Q_MAX = -128, 127
@@ -127,6 +129,7 @@ def scaled_mm(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    dot: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q_x [M, K]``, ``x_scale [M, 1]``, ``q_w [N, K]``, ``w_scale [N, 1]`` -> ``[M, N]`` in ``out_dtype``.
 
@@ -134,8 +137,9 @@ def scaled_mm(
     (checked bitwise against ``torch.ops._C``): oneDNN's s8s8 GEMM accumulates in int32 (exact) and writes
     ``float32(acc) * w_scale`` (one fp32 product) to an fp32 buffer; the epilogue then computes
     ``inter * x_scale`` in fp32, or with a bias ``fma(inter, x_scale, float32(bias))`` (the compiler fuses it:
-    one rounding, measured), and rounds to ``out_dtype`` (nearest even)."""
-    acc = int_dot(q_x, q_w).to(torch.float32)  # int32 -> fp32: one rounding once |acc| > 2**24
+    one rounding, measured), and rounds to ``out_dtype`` (nearest even). ``dot``: the integer GEMM, exact
+    (:func:`int_dot`) unless given (a host whose oneDNN GEMM saturates: ``sources/vllm/int8_host.py``)."""
+    acc = (dot or int_dot)(q_x, q_w).to(torch.float32)  # int32 -> fp32: one rounding once |acc| > 2**24
     inter = acc * w_scale.reshape(1, -1).to(torch.float32)
     a_scale = x_scale.reshape(-1, 1).to(torch.float32)
     if bias is None:

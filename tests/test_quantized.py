@@ -152,6 +152,22 @@ def test_a_stale_weight_behind_the_quantized_engine_is_named(qwen3: Path, int8_q
     assert any(c["kind"] == "quantization" for c in r["causes"])
 
 
+def _semantic_only_where_the_gemm_saturates(result: dict[str, Any]) -> None:
+    """A clean INT8 engine computes its scheme's function (no ``semantic`` cause), except on a host whose oneDNN
+    GEMM saturates int16 pair sums (``sources/vllm/int8_host.py``: no VNNI): there its quantized linears are
+    another function, each named on the inference side, outside its INT8 function's bound."""
+    from logdiff.sources.vllm.int8_host import SATURATING, int8_gemm
+
+    semantic = [c for c in result["causes"] if c["kind"] == "semantic"]
+    if int8_gemm() != SATURATING:
+        assert not semantic, semantic
+        return
+    assert semantic, result["causes"]
+    for c in semantic:
+        infer = c["conformance"]["infer"]
+        assert c["paths"] == ["vllm"] and c["op_kind"] == "linear" and infer["error"] > infer["bound"], c
+
+
 @pytest.mark.vllm
 def test_the_int8_engine_is_a_quantization_cause_with_its_share(qwen3: Path, int8_qwen3: Path) -> None:
     """A clean INT8 W8A8 engine against the bf16 trainer: one framework_difference/quantization cause naming the
@@ -165,7 +181,8 @@ def test_the_int8_engine_is_a_quantization_cause_with_its_share(qwen3: Path, int
     weights = r["contracts"]["weights"]
     assert weights["differs"] == [] and weights["unverified"] == [], weights
     assert "28 equal (no stale weight)" in weights["through_quantization"]
-    assert not any(c["kind"] in ("weights", "semantic") for c in r["causes"]), r["causes"]
+    assert not any(c["kind"] == "weights" for c in r["causes"]), r["causes"]
+    _semantic_only_where_the_gemm_saturates(r)
     (cause,) = [c for c in r["causes"] if c["kind"] == "quantization"]
     assert cause["class"] == "framework_difference" and cause["paths"] == ["vllm"]
     assert any("int8-w8a8" in e for e in cause["evidence"]) and any("lm_head" in e for e in cause["evidence"])
@@ -177,7 +194,10 @@ def test_the_int8_engine_is_a_quantization_cause_with_its_share(qwen3: Path, int
     assert len(linears) == 28, [c["boundary"] for c in linears]
     for c in linears:
         infer, train = c["conformance"]["infer"], c["conformance"]["train"]
-        assert infer["function"].startswith("int8_w8a8_linear") and infer["error"] <= infer["bound"], c
+        assert infer["function"].startswith("int8_w8a8_linear"), c
+        if c["kind"] == "semantic":  # this host's engine GEMM saturates (checked above)
+            continue
+        assert infer["error"] <= infer["bound"], c
         assert train["function"].startswith("linear(") and train["error"] <= train["bound"], c
         assert any("differ by the quantization scheme alone" in e for e in c["evidence"]), c["evidence"]
 
@@ -238,7 +258,8 @@ def test_a_moe_demo_quantizes_its_attention_and_leaves_router_and_experts(
     assert weights["differs"] == [] and weights["unverified"] == [], weights
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     assert f"{4 * layers} equal (no stale weight)" in weights["through_quantization"]
-    assert [c["kind"] for c in r["causes"] if c["kind"] in ("quantization", "weights", "semantic")] == ["quantization"]
+    assert [c["kind"] for c in r["causes"] if c["kind"] in ("quantization", "weights")] == ["quantization"]
+    _semantic_only_where_the_gemm_saturates(r)
     (cause,) = [c for c in r["causes"] if c["kind"] == "quantization"]
     assert any("int8-w8a8" in e for e in cause["evidence"]), cause
     assert cause["share"] is not None and cause["share"] > 0, cause
@@ -246,7 +267,8 @@ def test_a_moe_demo_quantizes_its_attention_and_leaves_router_and_experts(
     assert judged, r["causes"]  # the attention linears: each within its INT8 function
     for c in judged:
         infer = c["conformance"]["infer"]
-        assert infer["function"].startswith("int8_w8a8_linear") and infer["error"] <= infer["bound"], c
+        assert infer["function"].startswith("int8_w8a8_linear"), c
+        assert c["kind"] == "semantic" or infer["error"] <= infer["bound"], c
     # consistent mode against the same engine: the trainer applies its quantization, logdiff is 0 (the scan
     # above, without it, is the negative control)
     consistent = logdiff.scan(model, infer=["vllm"], infer_ckpt=quantized, consistent=True,

@@ -1,7 +1,9 @@
 """kernels/int8.py against the installed vLLM's own CPU ops, bitwise: the dynamic per-token activation
 quantization (``dynamic_scaled_int8_quant``) and the int8 GEMM with its epilogue (``onednn_scaled_mm``), as
 the compressed-tensors W8A8 int8 scheme calls them on x86 without AMX (``CPUInt8ScaledMMLinearKernel``'s
-oneDNN path). Skipped where vLLM or its AVX-512 int8 ops are absent."""
+oneDNN path). Skipped where vLLM or its int8 ops are absent, and where its GEMM is not the exact one this kernel
+models (a host without VNNI, whose oneDNN GEMM saturates int16 pair sums: ``sources/vllm/int8_host.py``; there the
+last test checks that this is what the engine computes)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from logdiff.kernels import int8 as Q
+from logdiff.sources.vllm.int8_host import EXACT, SATURATING, int8_gemm, saturating_int_dot
 
 pytestmark = pytest.mark.vllm
 
@@ -26,6 +29,14 @@ def ops():
     return ops
 
 
+@pytest.fixture(scope="module")
+def exact_ops(ops):
+    if int8_gemm() != EXACT:
+        pytest.skip(f"vLLM's oneDNN int8 GEMM on this host is {int8_gemm() or 'unknown'}, not the exact GEMM of "
+                    "kernels/int8.py (a host without VNNI: sources/vllm/int8_host.py)")
+    return ops
+
+
 def _engine(ops, x, q_w, s_w, bias):
     xq, xs, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
     handler = ops.create_onednn_scaled_mm(q_w.t(), s_w, x.dtype, True, False, 32)
@@ -35,7 +46,8 @@ def _engine(ops, x, q_w, s_w, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_kernel_is_bitwise_the_engines_quantization_gemm_and_epilogue(ops, dtype):
+def test_kernel_is_bitwise_the_engines_quantization_gemm_and_epilogue(exact_ops, dtype):
+    ops = exact_ops
     gen = torch.Generator().manual_seed(0)
     for m, k, n in SHAPES:
         x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10).to(dtype)
@@ -51,7 +63,7 @@ def test_kernel_is_bitwise_the_engines_quantization_gemm_and_epilogue(ops, dtype
             assert torch.equal(Q.int8_linear(x, q_w, s_w, bias), out)
 
 
-def test_accumulators_past_fp32s_exact_range_round_as_the_engines(ops):
+def test_accumulators_past_fp32s_exact_range_round_as_the_engines(exact_ops):
     """|acc| above 2**24 (every product near the int8 maximum, K = 4096): the int32 -> fp32 conversion rounds,
     and the kernel rounds it the same way."""
     k = 4096
@@ -59,7 +71,26 @@ def test_accumulators_past_fp32s_exact_range_round_as_the_engines(ops):
     x = (torch.rand(4, k, generator=gen) + 3).to(torch.bfloat16)
     w = torch.rand(16, k, generator=gen) + 2
     q_w, s_w = Q.quantize_weight(w)
-    xq, xs, out = _engine(ops, x, q_w, s_w, None)
+    xq, xs, out = _engine(exact_ops, x, q_w, s_w, None)
     acc = Q.int_dot(xq, q_w)
     assert float(acc.abs().min()) > 2**24 and not torch.equal(acc.float().double(), acc)  # fp32 rounds them
     assert torch.equal(Q.int8_linear(x, q_w, s_w), out)
+
+
+def test_the_hosts_gemm_is_named_and_a_saturating_one_is_another_function(ops):
+    """``int8_host.int8_gemm`` names what the engine's GEMM computes here. Where it saturates, rows of large
+    same-sign products (every pair past int16) give the saturating GEMM's values, far from the scheme's exact
+    ones; where it is exact, the same rows are the exact kernel's bit for bit (the control)."""
+    gemm = int8_gemm()
+    assert gemm in (EXACT, SATURATING)
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.rand(4, 256, generator=gen) + 3).to(torch.float32)
+    q_w, s_w = Q.quantize_weight(torch.rand(16, 256, generator=gen) + 2)
+    xq, xs, out = _engine(ops, x, q_w, s_w, None)
+    exact = Q.scaled_mm(xq, xs, q_w, s_w, None, torch.float32)
+    if gemm == EXACT:
+        assert torch.equal(exact, out)
+        return
+    model = Q.scaled_mm(xq, xs, q_w, s_w, None, torch.float32, dot=saturating_int_dot)
+    assert bool(((out - model).abs() <= 2**-6 * model.abs()).all()), (out, model)  # up to its epilogue's roundings
+    assert bool((out.abs() < exact.abs() / 2).all()), (out, exact)

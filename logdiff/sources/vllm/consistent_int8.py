@@ -9,11 +9,15 @@ with ``kernels.int8_linear`` on the layer's int8 weight and per-channel scales: 
 
 **The weight.** vLLM drops the int8 weight after loading: the oneDNN path hands it to a prepacked handler
 (``layer.weight`` becomes None), the sgl path re-lays it out for VNNI. It is recovered through the layer's
-own ``apply``: identity rows ``e_k`` (one token per input channel) quantize to ``127 e_k`` with the scale
-``1/127``, so row ``k`` of the output is ``q_w[:, k] * s_w`` up to the epilogue's roundings (fp32 ones when
-the rows go in as fp32: far under a step), and ``round(out / s_w)`` is ``q_w`` exactly. The scales are the
-layer's ``weight_scale``. The recovery is checked: every recovered value must lie within a quarter step
-of the layer's output, else the layer is refused.
+own ``apply``: negated identity rows ``-e_k`` (one token per input channel) quantize to ``-127 e_k`` with the
+scale ``1/127``, so row ``k`` of the output is ``-q_w[:, k] * s_w`` up to the epilogue's roundings (fp32 ones
+when the rows go in as fp32: far under a step), and ``round(-out / s_w)`` is ``q_w`` exactly. The scales are
+the layer's ``weight_scale``. The rows are negated because a host without VNNI (AVX2) runs oneDNN's s8s8
+GEMM as ``u8 x s8`` on the activations plus 128, summing each pair of products in int16 with saturation
+(``int8_host.py``): ``+127`` becomes 255 and its pair can saturate, ``-127`` becomes 1 and no pair of a
+one-hot row can (``1 * 127 + 128 * 127 < 2**15``), so the recovery reads the weights on every x86 host. The
+recovery is checked: every recovered value must lie within a quarter step of the layer's output, else the
+layer is refused.
 
 Covered: the channel-wise weight strategy with dynamic, symmetric per-token activations (the scheme
 ``logdiff quantize --scheme int8-w8a8`` writes, llm-compressor's W8A8 preset). Refused, naming the layer:
@@ -69,7 +73,8 @@ def recover_int8_weight(module: Any, dtype: Any) -> tuple[Any, Any]:
 
 
 def _identity_outputs(module: Any, dtype: Any, device: Any) -> Any:
-    """``[N, K]``: the layer's output for each one-hot input row (``q_w * s_w`` up to the epilogue's rounding)."""
+    """``[N, K]``: the layer's output for each negated one-hot input row, negated (``q_w * s_w`` up to the
+    epilogue's rounding)."""
     import torch
 
     k = int(module.input_size_per_partition)
@@ -78,8 +83,8 @@ def _identity_outputs(module: Any, dtype: Any, device: Any) -> Any:
         for start in range(0, k, RECOVERY_ROWS):
             n_rows = min(RECOVERY_ROWS, k - start)
             eye = torch.zeros(n_rows, k, dtype=dtype, device=device)
-            eye[torch.arange(n_rows), torch.arange(start, start + n_rows)] = 1
-            rows.append(module.quant_method.apply(module, eye, None).to(torch.float32))
+            eye[torch.arange(n_rows), torch.arange(start, start + n_rows)] = -1  # -127 after quantization
+            rows.append(-module.quant_method.apply(module, eye, None).to(torch.float32))
     return torch.cat(rows).t()
 
 
