@@ -29,7 +29,9 @@ three steps unless said, a bf16 trainer), as a user runs it:
 Below the table, the cost **as a user plans it**: a captured step's ratio and overhead (also in ms per decoder
 layer per 1,000 tokens both sides recorded, which carries over to other models and hosts), a step's between
 captures, the amortized ratio at ``every`` = 10 and 100 computed from those two, the measured every=10 rows, each
-comparison's own CPU time with ``compare="after"``, and the host's ISA (``logdiff.isa``).
+comparison's own CPU time with ``compare="after"``, and the host's ISA (``logdiff.isa``). And per workload, TRL's
+own parts of its steps (the rollout's ``generate``, the weight sync, the trainer's log-prob passes, the loss, the
+rest; the example's ``StepClock``): where a capture's cost lands, and which part a step between captures pays in.
 
 Rounds alternate the workloads so that load from other processes hurts them alike. Per process: each step's
 wall time and the process's CPU time in it (every thread's: logdiff's writer thread included), from the
@@ -97,6 +99,7 @@ def run_once(model: str, flags: list[str], env: dict[str, str] | None = None, st
         compared = list((run.get("logdiff") or {}).values())
         rows, layers = _rows_and_layers(steps)
         return {"wall": run["step_wall_s"], "cpu": run["step_cpu_s"], "rss": rss, "costs": run.get("step_costs"),
+                "phases": run.get("step_phases"),
                 "compare_s": [c.get("compare_s") for c in compared],
                 "compare_cpu_s": [c.get("compare_cpu_s") for c in compared],
                 "skipped": run.get("logdiff_skipped", []),
@@ -203,6 +206,40 @@ def breakdown(runs: list[dict[str, Any]], steps: tuple[int, ...]) -> dict[str, d
     return out
 
 
+def trl_parts(seen: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """TRL's own parts of a step (the example's ``PHASES``: the rollout, the weight sync, the trainer's log-prob
+    passes, the rest of the loss; ``other``: the rest of the step), in wall seconds per step: TRL alone's over its
+    figure's steps, and for each other workload what it adds to each part over TRL alone's same steps of the same
+    round (median over rounds): where a capture's cost lands, and which part a step between captures pays in."""
+    if not all(r.get("phases") for runs in seen.values() for r in runs):
+        return {}
+
+    def mean(r: dict[str, Any], part: str, steps: tuple[int, ...]) -> float:
+        if part == "other":
+            return statistics.fmean(r["wall"][k] - sum(r["phases"][k].values()) for k in steps)
+        return statistics.fmean(r["phases"][k].get(part, 0.0) for k in steps)
+
+    parts = sorted({p for runs in seen.values() for r in runs for step in r["phases"] for p in step}) + ["other"]
+    plain_steps = WORKLOADS[PLAIN][1]
+    out = {PLAIN: {p: statistics.median(mean(r, p, plain_steps) for r in seen[PLAIN]) for p in parts}}
+    for name, runs in seen.items():
+        if name != PLAIN:
+            steps = WORKLOADS[name][1]
+            out[name] = {p: statistics.median(mean(r, p, steps) - mean(b, p, steps) for r, b in zip(runs, seen[PLAIN]))
+                         for p in parts}
+    return out
+
+
+def print_trl_parts(parts: dict[str, dict[str, float]]) -> None:
+    names = list(parts[PLAIN])
+    print("\nTRL's parts of a step, wall s (logps: both log-prob passes, loss: the rest of compute_loss, other: the "
+          "rest of the step): TRL alone's, then what each workload adds to each, over its steps (median over rounds)")
+    print(f"{'workload':<48}" + "".join(f"{n:>9}" for n in names))
+    for workload, row in parts.items():
+        sign = "" if workload == PLAIN else "+"
+        print(f"{workload:<48}" + "".join(f"{row[n]:>{sign and '+'}9.3f}" for n in names))
+
+
 def print_breakdown(parts: dict[str, dict[str, float]], rows: dict[str, dict[str, Any]]) -> None:
     plain, timed = rows[PLAIN], rows[TIMED]
     print(f"\nwhere a captured step's time goes ({TIMED}; per captured step, median over rounds): the step "
@@ -251,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     parts = breakdown(seen[TIMED], WORKLOADS[TIMED][1]) if TIMED in seen else None
     if parts:
         print_breakdown(parts, rows)
+    phases = trl_parts(seen)
+    if phases:
+        print_trl_parts(phases)
     planned = plan(rows, seen)
     if planned:
         print_plan(planned)
@@ -259,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"host ISA: {host_isa()}")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "repeats": args.repeats, "isa": host_isa(),
-                                         "table": rows, "breakdown": parts, "plan": planned, "runs": seen},
+                                         "table": rows, "breakdown": parts, "trl_parts": phases, "plan": planned,
+                                         "runs": seen},
                                         indent=1))
     return 0
 

@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                               "after" if args.compare_after else True,
                                                               diagnosis=args.diagnosis)
     clock = StepClock()
+    clock.time_phases(trainer)
     trainer.add_callback(clock)
     if args.sampling_per_step:
         trainer.add_callback(SamplingPerStep(trainer, json.loads(args.sampling_per_step)))
@@ -117,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check = verify_sync(trainer, args) if args.verify_sync else None
     history = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in trainer.state.log_history]
     return {"log_history": history, "step_cpu_s": clock.cpu, "step_wall_s": clock.wall, "step_costs": clock.costs,
+            "step_phases": clock.phases,
             "logdiff": {} if run is None else {str(k): v for k, v in run.results.items()}, "sync_check": check,
             "logdiff_skipped": [] if run is None else run.skipped}  # compare="after": steps a full queue left
 
@@ -199,16 +201,54 @@ class SamplingPerStep:
         raise AttributeError(name)
 
 
+#: TRL's parts of a step the clock times in every run (``StepClock.time_phases``; apart: a part called inside
+#: another counts in its own only): the rollout, the weight sync, the trainer's log-prob passes (the no-grad "old"
+#: one and the loss's), and the rest of the loss
+PHASES = {"generate": ("vllm_generation", "generate"), "sync": ("vllm_generation", "sync_weights"),
+          "logps": (None, "_get_per_token_logps_and_entropies"), "loss": (None, "compute_loss")}
+
+
 class StepClock:
-    """Each optimizer step's wall time and the process's CPU time (every thread's, logdiff's writer included), and,
-    with ``LOGDIFF_COSTS=1`` in the environment, logdiff's parts of it (``logdiff.phases.COSTS``: per part the
-    calls, wall seconds and the CPU seconds of the thread that ran it)."""
+    """Each optimizer step's wall time and the process's CPU time (every thread's, logdiff's writer included),
+    the wall seconds of TRL's own parts of it (``PHASES``: which part a capture's cost lands in, and what a step
+    between captures pays), and, with ``LOGDIFF_COSTS=1`` in the environment, logdiff's parts of it
+    (``logdiff.phases.COSTS``: per part the calls, wall seconds and the CPU seconds of the thread that ran it)."""
 
     def __init__(self) -> None:
         self.cpu: list[float] = []
         self.wall: list[float] = []
         self.costs: list[dict[str, dict[str, float]]] = []
+        self.phases: list[dict[str, float]] = []  # per step: TRL part -> wall seconds
+        self._phases: dict[str, float] = {}
         self._start: tuple[float, float, dict[str, list[float]]] = (0.0, 0.0, {})
+
+    def time_phases(self, trainer: Any) -> None:
+        """Wrap ``PHASES`` on ``trainer`` (after ``instrument``, so a captured part's time includes its capture)."""
+        import functools
+        import time
+
+        inside: list[float] = []  # per running part: the seconds of the parts inside it (counted there, not here)
+
+        def timed(name: str, fn: Any) -> Any:
+            @functools.wraps(fn)
+            def run(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                inside.append(0.0)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    elapsed = time.perf_counter() - start
+                    own = elapsed - inside.pop()
+                    if inside:
+                        inside[-1] += elapsed
+                    self._phases[name] = self._phases.get(name, 0.0) + own
+
+            return run
+
+        for name, (owner, method) in PHASES.items():
+            obj = getattr(trainer, owner, None) if owner else trainer
+            if callable(getattr(obj, method, None)):
+                setattr(obj, method, timed(name, getattr(obj, method)))
 
     def on_step_begin(self, *_: Any, **__: Any) -> None:
         import time
@@ -216,6 +256,7 @@ class StepClock:
         from logdiff.phases import costs_copy
 
         self._start = (time.process_time(), time.perf_counter(), costs_copy())
+        self._phases = {}
 
     def on_step_end(self, *_: Any, **__: Any) -> None:
         import time
@@ -225,6 +266,7 @@ class StepClock:
         self.cpu.append(time.process_time() - self._start[0])
         self.wall.append(time.perf_counter() - self._start[1])
         self.costs.append(costs_since(self._start[2]))
+        self.phases.append(self._phases)
 
     def __getattr__(self, name: str) -> Any:  # TRL's other callback events: nothing to do
         if name.startswith("on_"):
