@@ -236,8 +236,8 @@ def print_trl_parts(parts: dict[str, dict[str, float]]) -> None:
           "rest of the step): TRL alone's, then what each workload adds to each, over its steps (median over rounds)")
     print(f"{'workload':<48}" + "".join(f"{n:>9}" for n in names))
     for workload, row in parts.items():
-        sign = "" if workload == PLAIN else "+"
-        print(f"{workload:<48}" + "".join(f"{row[n]:>{sign and '+'}9.3f}" for n in names))
+        spec = "9.3f" if workload == PLAIN else "+9.3f"  # TRL alone's seconds, then what a workload adds
+        print(f"{workload:<48}" + "".join(format(row[n], spec) for n in names))
 
 
 def print_breakdown(parts: dict[str, dict[str, float]], rows: dict[str, dict[str, Any]]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from logdiff.kernels import int8 as Q
-from logdiff.sources.vllm.int8_host import EXACT, SATURATING, int8_gemm, saturating_int_dot
+from logdiff.sources.vllm.int8_host import EXACT, SATURATING, int8_gemm, onednn_linear, saturating_int_dot
 
 pytestmark = pytest.mark.vllm
 
@@ -37,17 +37,9 @@ def exact_ops(ops):
     return ops
 
 
-def _engine(ops, x, q_w, s_w, bias):
-    xq, xs, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
-    handler = ops.create_onednn_scaled_mm(q_w.t(), s_w, x.dtype, True, False, 32)
-    out = torch.empty(x.shape[0], q_w.shape[0], dtype=x.dtype)
-    ops.onednn_scaled_mm(handler, xq, out, xs, None, None, bias)
-    return xq, xs, out
-
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_kernel_is_bitwise_the_engines_quantization_gemm_and_epilogue(exact_ops, dtype):
-    ops = exact_ops
     gen = torch.Generator().manual_seed(0)
     for m, k, n in SHAPES:
         x = (torch.randn(m, k, generator=gen) * torch.rand(m, 1, generator=gen) * 10).to(dtype)
@@ -56,7 +48,7 @@ def test_kernel_is_bitwise_the_engines_quantization_gemm_and_epilogue(exact_ops,
             x[1] = 0  # a zero row: scale 0
         q_w, s_w = Q.quantize_weight(torch.randn(n, k, generator=gen) / 50)
         for bias in (None, torch.randn(n, generator=gen).to(dtype)):
-            xq, xs, out = _engine(ops, x, q_w, s_w, bias)
+            xq, xs, out = onednn_linear(x, q_w, s_w, bias)
             q, s = Q.quantize_activation(x)
             assert torch.equal(s, xs) and torch.equal(q, xq), (m, k, n)
             assert torch.equal(Q.scaled_mm(q, s, q_w, s_w, bias, dtype), out), (m, k, n, bias is not None)
@@ -71,7 +63,7 @@ def test_accumulators_past_fp32s_exact_range_round_as_the_engines(exact_ops):
     x = (torch.rand(4, k, generator=gen) + 3).to(torch.bfloat16)
     w = torch.rand(16, k, generator=gen) + 2
     q_w, s_w = Q.quantize_weight(w)
-    xq, xs, out = _engine(exact_ops, x, q_w, s_w, None)
+    xq, xs, out = onednn_linear(x, q_w, s_w)
     acc = Q.int_dot(xq, q_w)
     assert float(acc.abs().min()) > 2**24 and not torch.equal(acc.float().double(), acc)  # fp32 rounds them
     assert torch.equal(Q.int8_linear(x, q_w, s_w), out)
@@ -86,7 +78,7 @@ def test_the_hosts_gemm_is_named_and_a_saturating_one_is_another_function(ops):
     gen = torch.Generator().manual_seed(1)
     x = (torch.rand(4, 256, generator=gen) + 3).to(torch.float32)
     q_w, s_w = Q.quantize_weight(torch.rand(16, 256, generator=gen) + 2)
-    xq, xs, out = _engine(ops, x, q_w, s_w, None)
+    xq, xs, out = onednn_linear(x, q_w, s_w)
     exact = Q.scaled_mm(xq, xs, q_w, s_w, None, torch.float32)
     if gemm == EXACT:
         assert torch.equal(exact, out)

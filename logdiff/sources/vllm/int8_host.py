@@ -38,6 +38,20 @@ def saturating_int_dot(q_x: Any, q_w: Any) -> Any:
     return (acc - 128 * w.sum(-1)[None, :]).to(torch.float64)
 
 
+def onednn_linear(x: Any, q_w: Any, s_w: Any, bias: Any = None) -> tuple[Any, Any, Any]:
+    """vLLM-CPU's own INT8 W8A8 linear on ``x [M, K]`` (``onednn_scaled_int8_quant``, then ``onednn_scaled_mm`` on
+    the int8 weight ``q_w [N, K]`` with its per-channel scales): ``(q_x, x_scale, out)``. Raises where the ops are
+    absent."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    xq, xs, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+    handler = ops.create_onednn_scaled_mm(q_w.t(), s_w, x.dtype, True, False, 32)
+    out = torch.empty(x.shape[0], q_w.shape[0], dtype=x.dtype)
+    ops.onednn_scaled_mm(handler, xq, out, xs, None, None, bias)
+    return xq, xs, out
+
+
 @functools.cache
 def int8_gemm() -> str | None:
     """``EXACT`` or ``SATURATING``: what vLLM's oneDNN INT8 GEMM computes here (asked once per process); None
@@ -47,15 +61,9 @@ def int8_gemm() -> str | None:
 
     from logdiff.kernels import int8 as Q
 
-    try:
-        from vllm import _custom_ops as ops
-
-        x = torch.ones(1, 64)  # every activation 127 (u8 255), every weight 127: each pair sums to 64,770
-        q_w, s_w = Q.quantize_weight(torch.ones(4, 64))
-        xq, xs, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
-        handler = ops.create_onednn_scaled_mm(q_w.t(), s_w, x.dtype, True, False, 32)
-        out = torch.empty(1, 4)
-        ops.onednn_scaled_mm(handler, xq, out, xs, None, None, None)
+    q_w, s_w = Q.quantize_weight(torch.ones(4, 64))
+    try:  # every activation 127 (u8 255), every weight 127: each pair sums to 64,770
+        xq, xs, out = onednn_linear(torch.ones(1, 64), q_w, s_w)
     except (ImportError, RuntimeError, AttributeError, TypeError):
         return None
     if torch.equal(out, Q.scaled_mm(xq, xs, q_w, s_w, None, torch.float32)):
